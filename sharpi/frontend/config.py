@@ -1,0 +1,66 @@
+"""Model configuration from GGUF metadata."""
+from __future__ import annotations
+
+from ..common.config import ModelConfig
+from ..common.errors import GGUFError, UnsupportedArchitectureError
+from .gguf_file import GGUFFile
+
+# Architectures with a frontend module, and the RoPE layout each uses.
+LLAMA_FAMILY = {"llama": "norm"}
+
+
+def config_from_gguf(gguf: GGUFFile) -> ModelConfig:
+    arch = gguf.architecture
+    if arch not in LLAMA_FAMILY:
+        known = ", ".join(sorted(LLAMA_FAMILY))
+        raise UnsupportedArchitectureError(f"Architecture {arch!r} is not supported by sharpi (supported: {known}).")
+
+    def get(key, default=None):
+        full = f"{arch}.{key}"
+        if full in gguf.metadata:
+            return gguf.metadata[full]
+        if default is None:
+            raise GGUFError(f"{gguf.path.name} lacks the metadata field {full}.")
+        return default
+
+    n_heads = int(get("attention.head_count"))
+    dim = int(get("embedding_length"))
+    n_kv = int(get("attention.head_count_kv", n_heads))
+    head_dim = int(get("attention.key_length", dim // max(n_heads, 1)))
+    embd = gguf.tensor("token_embd.weight")
+    vocab = int(gguf.metadata.get(f"{arch}.vocab_size", embd.shape[0]))
+    cfg = ModelConfig(
+        arch=arch, n_layers=int(get("block_count")), n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim,
+        dim=dim, ffn_dim=int(get("feed_forward_length")), vocab_size=vocab,
+        context_length=int(get("context_length")), rope_theta=float(get("rope.freq_base", 10000.0)),
+        rms_eps=float(get("attention.layer_norm_rms_epsilon")), rope_layout=LLAMA_FAMILY[arch],
+        tied_embeddings="output.weight" not in gguf.tensors)
+    _validate(cfg, gguf)
+    return cfg
+
+
+def _validate(cfg: ModelConfig, gguf: GGUFFile) -> None:
+    name = gguf.path.name
+    if min(cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.dim, cfg.vocab_size, cfg.context_length) <= 0:
+        raise GGUFError(f"{name} has a non-positive size in its model metadata.")
+    if cfg.n_heads % cfg.n_kv_heads:
+        raise GGUFError(f"{name}: head_count {cfg.n_heads} is not a multiple of head_count_kv {cfg.n_kv_heads}.")
+    if cfg.head_dim % 2:
+        raise GGUFError(f"{name}: head dimension {cfg.head_dim} is odd, so RoPE cannot pair it.")
+    if not (cfg.rms_eps > 0 and cfg.rope_theta > 0):
+        raise GGUFError(f"{name}: rms epsilon and rope base must be positive finite numbers.")
+    expected = {"token_embd.weight": (cfg.vocab_size, cfg.dim)}
+    for l in range(cfg.n_layers):
+        p = f"blk.{l}."
+        expected.update({p + "attn_q.weight": (cfg.q_dim, cfg.dim), p + "attn_k.weight": (cfg.kv_dim, cfg.dim),
+                         p + "attn_v.weight": (cfg.kv_dim, cfg.dim), p + "attn_output.weight": (cfg.dim, cfg.q_dim),
+                         p + "ffn_gate.weight": (cfg.ffn_dim, cfg.dim), p + "ffn_up.weight": (cfg.ffn_dim, cfg.dim),
+                         p + "ffn_down.weight": (cfg.dim, cfg.ffn_dim), p + "attn_norm.weight": (cfg.dim,),
+                         p + "ffn_norm.weight": (cfg.dim,)})
+    expected["output_norm.weight"] = (cfg.dim,)
+    if not cfg.tied_embeddings:
+        expected["output.weight"] = (cfg.vocab_size, cfg.dim)
+    for tname, shape in expected.items():
+        t = gguf.tensor(tname)
+        if tuple(t.shape) != shape:
+            raise GGUFError(f"{name}: tensor {tname} has shape {list(t.shape)}, expected {list(shape)}.")
