@@ -1,0 +1,31 @@
+"""sharpi: compile GGUF language models with TVM and run them from Python.
+
+`import sharpi` stays light: the compiler (and tvm.relax) loads only when `sharpi.compile` is called.
+"""
+from .common.errors import (ArtifactError, CompileError, ConfigError, ContextLengthError, FetchError, GGUFError,
+                            KeepSetError, ModelNotFoundError, SharpiError, TokenizerError,
+                            UnsupportedArchitectureError, UnsupportedTensorTypeError)
+from .common.version import __version__
+
+
+def compile(model, target: str = "llvm", output=None, **options):
+    """Compile a GGUF file or known model name for a target; returns the artifact directory."""
+    from .compiler import compile as _compile
+    return _compile(model, target=target, output=output, **options)
+
+
+def load(directory, **options):
+    """Load a compiled artifact directory."""
+    from .runtime.model import Model
+    return Model(directory, **options)
+
+
+def fetch(name: str, show_progress: bool = True):
+    """Download and verify a known model; returns the path of its GGUF."""
+    from .frontend.fetch import fetch as _fetch
+    return _fetch(name, show_progress=show_progress)
+
+
+__all__ = ["compile", "load", "fetch", "SharpiError", "ArtifactError", "CompileError", "ConfigError",
+           "ContextLengthError", "FetchError", "GGUFError", "KeepSetError", "ModelNotFoundError", "TokenizerError",
+           "UnsupportedArchitectureError", "UnsupportedTensorTypeError", "__version__"]

@@ -1,0 +1,166 @@
+"""Matmuls against weights in sharpi's layouts (sharpi.common.quant_layout), dequantizing on the fly,
+and the embedding lookup on the same layouts. CPU kernels: parallel over output rows, vectorized over K.
+
+y[t, j] = sum_k x[t, k] * W[j, k]. Tokens are processed in tiles of TILE so a block of 32 weights is
+dequantized once per tile and reused across its tokens; decode (one token) gets a tile of 1.
+"""
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from ...common.quant_layout import BLOCK, LAYOUTS, QUANTIZED
+
+TILE = 8
+LANES = 8
+
+
+def dequant(qtype: str, qs, s, row, b, e):
+    """TIR expression of weight (row, b*32 + e) in `qtype`'s layout (for quantized types)."""
+    if qtype == "q8_0":
+        return T.Cast("float32", qs[row, b * BLOCK + e]) * s[row, b, 0]
+    nib = T.Cast("float32", (qs[row, b * 4 + e // 8] >> T.Cast("uint32", (e % 8) * 4)) & T.uint32(15))
+    if qtype == "q4_0":
+        return (nib - T.float32(8)) * s[row, b, 0]
+    if qtype == "q4_1":
+        return nib * s[row, b, 0] + s[row, b, 1]
+    if qtype == "q5_0":
+        hi = T.Cast("float32", (T.reinterpret("uint32", s[row, b, 1]) >> T.Cast("uint32", e)) & T.uint32(1))
+        return (nib + hi * T.float32(16) - T.float32(16)) * s[row, b, 0]
+    raise AssertionError(qtype)
+
+
+def dense_value(qtype: str, w, row, k):
+    if qtype == "f32":
+        return w[row, k]
+    if qtype == "f16":
+        return T.Cast("float32", w[row, k])
+    if qtype == "bf16":
+        return T.reinterpret("float32", T.shift_left(T.Cast("uint32", w[row, k]), T.uint32(16)))
+    raise AssertionError(qtype)
+
+
+def token_count(tokens: int | None):
+    """The token dimension of a kernel: a symbolic int64 var, or a constant for specialized (decode) kernels."""
+    return tirx.Var("n", "int64") if tokens is None else tokens
+
+
+def _part_dtypes(qtype: str):
+    return {name: dtype for name, dtype, _ in LAYOUTS[qtype]}
+
+
+def make_matmul(qtype: str, n_out: int, k_in: int, tokens: int | None = None):
+    """PrimFunc (x [n, K] f32, *weight parts, y [n, N] f32); n symbolic unless `tokens` is given."""
+    if qtype in QUANTIZED:
+        return _quant_matmul(qtype, n_out, k_in, tokens)
+    return _dense_matmul(qtype, n_out, k_in, tokens)
+
+
+def _quant_matmul(qtype, N, K, tokens):
+    NB = K // BLOCK
+    dt = _part_dtypes(qtype)
+    qs_shape = LAYOUTS[qtype][0][2](N, K)
+    S = LAYOUTS[qtype][1][2](N, K)[2]
+    qs_dtype = dt["qs"]
+    TT = 1 if tokens == 1 else TILE
+    n = token_count(tokens)
+
+    @T.prim_func
+    def quant_matmul(var_x: T.handle, qs: T.Buffer(qs_shape, qs_dtype), s: T.Buffer((N, NB, S), "float32"),
+                     var_y: T.handle):
+        T.func_attr({"tirx.noalias": True, "op_pattern": 8})
+        x = T.match_buffer(var_x, (n, K), "float32")
+        y = T.match_buffer(var_y, (n, N), "float32")
+        for tt in range((n + TT - 1) // TT):
+            for j in T.parallel(N):
+                acc = T.decl_buffer((TT, LANES), "float32", scope="local")
+                wv = T.decl_buffer((BLOCK,), "float32", scope="local")
+                for t in T.unroll(TT):
+                    for l in T.vectorized(LANES):
+                        acc[t, l] = T.float32(0)
+                for b in range(NB):
+                    for c in T.unroll(BLOCK // LANES):
+                        for l in T.vectorized(LANES):
+                            wv[c * LANES + l] = dequant(qtype, qs, s, j, b, c * LANES + l)
+                    for t in T.unroll(TT):
+                        if tt * TT + t < n:
+                            for c in T.unroll(BLOCK // LANES):
+                                for l in T.vectorized(LANES):
+                                    acc[t, l] = acc[t, l] + wv[c * LANES + l] * x[tt * TT + t, b * BLOCK + c * LANES + l]
+                for t in T.unroll(TT):
+                    if tt * TT + t < n:
+                        y[tt * TT + t, j] = (acc[t, 0] + acc[t, 1] + acc[t, 2] + acc[t, 3]
+                                             + acc[t, 4] + acc[t, 5] + acc[t, 6] + acc[t, 7])
+
+    return quant_matmul
+
+
+def _dense_matmul(qtype, N, K, tokens):
+    wdt = _part_dtypes(qtype)["w"]
+    TT = 1 if tokens == 1 else TILE
+    KV = K // LANES
+    KR = K - KV * LANES
+    n = token_count(tokens)
+
+    @T.prim_func
+    def dense_matmul(var_x: T.handle, w: T.Buffer((N, K), wdt), var_y: T.handle):
+        T.func_attr({"tirx.noalias": True, "op_pattern": 8})
+        x = T.match_buffer(var_x, (n, K), "float32")
+        y = T.match_buffer(var_y, (n, N), "float32")
+        for tt in range((n + TT - 1) // TT):
+            for j in T.parallel(N):
+                acc = T.decl_buffer((TT, LANES), "float32", scope="local")
+                tail = T.decl_buffer((TT,), "float32", scope="local")
+                for t in T.unroll(TT):
+                    tail[t] = T.float32(0)
+                    for l in T.vectorized(LANES):
+                        acc[t, l] = T.float32(0)
+                for c in range(KV):
+                    for t in T.unroll(TT):
+                        if tt * TT + t < n:
+                            for l in T.vectorized(LANES):
+                                acc[t, l] = acc[t, l] + dense_value(qtype, w, j, c * LANES + l) * x[tt * TT + t, c * LANES + l]
+                for t in T.unroll(TT):
+                    if tt * TT + t < n:
+                        for r in range(KR):
+                            tail[t] = tail[t] + dense_value(qtype, w, j, KV * LANES + r) * x[tt * TT + t, KV * LANES + r]
+                        y[tt * TT + t, j] = (acc[t, 0] + acc[t, 1] + acc[t, 2] + acc[t, 3]
+                                             + acc[t, 4] + acc[t, 5] + acc[t, 6] + acc[t, 7] + tail[t])
+
+    return dense_matmul
+
+
+def make_embedding(qtype: str, vocab: int, dim: int):
+    """PrimFunc (ids [n] int32, *weight parts, y [n, dim] f32): rows of the dequantized table."""
+    if qtype in QUANTIZED:
+        NB = dim // BLOCK
+        qs_shape = LAYOUTS[qtype][0][2](vocab, dim)
+        S = LAYOUTS[qtype][1][2](vocab, dim)[2]
+        qs_dtype = _part_dtypes(qtype)["qs"]
+        n = token_count(None)
+
+        @T.prim_func
+        def quant_embedding(var_ids: T.handle, qs: T.Buffer(qs_shape, qs_dtype),
+                            s: T.Buffer((vocab, NB, S), "float32"), var_y: T.handle):
+            T.func_attr({"tirx.noalias": True, "op_pattern": 8})
+            ids = T.match_buffer(var_ids, (n,), "int32")
+            y = T.match_buffer(var_y, (n, dim), "float32")
+            for t in T.parallel(n):
+                for b in range(NB):
+                    for e in T.vectorized(BLOCK):
+                        y[t, b * BLOCK + e] = dequant(qtype, qs, s, ids[t], b, e)
+
+        return quant_embedding
+    wdt = _part_dtypes(qtype)["w"]
+    n = token_count(None)
+
+    @T.prim_func
+    def dense_embedding(var_ids: T.handle, w: T.Buffer((vocab, dim), wdt), var_y: T.handle):
+        T.func_attr({"tirx.noalias": True, "op_pattern": 8})
+        ids = T.match_buffer(var_ids, (n,), "int32")
+        y = T.match_buffer(var_y, (n, dim), "float32")
+        for t in T.parallel(n):
+            for k in range(dim):
+                y[t, k] = dense_value(qtype, w, ids[t], k)
+
+    return dense_embedding

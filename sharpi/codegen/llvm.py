@@ -1,0 +1,60 @@
+"""The LLVM-CPU pipeline: attach sharpi's kernels, legalize the rest, fuse elementwise chains, schedule, build."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import tvm
+from tvm import relax
+
+from ..common.config import ModelConfig
+from .attach_kernels import attach_kernels
+
+# CPU features an artifact may need, by the name /proc/cpuinfo uses; LLVM's names map onto these.
+_LLVM_TO_CPUINFO = {"sse4.2": "sse4_2", "avx": "avx", "avx2": "avx2", "fma": "fma", "f16c": "f16c",
+                    "bmi2": "bmi2", "avx512f": "avx512f", "avx512bw": "avx512bw", "avx512vl": "avx512vl",
+                    "avx512dq": "avx512dq", "avx512vnni": "avx512_vnni", "avxvnni": "avx_vnni",
+                    "avx512bf16": "avx512_bf16", "avx512fp16": "avx512_fp16"}
+
+
+def host_cpu() -> str:
+    return str(tvm.target.codegen.llvm_get_system_cpu())
+
+
+def make_target(mcpu: str | None) -> tvm.target.Target:
+    return tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": mcpu or host_cpu()})
+
+
+def required_cpu_features(target: tvm.target.Target) -> list[str]:
+    """The /proc/cpuinfo flags the code built for `target` relies on."""
+    try:
+        features = tvm.target.codegen.llvm_get_cpu_features(target)
+    except Exception:  # older or newer wheels spell this differently; then the mcpu alone is recorded
+        return []
+    names = {str(f) for f in features}
+    return sorted(flag for llvm_name, flag in _LLVM_TO_CPUINFO.items() if llvm_name in names)
+
+
+def lower(mod: tvm.IRModule, cfg: ModelConfig, target: tvm.target.Target) -> tvm.IRModule:
+    with target:
+        mod = attach_kernels(mod, cfg)
+        mod = relax.transform.LegalizeOps()(mod)
+        mod = relax.transform.AnnotateTIROpPattern()(mod)
+        mod = relax.transform.FuseOps()(mod)
+        mod = relax.transform.FuseTIR()(mod)
+        mod = relax.transform.DeadCodeElimination()(mod)
+    return mod
+
+
+def build(mod: tvm.IRModule, target: tvm.target.Target, library_path: Path) -> None:
+    with tvm.transform.PassContext(opt_level=3, config={"tirx.disable_cse_tir": True}):
+        executable = tvm.compile(mod, target=target)
+    executable.export_library(str(library_path))
+
+
+def kernel_names(mod: tvm.IRModule) -> list[str]:
+    return sorted(gv.name_hint for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc))
+
+
+def sanitize(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_]", "_", name)

@@ -1,0 +1,73 @@
+"""The artifact's manifest: what was compiled, for which CPU, and the content hash of every file."""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .errors import ArtifactError
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+
+
+@dataclass
+class ParamEntry:
+    name: str
+    dtype: str
+    shape: list[int]
+    offset: int
+    nbytes: int
+
+
+@dataclass
+class Manifest:
+    format_version: int
+    sharpi_version: str
+    source: dict                 # {"name", "sha256", "size"}
+    config: dict                 # ModelConfig.to_dict()
+    target: dict                 # {"kind", "mcpu", "cpu_features"}
+    tokenizer: dict              # TokenizerInfo.to_dict()
+    page_size: int
+    max_context: int
+    max_pages: int               # page-table width: pages one layer of one sequence may hold
+    prefill_chunk: int
+    functions: list[str]
+    kernels: list[str]
+    params: list[ParamEntry]
+    files: dict[str, str] = field(default_factory=dict)   # file name -> sha256
+    snapkv: dict = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    def write(self, directory: Path) -> None:
+        (Path(directory) / MANIFEST_NAME).write_text(self.to_json())
+
+    @classmethod
+    def read(cls, directory: Path) -> "Manifest":
+        path = Path(directory) / MANIFEST_NAME
+        if not path.is_file():
+            raise ArtifactError(f"{directory} is not a sharpi artifact (it has no {MANIFEST_NAME}).")
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ArtifactError(f"{path} is not valid JSON: {exc}.") from None
+        version = raw.get("format_version") if isinstance(raw, dict) else None
+        if version != FORMAT_VERSION:
+            raise ArtifactError(f"{directory} has artifact format version {version}, but this sharpi reads "
+                                f"version {FORMAT_VERSION}; compile it again with this sharpi.")
+        try:
+            raw["params"] = [ParamEntry(**p) for p in raw["params"]]
+            return cls(**raw)
+        except (TypeError, KeyError) as exc:
+            raise ArtifactError(f"{path} is missing or has unexpected fields: {exc}.") from None
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()

@@ -1,0 +1,142 @@
+"""The compiler driver: frontend -> ir_passes -> codegen, with a compile cache.
+
+Compiles are cached under $SHARPI_HOME/cache, keyed by the GGUF's sha256, the target (with its mcpu), the
+options and the sharpi version; a cached compile is copied to the output directory.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .common.errors import ConfigError
+from .common.manifest import FORMAT_VERSION, Manifest
+from .common.ops import PAGE_SIZE
+from .common.settings import parse_positive_int, sharpi_home
+from .common.version import __version__
+
+TARGETS = ("llvm", "cuda", "vulkan")
+PREFILL_CHUNK = 512
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    target: str = "llvm"
+    mcpu: str | None = None
+    max_context: int | None = None
+
+    def validate(self) -> None:
+        if self.target not in TARGETS:
+            raise ConfigError(f"Unknown target {self.target!r}; choose one of {', '.join(TARGETS)}.")
+        if self.target != "llvm":
+            raise ConfigError(f"Target {self.target!r} is not implemented yet; only 'llvm' compiles today.")
+        if self.max_context is not None:
+            parse_positive_int(self.max_context, "--max-context")
+
+
+def compile(model: str | Path, target: str = "llvm", output: str | Path | None = None, *, mcpu: str | None = None,
+            max_context: int | None = None, use_cache: bool = True, show_progress: bool = False) -> Path:
+    """Compile a GGUF (path or known model name) into an artifact directory; returns its path."""
+    from .frontend.fetch import resolve_model
+    from .frontend.gguf_file import GGUFFile
+
+    options = CompileOptions(target=target, mcpu=mcpu, max_context=max_context)
+    options.validate()
+    gguf_path = resolve_model(model, show_progress=show_progress)
+    gguf = GGUFFile(gguf_path)
+    output = Path(output) if output is not None else Path(gguf_path.stem + f"-{target}")
+    _check_output_dir(output)
+    from .codegen.llvm import host_cpu
+    resolved = CompileOptions(target=target, mcpu=mcpu or host_cpu(), max_context=max_context)
+    cached = _cache_dir(gguf, resolved) if use_cache else None
+    if cached is not None and (cached / "manifest.json").is_file():
+        _log(show_progress, f"sharpi: using the cached compile {cached.name}")
+        _copy_artifact(cached, output)
+        return output
+    built = _compile_uncached(gguf, resolved, output if cached is None else cached, show_progress)
+    if cached is not None:
+        _copy_artifact(built, output)
+    return output
+
+
+def _compile_uncached(gguf, options: CompileOptions, output: Path, show_progress: bool) -> Path:
+    from .codegen import artifact
+    from .codegen.llvm import build, kernel_names, lower, make_target, required_cpu_features
+    from .common.tokenizer import build_from_gguf_metadata
+    from .frontend.config import config_from_gguf
+    from .frontend.llama import LlamaBuilder, llama_weights
+
+    started = time.perf_counter()
+    cfg = config_from_gguf(gguf)
+    max_context = options.max_context or cfg.context_length
+    if max_context > cfg.context_length:
+        raise ConfigError(f"--max-context {max_context} exceeds the model's context of {cfg.context_length}.")
+    tokenizer, tok_info = build_from_gguf_metadata(gguf.metadata)
+    weights = llama_weights(gguf, cfg, show_progress)
+    max_pages = math.ceil(max_context / PAGE_SIZE)
+    mod = LlamaBuilder(cfg, weights, max_pages).build()
+    target = make_target(options.mcpu)
+    steps = ["lowering", "building"]
+    from .common.progress import progress_bar
+    staging = artifact.staging_dir(output)
+    try:
+        with progress_bar(len(steps), "compiling", show_progress, unit="step") as bar:
+            bar.set_postfix_str("attach kernels, legalize, fuse")
+            lowered = lower(mod, cfg, target)
+            bar.update(1)
+            bar.set_postfix_str("LLVM codegen")
+            build(lowered, target, staging / artifact.LIBRARY)
+            bar.update(1)
+        params = artifact.write_weights(weights.arrays, weights.names, staging / artifact.WEIGHTS)
+        tokenizer.save(staging)
+        manifest = Manifest(
+            format_version=FORMAT_VERSION, sharpi_version=__version__,
+            source={"name": gguf.path.name, "sha256": gguf.sha256(), "size": gguf.path.stat().st_size},
+            config=cfg.to_dict(),
+            target={"kind": options.target, "mcpu": str(target.attrs["mcpu"]),
+                    "cpu_features": required_cpu_features(target)},
+            tokenizer=tok_info.to_dict(), page_size=PAGE_SIZE, max_context=max_context, max_pages=max_pages,
+            prefill_chunk=PREFILL_CHUNK, functions=["prefill", "prefill_logits", "decode"],
+            kernels=kernel_names(lowered), params=params)
+        artifact.finalize(staging, output, manifest)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    _log(show_progress, f"sharpi: compiled {gguf.path.name} for {options.target} "
+                        f"(mcpu {manifest.target['mcpu']}) in {time.perf_counter() - started:.1f} s -> {output}")
+    return output
+
+
+def _cache_dir(gguf, options: CompileOptions) -> Path:
+    key = json.dumps({"gguf": gguf.sha256(), "options": asdict(options), "sharpi": __version__,
+                      "format": FORMAT_VERSION}, sort_keys=True)
+    digest = hashlib.sha256(key.encode()).hexdigest()[:24]
+    return sharpi_home() / "cache" / f"{gguf.path.stem}-{options.target}-{digest}"
+
+
+def _check_output_dir(output: Path) -> None:
+    """Only an empty directory or an earlier artifact may be replaced: never a user's other files."""
+    if output.exists() and not (output.is_dir() and (not any(output.iterdir()) or (output / "manifest.json").is_file())):
+        raise ConfigError(f"{output} exists and is not a sharpi artifact; choose another output directory.")
+
+
+def _copy_artifact(source: Path, output: Path) -> None:
+    if output.resolve() == source.resolve():
+        return
+    if output.exists():
+        shutil.rmtree(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.with_name(f".{output.name}.partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(source, tmp)
+    tmp.rename(output)
+
+
+def _log(enabled: bool, message: str) -> None:
+    if enabled:
+        print(message, file=sys.stderr)

@@ -1,0 +1,205 @@
+"""The loaded model: tokenizer, weights, page pool, VM; scoring and generation on top of sessions."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..common.chat import render_chat
+from ..common.config import ModelConfig
+from ..common.errors import ArtifactError, ConfigError, ContextLengthError
+from ..common.manifest import Manifest
+from ..common.settings import resolve_threads
+from ..common.tokenizer import Tokenizer, TokenizerInfo
+from .kv_cache import PagePool
+from .loader import check_artifact, configure_threads, load_vm, load_weights
+from .sampling import Sampler, SamplingParams
+from .session import Session
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: str                      # "stop" (EOS or a stop string) or "length"
+    stats: dict = field(default_factory=dict)
+
+
+class Model:
+    def __init__(self, directory: str | Path, *, threads: int | None = None, verify: bool = True):
+        import tvm
+
+        self.path = Path(directory)
+        self._manifest = Manifest.read(self.path)
+        if self._manifest.target.get("kind") != "llvm":
+            raise ArtifactError(f"{self.path} targets {self._manifest.target.get('kind')}, which this runtime "
+                                f"cannot run yet.")
+        check_artifact(self.path, self._manifest, verify_hashes=verify)
+        self.threads = resolve_threads(threads)
+        configure_threads(self.threads)
+        self.config = ModelConfig.from_dict(self._manifest.config)
+        self.tokenizer = Tokenizer.load(self.path, TokenizerInfo.from_dict(self._manifest.tokenizer))
+        self.device = tvm.cpu()
+        self._weights = load_weights(self.path, self._manifest, self.device)
+        self._vm = load_vm(self.path, self.device)
+        self._functions = {name: self._vm[name] for name in self._manifest.functions}
+        self._pool = self._make_pool()
+
+    def _make_pool(self) -> PagePool:
+        import tvm
+
+        cfg, m = self.config, self._manifest
+        pages = cfg.n_layers * m.max_pages
+        shape = (pages, 2, cfg.n_kv_heads, m.page_size, cfg.head_dim)
+        tensor = tvm.runtime.empty(shape, "float32", self.device)  # untouched pages cost no resident memory
+        return PagePool(tensor, m.page_size, page_bytes=4 * 2 * cfg.n_kv_heads * m.page_size * cfg.head_dim)
+
+    def _call(self, function: str, ids, positions, page_table, kv_lens) -> np.ndarray:
+        import tvm
+
+        dev = self.device
+        out = self._functions[function](tvm.runtime.tensor(ids, dev), tvm.runtime.tensor(positions, dev),
+                                        self._pool.tensor, tvm.runtime.tensor(page_table, dev),
+                                        tvm.runtime.tensor(kv_lens, dev), self._weights)
+        return out.numpy()
+
+    # -- public API -------------------------------------------------------------------------------------------
+    @property
+    def max_context(self) -> int:
+        return self._manifest.max_context
+
+    @property
+    def manifest(self) -> Manifest:
+        return self._manifest
+
+    def tokenize(self, text: str, add_bos: bool | None = None, special: bool = False) -> list[int]:
+        return self.tokenizer.tokenize(text, add_bos=add_bos, special=special)
+
+    def detokenize(self, ids, special: bool = True) -> str:
+        return self.tokenizer.detokenize(ids, special=special)
+
+    def session(self, **snapkv) -> Session:
+        if snapkv:
+            raise ConfigError(f"SnapKV options ({', '.join(sorted(snapkv))}) are not available in this build yet.")
+        return Session(self)
+
+    def score(self, ids) -> np.ndarray:
+        """Teacher-forced logits, float32 [len(ids), vocab], of a fresh sequence."""
+        with Session(self) as s:
+            return s.score_logits(ids)
+
+    def generate(self, prompt, max_tokens: int = 64, *, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, min_p: float = 0.0, repeat_penalty: float = 1.0, seed: int | None = None,
+                 stop=None, snapkv_budget=None, special: bool = False) -> GenerationResult:
+        pieces = []
+        stream = self._generate(prompt, max_tokens, SamplingParams(temperature, top_k, top_p, min_p,
+                                                                   repeat_penalty, seed), stop, snapkv_budget,
+                                special)
+        for piece in stream:
+            pieces.append(piece)
+        return stream.result
+
+    def stream(self, prompt, max_tokens: int = 64, **kwargs):
+        """Yield text pieces as they are generated (same arguments as generate)."""
+        params = SamplingParams(**{k: kwargs.pop(k) for k in list(kwargs)
+                                   if k in SamplingParams.__dataclass_fields__})
+        gen = self._generate(prompt, max_tokens, params, kwargs.pop("stop", None), kwargs.pop("snapkv_budget", None),
+                             kwargs.pop("special", False))
+        if kwargs:
+            raise ConfigError(f"Unknown argument(s) to stream(): {', '.join(sorted(kwargs))}.")
+        yield from gen
+
+    def chat(self, messages, max_tokens: int = 256, **kwargs) -> GenerationResult:
+        info = self.tokenizer.info
+        prompt = render_chat(info.chat_template, messages, bos_token=info.bos_token, eos_token=info.eos_token)
+        ids = self.tokenize(prompt, special=True)
+        return self.generate(ids, max_tokens, **kwargs)
+
+    def _generate(self, prompt, max_tokens, params, stop, snapkv_budget, special):
+        return _Generation(self, prompt, max_tokens, params, stop, snapkv_budget, special)
+
+
+class _Generation:
+    """The generation loop as an iterator of text pieces; `.result` holds the GenerationResult at the end."""
+
+    def __init__(self, model: Model, prompt, max_tokens, params, stop, snapkv_budget, special):
+        if not isinstance(max_tokens, int) or max_tokens < 0:
+            raise ConfigError(f"max_tokens must be an integer >= 0, got {max_tokens!r}.")
+        if snapkv_budget not in (None, 0):
+            raise ConfigError("snapkv_budget is not available in this build yet.")
+        self.model, self.max_tokens = model, max_tokens
+        self.sampler = Sampler(params)
+        self.stop = [stop] if isinstance(stop, str) else list(stop or [])
+        self.special = special
+        self.prompt_ids = (model.tokenize(prompt) if isinstance(prompt, str) else [int(i) for i in prompt])
+        if not self.prompt_ids:
+            raise ConfigError("The prompt is empty.")
+        if len(self.prompt_ids) > model.max_context:
+            raise ContextLengthError(f"The prompt has {len(self.prompt_ids)} tokens, more than the context of "
+                                     f"{model.max_context}.")
+        self.result: GenerationResult | None = None
+
+    def __iter__(self):
+        model = self.model
+        stop_ids = set(model.tokenizer.info.stop_ids)
+        out: list[int] = []
+        emitted = ""
+        finish = "length"
+        with model.session() as session:
+            t0 = time.perf_counter()
+            logits = session.prefill(self.prompt_ids)
+            t1 = time.perf_counter()
+            while len(out) < self.max_tokens:
+                token = self.sampler(logits, self.prompt_ids + out)
+                if token in stop_ids:
+                    finish = "stop"
+                    break
+                out.append(token)
+                text = model.detokenize(out, special=self.special)
+                cut = _find_stop(text, self.stop)
+                if cut is not None:
+                    text, finish = text[:cut], "stop"
+                    if len(text) > len(emitted):
+                        yield text[len(emitted):]
+                    emitted = text
+                    break
+                safe = _safe_prefix(text, self.stop)
+                if len(safe) > len(emitted):
+                    yield safe[len(emitted):]
+                    emitted = safe
+                if len(out) >= self.max_tokens or session.context_left == 0:
+                    break
+                logits = session.decode(token)
+            t2 = time.perf_counter()
+        if finish != "stop":
+            text = model.detokenize(out, special=self.special)
+            if len(text) > len(emitted):
+                yield text[len(emitted):]
+            emitted = text
+        n_decode = max(len(out) - 1, 0)
+        self.result = GenerationResult(
+            text=emitted, token_ids=out, finish_reason=finish,
+            stats={"prompt_tokens": len(self.prompt_ids), "generated_tokens": len(out),
+                   "prefill_s": t1 - t0, "decode_s": t2 - t1,
+                   "prefill_tok_s": len(self.prompt_ids) / max(t1 - t0, 1e-9),
+                   "decode_tok_s": n_decode / max(t2 - t1, 1e-9) if n_decode else 0.0})
+
+
+def _find_stop(text: str, stops: list[str]) -> int | None:
+    hits = [text.find(s) for s in stops if s and s in text]
+    return min(hits) if hits else None
+
+
+def _safe_prefix(text: str, stops: list[str]) -> str:
+    """Text that can be shown now: hold back an incomplete UTF-8 character and any tail that could start a stop."""
+    end = len(text)
+    while end > 0 and text[end - 1] == "\ufffd":
+        end -= 1
+    for s in stops:
+        for k in range(min(len(s) - 1, end), 0, -1):
+            if text[:end].endswith(s[:k]):
+                end -= k
+                break
+    return text[:end]

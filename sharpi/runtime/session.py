@@ -1,0 +1,115 @@
+"""A session: one sequence's KV cache and the forward calls that feed it."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..common.errors import ConfigError, ContextLengthError
+from .kv_cache import SequenceCache
+
+
+class Session:
+    """prefill(ids) -> logits of the last token; decode(token) -> logits of that token."""
+
+    def __init__(self, model):
+        self._model = model
+        self._cache = SequenceCache(model._pool, model.config.n_layers, model._manifest.max_pages)
+        self._closed = False
+
+    # -- state ------------------------------------------------------------------------------------------------
+    @property
+    def kv_length(self) -> list[int]:
+        return list(self._cache.length)
+
+    @property
+    def logical_length(self) -> int:
+        return self._cache.logical_length
+
+    @property
+    def kv_bytes(self) -> int:
+        return self._cache.kv_bytes
+
+    @property
+    def kept_positions(self) -> list[np.ndarray]:
+        """Per layer: int array [kv_heads, length[l]], the logical position each held slot came from."""
+        kvh = self._model.config.n_kv_heads
+        return [np.broadcast_to(p, (kvh, len(p))).copy() for p in self._cache.positions]
+
+    @property
+    def context_left(self) -> int:
+        return self._cache.capacity - max(self._cache.length)
+
+    # -- feeding tokens ---------------------------------------------------------------------------------------
+    def prefill(self, ids) -> np.ndarray:
+        """Feed a prompt (or a continuation of the conversation); returns float32 [vocab] for its last token."""
+        ids = self._check_ids(ids)
+        last = None
+        for chunk in self._chunks(ids):
+            last = self._forward("prefill", chunk)[-1]
+        return last
+
+    def decode(self, token: int) -> np.ndarray:
+        """Feed one token; returns its logits, float32 [vocab]."""
+        ids = self._check_ids([token])
+        return self._forward("decode", ids)[0]
+
+    def score_logits(self, ids) -> np.ndarray:
+        """Logits of every fed token, float32 [len(ids), vocab] (teacher forcing)."""
+        ids = self._check_ids(ids)
+        return np.concatenate([self._forward("prefill_logits", chunk) for chunk in self._chunks(ids)])
+
+    def fork(self) -> "Session":
+        """An independent copy of this session (its pages copied): one prefill, many continuations."""
+        self._check_open()
+        other = Session.__new__(Session)
+        other._model, other._closed = self._model, False
+        other._cache = self._cache.fork()
+        return other
+
+    def close(self) -> None:
+        """Return all pages to the pool. The session cannot be used afterwards."""
+        if not self._closed:
+            self._cache.release()
+            self._closed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # -- internals -------------------------------------------------------------------------------------------
+    def _chunks(self, ids: np.ndarray):
+        step = self._model._manifest.prefill_chunk
+        for start in range(0, len(ids), step):
+            yield ids[start:start + step]
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ConfigError("This session was closed; start a new one with model.session().")
+
+    def _check_ids(self, ids) -> np.ndarray:
+        self._check_open()
+        array = np.asarray(ids)
+        if array.ndim != 1 or array.size == 0 or not np.issubdtype(array.dtype, np.integer):
+            raise ConfigError("Token ids must be a non-empty 1-D sequence of integers.")
+        vocab = self._model.config.vocab_size
+        if array.min() < 0 or array.max() >= vocab:
+            raise ConfigError(f"Token ids must be in [0, {vocab}).")
+        if len(array) > self.context_left:
+            raise ContextLengthError(f"{len(array)} tokens do not fit: the context holds {self._cache.capacity} "
+                                     f"and {self.context_left} slots are left.")
+        return array.astype(np.int32)
+
+    def _forward(self, function: str, ids: np.ndarray) -> np.ndarray:
+        cache = self._cache
+        cache.reserve(len(ids))
+        positions = np.arange(cache.logical_length, cache.logical_length + len(ids), dtype=np.int32)
+        logits = self._model._call(function, ids, positions, cache.page_table(), cache.kv_lens())
+        cache.advance(len(ids))
+        return logits
