@@ -112,9 +112,19 @@ def _compile_uncached(gguf, options: CompileOptions, output: Path, show_progress
     return output
 
 
+def _code_fingerprint() -> str:
+    """A hash of the compiler's own source, so a changed kernel or pass never reuses a stale cached compile."""
+    root = Path(__file__).parent
+    digest = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*.py") if "runtime" not in p.parts and "cli" not in p.parts):
+        digest.update(str(path.relative_to(root)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
 def _cache_dir(gguf, options: CompileOptions) -> Path:
     key = json.dumps({"gguf": gguf.sha256(), "options": asdict(options), "sharpi": __version__,
-                      "format": FORMAT_VERSION}, sort_keys=True)
+                      "format": FORMAT_VERSION, "code": _code_fingerprint()}, sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:24]
     return sharpi_home() / "cache" / f"{gguf.path.stem}-{options.target}-{digest}"
 

@@ -46,10 +46,13 @@ def lower(mod: tvm.IRModule, cfg: ModelConfig, target: tvm.target.Target) -> tvm
     return mod
 
 
-def build(mod: tvm.IRModule, target: tvm.target.Target, library_path: Path) -> None:
+def build_executable(mod: tvm.IRModule, target: tvm.target.Target):
     with tvm.transform.PassContext(opt_level=3, config={"tirx.disable_cse_tir": True}):
-        executable = tvm.compile(mod, target=target)
-    executable.export_library(str(library_path))
+        return tvm.compile(mod, target=target)
+
+
+def build(mod: tvm.IRModule, target: tvm.target.Target, library_path: Path) -> None:
+    build_executable(mod, target).export_library(str(library_path))
 
 
 def kernel_names(mod: tvm.IRModule) -> list[str]:

@@ -93,23 +93,23 @@ class Model:
     def generate(self, prompt, max_tokens: int = 64, *, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, min_p: float = 0.0, repeat_penalty: float = 1.0, seed: int | None = None,
                  stop=None, snapkv_budget=None, special: bool = False) -> GenerationResult:
-        pieces = []
-        stream = self._generate(prompt, max_tokens, SamplingParams(temperature, top_k, top_p, min_p,
-                                                                   repeat_penalty, seed), stop, snapkv_budget,
-                                special)
-        for piece in stream:
-            pieces.append(piece)
-        return stream.result
+        generation = self._generate(prompt, max_tokens, SamplingParams(temperature, top_k, top_p, min_p,
+                                                                       repeat_penalty, seed), stop, snapkv_budget,
+                                    special)
+        for _ in generation:
+            pass
+        return generation.result
 
     def stream(self, prompt, max_tokens: int = 64, **kwargs):
-        """Yield text pieces as they are generated (same arguments as generate)."""
+        """An iterator of text pieces as they are generated (same arguments as generate); once exhausted,
+        its `.result` is the GenerationResult."""
         params = SamplingParams(**{k: kwargs.pop(k) for k in list(kwargs)
                                    if k in SamplingParams.__dataclass_fields__})
         gen = self._generate(prompt, max_tokens, params, kwargs.pop("stop", None), kwargs.pop("snapkv_budget", None),
                              kwargs.pop("special", False))
         if kwargs:
             raise ConfigError(f"Unknown argument(s) to stream(): {', '.join(sorted(kwargs))}.")
-        yield from gen
+        return gen
 
     def chat(self, messages, max_tokens: int = 256, **kwargs) -> GenerationResult:
         info = self.tokenizer.info

@@ -13,6 +13,20 @@ from tvm.script import tirx as T
 from .quant_matmul import token_count
 
 
+def fast_exp(x):
+    """exp(x) for float32 in TIR, vectorizable (Cephes' expf: range reduction by ln 2, degree-6 polynomial,
+    2^n built in the exponent bits); within ~2 ulp of expf, and exactly 0 below -88.37."""
+    x = T.max(T.min(x, T.float32(88.3762626647949)), T.float32(-88.3762626647949))
+    fx = T.floor(x * T.float32(1.44269504088896341) + T.float32(0.5))
+    r = x - fx * T.float32(0.693359375) + fx * T.float32(2.12194440e-4)
+    poly = T.float32(1.9875691500e-4)
+    for coef in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
+        poly = poly * r + T.float32(coef)
+    y = poly * r * r + r + T.float32(1)
+    pow2n = T.reinterpret("float32", T.shift_left(T.Cast("int32", fx) + 127, 23))
+    return y * pow2n
+
+
 def make_kv_append(kv_heads: int, head_dim: int, page_size: int, tokens: int | None = None):
     """PrimFunc (pool, k [n, KVH, D], v [n, KVH, D], page_table, kv_lens, layer) writing the pool in place."""
     n = token_count(tokens)
@@ -46,6 +60,72 @@ def make_paged_attention(heads: int, kv_heads: int, head_dim: int, page_size: in
     group = heads // kv_heads
     neg_inf = -3.0e38
 
+    LANES = 8
+    if head_dim % LANES:
+        return _paged_attention_scalar(heads, kv_heads, head_dim, page_size, scale, n, group, neg_inf)
+    DC = head_dim // LANES
+
+    @T.prim_func
+    def paged_attention(var_q: T.handle, var_pool: T.handle, var_pt: T.handle, var_lens: T.handle,
+                        layer: T.int64, var_out: T.handle):
+        T.func_attr({"tirx.noalias": True, "op_pattern": 8})
+        q = T.match_buffer(var_q, (n, heads, head_dim), "float32")
+        pool = T.match_buffer(var_pool, (pages, 2, kv_heads, page_size, head_dim), "float32")
+        page_table = T.match_buffer(var_pt, (layers, max_pages), "int32")
+        kv_lens = T.match_buffer(var_lens, (layers,), "int32")
+        out = T.match_buffer(var_out, (n, heads, head_dim), "float32")
+        for th in T.parallel(n * heads):
+            t = T.meta_var(th // heads)
+            h = T.meta_var(th % heads)
+            kvh = T.meta_var(th % heads // group)
+            total = T.meta_var(T.Cast("int64", kv_lens[layer]) + t + 1)
+            acc = T.decl_buffer((head_dim,), "float32", scope="global")
+            score = T.decl_buffer((page_size,), "float32", scope="global")
+            dv = T.decl_buffer((page_size, LANES), "float32", scope="global")
+            stats = T.decl_buffer((5,), "float32", scope="global")  # running max, running sum, block max, new max, correction
+            stats[0] = T.float32(neg_inf)
+            stats[1] = T.float32(0)
+            for d in T.vectorized(head_dim):
+                acc[d] = T.float32(0)
+            for p in range((total + page_size - 1) // page_size):
+                page = T.meta_var(T.Cast("int64", page_table[layer, p]))
+                stats[2] = T.float32(neg_inf)
+                # q . k for every slot of the page, 8 lanes at a time; slots past `total` are masked below
+                # (their contents may be anything, but a select never propagates them).
+                for o in T.unroll(page_size):
+                    for l in T.vectorized(LANES):
+                        dv[o, l] = q[t, h, l] * pool[page, 0, kvh, o, l]
+                    for dc in T.unroll(DC - 1):
+                        for l in T.vectorized(LANES):
+                            dv[o, l] = dv[o, l] + q[t, h, (dc + 1) * LANES + l] * pool[page, 0, kvh, o, (dc + 1) * LANES + l]
+                for o in T.unroll(page_size):
+                    score[o] = T.if_then_else(
+                        p * page_size + o < total,
+                        (((dv[o, 0] + dv[o, 1]) + (dv[o, 2] + dv[o, 3])) + ((dv[o, 4] + dv[o, 5]) + (dv[o, 6] + dv[o, 7])))
+                        * T.float32(scale),
+                        T.float32(neg_inf))
+                    stats[2] = T.max(stats[2], score[o])
+                stats[3] = T.max(stats[0], stats[2])
+                stats[4] = T.exp(stats[0] - stats[3])
+                for o in T.vectorized(page_size):
+                    score[o] = T.if_then_else(p * page_size + o < total, fast_exp(score[o] - stats[3]), T.float32(0))
+                stats[1] = stats[1] * stats[4]
+                for o in range(page_size):
+                    stats[1] = stats[1] + score[o]
+                for d in T.vectorized(head_dim):
+                    acc[d] = acc[d] * stats[4]
+                for o in range(T.min(T.Cast("int64", page_size), total - p * page_size)):
+                    for d in T.vectorized(head_dim):
+                        acc[d] = acc[d] + score[o] * pool[page, 1, kvh, o, d]
+                stats[0] = stats[3]
+            for d in T.vectorized(head_dim):
+                out[t, h, d] = acc[d] / stats[1]
+
+    return paged_attention
+
+
+def _paged_attention_scalar(heads, kv_heads, head_dim, page_size, scale, n, group, neg_inf):
+    pages, layers, max_pages = T.int64(), T.int64(), T.int64()
     @T.prim_func
     def paged_attention(var_q: T.handle, var_pool: T.handle, var_pt: T.handle, var_lens: T.handle,
                         layer: T.int64, var_out: T.handle):
@@ -60,9 +140,9 @@ def make_paged_attention(heads: int, kv_heads: int, head_dim: int, page_size: in
             h = th % heads
             kvh = h // group
             total = T.Cast("int64", kv_lens[layer]) + t + 1
-            acc = T.decl_buffer((head_dim,), "float32", scope="local")
-            score = T.decl_buffer((page_size,), "float32", scope="local")
-            stats = T.decl_buffer((3,), "float32", scope="local")  # running max, running sum, block max
+            acc = T.decl_buffer((head_dim,), "float32", scope="global")
+            score = T.decl_buffer((page_size,), "float32", scope="global")
+            stats = T.decl_buffer((3,), "float32", scope="global")  # running max, running sum, block max
             stats[0] = T.float32(neg_inf)
             stats[1] = T.float32(0)
             for d in T.vectorized(head_dim):
@@ -73,7 +153,7 @@ def make_paged_attention(heads: int, kv_heads: int, head_dim: int, page_size: in
                 for o in range(page_size):
                     score[o] = T.float32(neg_inf)
                     if p * page_size + o < total:
-                        dot = T.decl_buffer((1,), "float32", scope="local")
+                        dot = T.decl_buffer((1,), "float32", scope="global")
                         dot[0] = T.float32(0)
                         for d in range(head_dim):
                             dot[0] = dot[0] + q[t, h, d] * pool[page, 0, kvh, o, d]
@@ -81,15 +161,16 @@ def make_paged_attention(heads: int, kv_heads: int, head_dim: int, page_size: in
                         stats[2] = T.max(stats[2], score[o])
                 new_max = T.max(stats[0], stats[2])
                 correction = T.exp(stats[0] - new_max)
+                for o in T.vectorized(page_size):
+                    score[o] = T.if_then_else(p * page_size + o < total, fast_exp(score[o] - new_max), T.float32(0))
                 stats[1] = stats[1] * correction
+                for o in range(page_size):
+                    stats[1] = stats[1] + score[o]
                 for d in T.vectorized(head_dim):
                     acc[d] = acc[d] * correction
-                for o in range(page_size):
-                    if p * page_size + o < total:
-                        weight = T.exp(score[o] - new_max)
-                        stats[1] = stats[1] + weight
-                        for d in T.vectorized(head_dim):
-                            acc[d] = acc[d] + weight * pool[page, 1, kvh, o, d]
+                for o in range(T.min(T.Cast("int64", page_size), total - p * page_size)):
+                    for d in T.vectorized(head_dim):
+                        acc[d] = acc[d] + score[o] * pool[page, 1, kvh, o, d]
                 stats[0] = new_max
             for d in T.vectorized(head_dim):
                 out[t, h, d] = acc[d] / stats[1]

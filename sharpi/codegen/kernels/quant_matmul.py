@@ -56,7 +56,48 @@ def make_matmul(qtype: str, n_out: int, k_in: int, tokens: int | None = None):
     return _dense_matmul(qtype, n_out, k_in, tokens)
 
 
+def _rows_per_group(N: int, R: int = 4) -> int:
+    while R > 1 and N % R:
+        R //= 2
+    return R
+
+
+def _quant_gemv(qtype, N, K):
+    """Decode (one token): parallel over groups of R rows, one accumulator chain per row, no local buffers
+    but the (stack) accumulators."""
+    NB = K // BLOCK
+    dt = _part_dtypes(qtype)
+    qs_shape = LAYOUTS[qtype][0][2](N, K)
+    S = LAYOUTS[qtype][1][2](N, K)[2]
+    qs_dtype = dt["qs"]
+    R = _rows_per_group(N)
+    G = N // R
+    C = BLOCK // LANES
+
+    @T.prim_func
+    def quant_gemv(x: T.Buffer((1, K), "float32"), qs: T.Buffer(qs_shape, qs_dtype), s: T.Buffer((N, NB, S), "float32"),
+                   y: T.Buffer((1, N), "float32")):
+        T.func_attr({"tirx.noalias": True, "op_pattern": 8})
+        for g in T.parallel(G):
+            for r in range(R):
+                acc = T.decl_buffer((C, LANES), "float32", scope="global")
+                for c in T.unroll(C):
+                    for l in T.vectorized(LANES):
+                        acc[c, l] = T.float32(0)
+                for b in range(NB):
+                    for c in T.unroll(C):
+                        for l in T.vectorized(LANES):
+                            acc[c, l] = acc[c, l] + dequant(qtype, qs, s, g * R + r, b, c * LANES + l) * x[0, b * BLOCK + c * LANES + l]
+                for l in T.vectorized(LANES):
+                    acc[0, l] = (acc[0, l] + acc[1, l]) + (acc[2, l] + acc[3, l])
+                y[0, g * R + r] = ((acc[0, 0] + acc[0, 1]) + (acc[0, 2] + acc[0, 3])) + ((acc[0, 4] + acc[0, 5]) + (acc[0, 6] + acc[0, 7]))
+
+    return quant_gemv
+
+
 def _quant_matmul(qtype, N, K, tokens):
+    if tokens == 1:
+        return _quant_gemv(qtype, N, K)
     NB = K // BLOCK
     dt = _part_dtypes(qtype)
     qs_shape = LAYOUTS[qtype][0][2](N, K)
@@ -73,8 +114,8 @@ def _quant_matmul(qtype, N, K, tokens):
         y = T.match_buffer(var_y, (n, N), "float32")
         for tt in range((n + TT - 1) // TT):
             for j in T.parallel(N):
-                acc = T.decl_buffer((TT, LANES), "float32", scope="local")
-                wv = T.decl_buffer((BLOCK,), "float32", scope="local")
+                acc = T.decl_buffer((TT, LANES), "float32", scope="global")
+                wv = T.decl_buffer((BLOCK,), "float32", scope="global")
                 for t in T.unroll(TT):
                     for l in T.vectorized(LANES):
                         acc[t, l] = T.float32(0)
@@ -109,8 +150,8 @@ def _dense_matmul(qtype, N, K, tokens):
         y = T.match_buffer(var_y, (n, N), "float32")
         for tt in range((n + TT - 1) // TT):
             for j in T.parallel(N):
-                acc = T.decl_buffer((TT, LANES), "float32", scope="local")
-                tail = T.decl_buffer((TT,), "float32", scope="local")
+                acc = T.decl_buffer((TT, LANES), "float32", scope="global")
+                tail = T.decl_buffer((TT,), "float32", scope="global")
                 for t in T.unroll(TT):
                     tail[t] = T.float32(0)
                     for l in T.vectorized(LANES):

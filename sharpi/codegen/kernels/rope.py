@@ -23,8 +23,8 @@ def make_rope(heads: int, head_dim: int, theta: float, layout: str = "norm", tok
         pos = T.match_buffer(var_pos, (n,), "int32")
         y = T.match_buffer(var_y, (n, heads, head_dim), "float32")
         for t in T.parallel(n):
-            cs = T.decl_buffer((half,), "float32", scope="local")
-            sn = T.decl_buffer((half,), "float32", scope="local")
+            cs = T.decl_buffer((half,), "float32", scope="global")
+            sn = T.decl_buffer((half,), "float32", scope="global")
             for i in range(half):
                 angle = T.Cast("float64", pos[t]) * T.pow(T.float64(theta), T.Cast("float64", i * 2) / T.float64(head_dim) * T.float64(-1))
                 cs[i] = T.Cast("float32", T.cos(angle))

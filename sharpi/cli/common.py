@@ -1,0 +1,47 @@
+"""What both CLIs share: turning SharpiErrors into one sentence and exit code 2, and the run-time flags."""
+from __future__ import annotations
+
+import functools
+import sys
+
+from ..common.errors import SharpiError
+
+EXIT_USER_ERROR = 2
+
+
+def user_errors_exit_2(main):
+    """Run a CLI entry point; a SharpiError (bad input) prints its sentence and exits 2, never a traceback."""
+    @functools.wraps(main)
+    def wrapper(argv=None):
+        try:
+            return main(argv) or 0
+        except SharpiError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return EXIT_USER_ERROR
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
+            return 130
+    return wrapper
+
+
+def add_threads_flag(parser) -> None:
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads for the kernels (default: SHARPI_NUM_THREADS or all available)")
+
+
+def add_sampling_flags(parser) -> None:
+    parser.add_argument("-n", "--max-tokens", type=int, default=128, help="tokens to generate (default 128)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--repeat-penalty", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+def sampling_kwargs(args) -> dict:
+    return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                repeat_penalty=args.repeat_penalty, seed=args.seed, stop=args.stop)
+
+

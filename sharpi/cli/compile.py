@@ -1,0 +1,33 @@
+"""sharpi-compile MODEL --target llvm -o DIR: compile a GGUF file or a known model name into an artifact."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .common import user_errors_exit_2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sharpi-compile", description=__doc__)
+    p.add_argument("model", help="a .gguf path or a known model name (smollm2-135m, gemma3-270m)")
+    p.add_argument("--target", default="llvm", help="llvm (default), cuda or vulkan")
+    p.add_argument("-o", "--output", default=None, help="artifact directory (default: <gguf name>-<target>)")
+    p.add_argument("--mcpu", default=None, help="CPU to compile for (default: this machine's, e.g. znver3)")
+    p.add_argument("--max-context", type=int, default=None, help="context length (default: the GGUF's)")
+    p.add_argument("--no-cache", action="store_true", help="compile even if the cache has this artifact")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    return p
+
+
+@user_errors_exit_2
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from ..compiler import compile as compile_model
+    out = compile_model(args.model, target=args.target, output=args.output, mcpu=args.mcpu,
+                        max_context=args.max_context, use_cache=not args.no_cache, show_progress=not args.quiet)
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

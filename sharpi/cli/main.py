@@ -1,0 +1,113 @@
+"""sharpi fetch | inspect | run | chat | bench: use compiled artifacts and known models."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .common import add_sampling_flags, add_threads_flag, sampling_kwargs, user_errors_exit_2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sharpi", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    f = sub.add_parser("fetch", help="download and verify a known model")
+    f.add_argument("name")
+
+    i = sub.add_parser("inspect", help="show a GGUF's architecture, config, tensor types and tokenizer")
+    i.add_argument("model", help="a .gguf path or a known model name")
+    i.add_argument("--json", action="store_true")
+
+    r = sub.add_parser("run", help="generate from a prompt")
+    r.add_argument("artifact")
+    r.add_argument("-p", "--prompt", required=True)
+    r.add_argument("--verbose", action="store_true", help="print timing and the artifact's target")
+    add_sampling_flags(r)
+    add_threads_flag(r)
+
+    c = sub.add_parser("chat", help="chat with the model (its GGUF chat template)")
+    c.add_argument("artifact")
+    add_sampling_flags(c)
+    add_threads_flag(c)
+
+    b = sub.add_parser("bench", help="prefill and decode speed")
+    b.add_argument("artifact")
+    b.add_argument("--prompt-tokens", type=int, default=512)
+    b.add_argument("--gen-tokens", type=int, default=64)
+    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--compare-llama-cpp", action="store_true",
+                   help="run llama.cpp (llama-cpp-python) on the same GGUF and threads, and print ratios")
+    b.add_argument("--gguf", default=None, help="the GGUF for --compare-llama-cpp (default: found by its sha256)")
+    add_threads_flag(b)
+    return p
+
+
+@user_errors_exit_2
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return COMMANDS[args.command](args)
+
+
+def cmd_fetch(args) -> int:
+    from ..frontend.fetch import fetch
+    print(fetch(args.name))
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    from ..frontend.inspect import describe
+    info = describe(args.model)
+    if args.json:
+        print(json.dumps(info, indent=1))
+    else:
+        for key, value in info.items():
+            print(f"{key:>16}: {value}")
+    return 0
+
+
+def cmd_run(args) -> int:
+    import sharpi
+    model = sharpi.load(args.artifact, threads=args.threads)
+    stream = model.stream(args.prompt, args.max_tokens, **sampling_kwargs(args))
+    for piece in stream:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    if args.verbose:
+        st, t = stream.result.stats, model.manifest.target
+        print(f"[target {t['kind']}, mcpu {t['mcpu']}, {model.threads} threads; prompt {st['prompt_tokens']} tokens "
+              f"at {st['prefill_tok_s']:.1f} tok/s; {st['generated_tokens']} generated at {st['decode_tok_s']:.1f} "
+              f"tok/s; finish: {stream.result.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    import sharpi
+    model = sharpi.load(args.artifact, threads=args.threads)
+    messages = []
+    print("sharpi chat: empty line or Ctrl-D to quit", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line})
+        result = model.chat(messages, max_tokens=args.max_tokens, **sampling_kwargs(args))
+        print(result.text)
+        messages.append({"role": "assistant", "content": result.text})
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from .bench import run_bench
+    run_bench(args)
+    return 0
+
+
+COMMANDS = {"fetch": cmd_fetch, "inspect": cmd_inspect, "run": cmd_run, "chat": cmd_chat, "bench": cmd_bench}
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""Shared fixtures: the real SmolLM2 model (fetched once into $SHARPI_HOME by the project's own fetch), one compiled
+llvm artifact per test session (the compile cache makes reruns fast), and the numpy reference."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+DATA = Path(__file__).parent / "data"
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+@pytest.fixture(scope="session")
+def golden():
+    return json.loads((DATA / "smollm2-135m-instruct-q4_1.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    from sharpi.frontend.fetch import fetch
+    return fetch("smollm2-135m", show_progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2_artifact(smollm2_gguf, tmp_path_factory):
+    import sharpi
+    return sharpi.compile(str(smollm2_gguf), target="llvm", output=tmp_path_factory.mktemp("art") / "smollm2")
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_artifact):
+    import sharpi
+    return sharpi.load(smollm2_artifact)
+
+
+@pytest.fixture(scope="session")
+def reference(smollm2_gguf):
+    from sharpi.testing.reference import NumpyReference
+    return NumpyReference(smollm2_gguf)
+
+
+@pytest.fixture(scope="session")
+def reference_logprobs(reference, golden):
+    from sharpi.testing.reference import log_softmax
+    return log_softmax(reference.forward(golden["teacher_forced"]["ids"]))
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(1234)

@@ -1,0 +1,134 @@
+"""Each kernel family against numpy on random data, with awkward sizes."""
+import numpy as np
+import pytest
+import tvm
+
+from sharpi.codegen.kernels.paged_attention import make_kv_append, make_paged_attention
+from sharpi.codegen.kernels.quant_matmul import make_embedding, make_matmul
+from sharpi.codegen.kernels.rope import make_rope
+from sharpi.codegen.llvm import make_target
+from sharpi.frontend.gguf_file import GGUFTensor
+from sharpi.frontend.quant import dequantize_layout, repack
+from sharpi.testing.reference import rms_norm, rope_adjacent
+
+DEV = tvm.cpu()
+TARGET = make_target(None)
+
+
+def _build(prim):
+    return tvm.compile(tvm.IRModule({"main": prim}), target=TARGET)
+
+
+def _t(a):
+    return tvm.runtime.tensor(np.ascontiguousarray(a), DEV)
+
+
+def _weight(qtype_name, n, k, rng):
+    import gguf
+    w = (rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32)
+    if qtype_name == "F32":
+        return "f32", {"w": w}
+    if qtype_name == "F16":
+        return "f16", {"w": w.astype(np.float16)}
+    if qtype_name == "BF16":
+        return "bf16", {"w": (w.view(np.uint32) >> 16).astype(np.uint16)}
+    qt = gguf.GGMLQuantizationType[qtype_name]
+    raw = gguf.quants.quantize(w, qt)
+    t = GGUFTensor(name="w", type_name=qtype_name, type_id=int(qt), shape=(n, k), data=raw)
+    return qtype_name.lower(), repack(t)
+
+
+def test_repack_matches_gguf_dequantize(rng):
+    import gguf
+    for name in ("Q4_0", "Q4_1", "Q5_0", "Q8_0"):
+        w = rng.standard_normal((5, 96)).astype(np.float32)
+        qt = gguf.GGMLQuantizationType[name]
+        raw = gguf.quants.quantize(w, qt)
+        t = GGUFTensor(name="w", type_name=name, type_id=int(qt), shape=(5, 96), data=raw)
+        expected = gguf.quants.dequantize(raw, qt).reshape(5, 96)
+        np.testing.assert_array_equal(dequantize_layout(name.lower(), repack(t)), expected)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "F32", "F16", "BF16"])
+@pytest.mark.parametrize("n_out,k_in,tokens,static", [(70, 96, 1, True), (70, 96, 1, False), (33, 64, 13, False)])
+def test_matmul(qtype, n_out, k_in, tokens, static, rng):
+    if qtype in ("F32", "F16", "BF16"):
+        k_in += 3   # dense kernels handle a K that is not a multiple of the vector width
+    q, parts = _weight(qtype, n_out, k_in, rng)
+    w = dequantize_layout(q, parts)
+    f = _build(make_matmul(q, n_out, k_in, tokens if static else None))
+    x = rng.standard_normal((tokens, k_in)).astype(np.float32)
+    y = _t(np.zeros((tokens, n_out), np.float32))
+    f(_t(x), *[_t(p) for p in parts.values()], y)
+    np.testing.assert_allclose(y.numpy(), x @ w.T, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "F16"])
+def test_embedding(qtype, rng):
+    q, parts = _weight(qtype, 50, 64, rng)
+    w = dequantize_layout(q, parts)
+    ids = np.array([0, 49, 7, 7], np.int32)
+    y = _t(np.zeros((4, 64), np.float32))
+    _build(make_embedding(q, 50, 64))(_t(ids), *[_t(p) for p in parts.values()], y)
+    np.testing.assert_array_equal(y.numpy(), w[ids])
+
+
+def test_rope_at_arbitrary_positions(rng):
+    x = rng.standard_normal((5, 3, 16)).astype(np.float32)
+    pos = np.array([0, 1, 15, 16, 8191], np.int32)
+    y = _t(np.zeros_like(x))
+    _build(make_rope(3, 16, 10000.0))(_t(x), _t(pos), y)
+    np.testing.assert_allclose(y.numpy(), rope_adjacent(x, pos, 10000.0), rtol=1e-5, atol=1e-5)
+
+
+def _attention_reference(q, k_all, v_all, held):
+    """Causal GQA attention: query t sees the `held` old slots and the new ones up to itself."""
+    n, heads, d = q.shape
+    rep = heads // k_all.shape[1]
+    k, v = np.repeat(k_all, rep, 1), np.repeat(v_all, rep, 1)
+    s = np.einsum("thd,shd->hts", q, k) / np.sqrt(d)
+    visible = np.arange(len(k_all))[None, :] <= (held + np.arange(n))[:, None]
+    s = np.where(visible[None], s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("hts,shd->thd", p, v)
+
+
+@pytest.mark.parametrize("held,new,static", [(0, 1, False), (0, 23, False), (15, 1, True), (16, 1, True),
+                                             (21, 17, False)])
+def test_paged_attention_and_append(held, new, static, rng):
+    heads, kv_heads, d, page, layers, layer = 6, 2, 32, 16, 3, 1
+    append = _build(make_kv_append(kv_heads, d, page, new if static else None))
+    attend = _build(make_paged_attention(heads, kv_heads, d, page, d ** -0.5, new if static else None))
+    pool = _t(np.zeros((12, 2, kv_heads, page, d), np.float32))
+    table = np.zeros((layers, 4), np.int32)
+    table[layer] = [7, 3, 11, 0]                        # pages out of order, as a pool hands them out
+    k_all = rng.standard_normal((held + new, kv_heads, d)).astype(np.float32)
+    v_all = rng.standard_normal((held + new, kv_heads, d)).astype(np.float32)
+    lens = np.zeros(layers, np.int32)
+    if held:
+        _build(make_kv_append(kv_heads, d, page))(pool, _t(k_all[:held]), _t(v_all[:held]), _t(table), _t(lens), layer)
+        lens[layer] = held
+    append(pool, _t(k_all[held:]), _t(v_all[held:]), _t(table), _t(lens), layer)
+    q = rng.standard_normal((new, heads, d)).astype(np.float32)
+    out = _t(np.zeros((new, heads, d), np.float32))
+    attend(_t(q), pool, _t(table), _t(lens), layer, out)
+    np.testing.assert_allclose(out.numpy(), _attention_reference(q, k_all, v_all, held), rtol=1e-4, atol=1e-5)
+
+
+def test_rms_norm_as_lowered_for_llvm(rng):
+    from tvm import relax
+    from tvm.relax import op as R
+    from sharpi.codegen.llvm import build_executable
+
+    n = tvm.tirx.Var("n", "int64")
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((n, 40), "float32"))
+    w = relax.Var("w", relax.TensorType((40,), "float32"))
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            out = bb.emit_output(R.nn.rms_norm(x, w, axes=[-1], epsilon=1e-5))
+        bb.emit_func_output(out)
+    vm = relax.VirtualMachine(build_executable(bb.get(), TARGET), DEV)
+    xs, ws = rng.standard_normal((3, 40)).astype(np.float32), rng.standard_normal(40).astype(np.float32)
+    np.testing.assert_allclose(vm["main"](_t(xs), _t(ws)).numpy(), rms_norm(xs, ws, 1e-5), rtol=1e-5, atol=1e-6)

@@ -1,0 +1,75 @@
+"""Small GGUF files written with the `gguf` package, for tests of bad input and of architectures without a public
+small model. Random weights, real metadata layout."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+
+def byte_level_vocab() -> list[str]:
+    """GPT-2's byte-to-unicode table: 256 single-character tokens, enough for any text."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return [chr(c) for _, c in sorted(zip(bs, cs))]
+
+
+def write_tiny_llama(path: Path, *, arch: str = "llama", layers: int = 2, dim: int = 64, heads: int = 4,
+                     kv_heads: int = 2, ffn: int = 128, context: int = 256, seed: int = 0,
+                     matrix_type: str = "F32", override_raw: dict | None = None) -> Path:
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    tokens = byte_level_vocab() + ["<|endoftext|>"]
+    vocab = len(tokens)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(layers)
+    w.add_context_length(context)
+    w.add_embedding_length(dim)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * (vocab - 1) + [3])
+    w.add_token_merges([])
+    w.add_eos_token_id(vocab - 1)
+    w.add_bool("tokenizer.ggml.add_bos_token", False)
+    head_dim = dim // heads
+    shapes = {"token_embd.weight": (vocab, dim), "output_norm.weight": (dim,)}
+    for l in range(layers):
+        p = f"blk.{l}."
+        shapes.update({p + "attn_norm.weight": (dim,), p + "ffn_norm.weight": (dim,),
+                       p + "attn_q.weight": (heads * head_dim, dim), p + "attn_k.weight": (kv_heads * head_dim, dim),
+                       p + "attn_v.weight": (kv_heads * head_dim, dim), p + "attn_output.weight": (dim, heads * head_dim),
+                       p + "ffn_gate.weight": (ffn, dim), p + "ffn_up.weight": (ffn, dim),
+                       p + "ffn_down.weight": (dim, ffn)})
+    override_raw = override_raw or {}
+    for name, shape in shapes.items():
+        if name in override_raw:
+            raw, qtype = override_raw[name]
+            w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=qtype)
+            continue
+        if len(shape) == 1:
+            w.add_tensor(name, (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32))
+            continue
+        data = (rng.standard_normal(shape) / np.sqrt(shape[1])).astype(np.float32)
+        qtype = gguf.GGMLQuantizationType[matrix_type]
+        if qtype == gguf.GGMLQuantizationType.F32:
+            w.add_tensor(name, data)
+        else:
+            raw = gguf.quants.quantize(data, qtype)
+            w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
