@@ -64,6 +64,8 @@ def make_paged_attention(heads: int, kv_heads: int, head_dim: int, page_size: in
     if head_dim % LANES:
         return _paged_attention_scalar(heads, kv_heads, head_dim, page_size, scale, n, group, neg_inf)
     DC = head_dim // LANES
+    if tokens == 1:
+        return _paged_attention_decode(heads, kv_heads, head_dim, page_size, scale, group, neg_inf, LANES)
 
     @T.prim_func
     def paged_attention(var_q: T.handle, var_pool: T.handle, var_pt: T.handle, var_lens: T.handle,
@@ -120,6 +122,80 @@ def make_paged_attention(heads: int, kv_heads: int, head_dim: int, page_size: in
                 stats[0] = stats[3]
             for d in T.vectorized(head_dim):
                 out[t, h, d] = acc[d] / stats[1]
+
+    return paged_attention
+
+
+def _paged_attention_decode(heads, kv_heads, head_dim, page_size, scale, group, neg_inf, LANES):
+    """One token: one task per (KV head, chunk of its query heads), so each K/V row is loaded once for the chunk.
+    The chunk is the largest divisor of `group` whose accumulators stay under 1 KB (kept on the stack)."""
+    pages, layers, max_pages = T.int64(), T.int64(), T.int64()
+    DC = head_dim // LANES
+    gs = max(c for c in range(1, group + 1) if group % c == 0 and (c * head_dim < 256 or c == 1))
+    chunks = group // gs
+
+    @T.prim_func
+    def paged_attention(var_q: T.handle, var_pool: T.handle, var_pt: T.handle, var_lens: T.handle,
+                        layer: T.int64, var_out: T.handle):
+        T.func_attr({"tirx.noalias": True, "op_pattern": 8})
+        q = T.match_buffer(var_q, (1, heads, head_dim), "float32")
+        pool = T.match_buffer(var_pool, (pages, 2, kv_heads, page_size, head_dim), "float32")
+        page_table = T.match_buffer(var_pt, (layers, max_pages), "int32")
+        kv_lens = T.match_buffer(var_lens, (layers,), "int32")
+        out = T.match_buffer(var_out, (1, heads, head_dim), "float32")
+        for kc in T.parallel(kv_heads * chunks):
+            kvh = T.meta_var(kc // chunks)
+            h0 = T.meta_var(kvh * group + kc % chunks * gs)
+            total = T.meta_var(T.Cast("int64", kv_lens[layer]) + 1)
+            acc = T.decl_buffer((gs, head_dim), "float32", scope="global")
+            score = T.decl_buffer((gs, page_size), "float32", scope="global")
+            dv = T.decl_buffer((gs, LANES), "float32", scope="global")
+            # per query head: running max, running sum, block max, new max, correction
+            stats = T.decl_buffer((gs, 5), "float32", scope="global")
+            for g in T.unroll(gs):
+                stats[g, 0] = T.float32(neg_inf)
+                stats[g, 1] = T.float32(0)
+                for d in T.vectorized(head_dim):
+                    acc[g, d] = T.float32(0)
+            for p in range((total + page_size - 1) // page_size):
+                page = T.meta_var(T.Cast("int64", page_table[layer, p]))
+                # q . k for every slot of the page and every query head of the chunk: each K row is loaded
+                # once; slots past `total` are masked (a select never propagates their contents).
+                for o in T.unroll(page_size):
+                    for g in T.unroll(gs):
+                        for l in T.vectorized(LANES):
+                            dv[g, l] = q[0, h0 + g, l] * pool[page, 0, kvh, o, l]
+                        for dc in T.unroll(DC - 1):
+                            for l in T.vectorized(LANES):
+                                dv[g, l] = dv[g, l] + q[0, h0 + g, (dc + 1) * LANES + l] \
+                                    * pool[page, 0, kvh, o, (dc + 1) * LANES + l]
+                        score[g, o] = T.if_then_else(
+                            p * page_size + o < total,
+                            (((dv[g, 0] + dv[g, 1]) + (dv[g, 2] + dv[g, 3]))
+                             + ((dv[g, 4] + dv[g, 5]) + (dv[g, 6] + dv[g, 7]))) * T.float32(scale),
+                            T.float32(neg_inf))
+                for g in T.unroll(gs):
+                    stats[g, 2] = T.float32(neg_inf)
+                    for o in T.unroll(page_size):
+                        stats[g, 2] = T.max(stats[g, 2], score[g, o])
+                    stats[g, 3] = T.max(stats[g, 0], stats[g, 2])
+                    stats[g, 4] = T.exp(stats[g, 0] - stats[g, 3])
+                    for o in T.vectorized(page_size):
+                        score[g, o] = T.if_then_else(p * page_size + o < total,
+                                                     fast_exp(score[g, o] - stats[g, 3]), T.float32(0))
+                    stats[g, 1] = stats[g, 1] * stats[g, 4]
+                    for o in range(page_size):
+                        stats[g, 1] = stats[g, 1] + score[g, o]
+                    for d in T.vectorized(head_dim):
+                        acc[g, d] = acc[g, d] * stats[g, 4]
+                    stats[g, 0] = stats[g, 3]
+                for o in range(T.min(T.Cast("int64", page_size), total - p * page_size)):
+                    for g in T.unroll(gs):
+                        for d in T.vectorized(head_dim):
+                            acc[g, d] = acc[g, d] + score[g, o] * pool[page, 1, kvh, o, d]
+            for g in T.unroll(gs):
+                for d in T.vectorized(head_dim):
+                    out[0, h0 + g, d] = acc[g, d] / stats[g, 1]
 
     return paged_attention
 
