@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .common.errors import ConfigError
-from .common.manifest import FORMAT_VERSION, Manifest
+from .common.manifest import FORMAT_VERSION, Manifest, file_sha256
 from .common.ops import PAGE_SIZE
 from .common.settings import parse_positive_int, sharpi_home
 from .common.version import __version__
@@ -48,23 +48,24 @@ def compile(model: str | Path, target: str = "llvm", output: str | Path | None =
     options = CompileOptions(target=target, mcpu=mcpu, max_context=max_context)
     options.validate()
     gguf_path = resolve_model(model, show_progress=show_progress)
-    gguf = GGUFFile(gguf_path)
     output = Path(output) if output is not None else Path(gguf_path.stem + f"-{target}")
     _check_output_dir(output)
     from .codegen.llvm import host_cpu
     resolved = CompileOptions(target=target, mcpu=mcpu or host_cpu(), max_context=max_context)
-    cached = _cache_dir(gguf, resolved) if use_cache else None
+    gguf_sha256 = file_sha256(gguf_path)   # the cache key needs only the bytes, not a parse of the GGUF
+    cached = _cache_dir(gguf_path, gguf_sha256, resolved) if use_cache else None
     if cached is not None and (cached / "manifest.json").is_file():
         _log(show_progress, f"sharpi: using the cached compile {cached.name}")
         _copy_artifact(cached, output)
         return output
-    built = _compile_uncached(gguf, resolved, output if cached is None else cached, show_progress)
+    gguf = GGUFFile(gguf_path)
+    built = _compile_uncached(gguf, gguf_sha256, resolved, output if cached is None else cached, show_progress)
     if cached is not None:
         _copy_artifact(built, output)
     return output
 
 
-def _compile_uncached(gguf, options: CompileOptions, output: Path, show_progress: bool) -> Path:
+def _compile_uncached(gguf, gguf_sha256: str, options: CompileOptions, output: Path, show_progress: bool) -> Path:
     from .codegen import artifact
     from .codegen.llvm import build, kernel_names, lower, make_target, required_cpu_features
     from .common.tokenizer import build_from_gguf_metadata
@@ -96,7 +97,7 @@ def _compile_uncached(gguf, options: CompileOptions, output: Path, show_progress
         tokenizer.save(staging)
         manifest = Manifest(
             format_version=FORMAT_VERSION, sharpi_version=__version__,
-            source={"name": gguf.path.name, "sha256": gguf.sha256(), "size": gguf.path.stat().st_size},
+            source={"name": gguf.path.name, "sha256": gguf_sha256, "size": gguf.path.stat().st_size},
             config=cfg.to_dict(),
             target={"kind": options.target, "mcpu": str(target.attrs["mcpu"]),
                     "cpu_features": required_cpu_features(target)},
@@ -122,11 +123,11 @@ def _code_fingerprint() -> str:
     return digest.hexdigest()
 
 
-def _cache_dir(gguf, options: CompileOptions) -> Path:
-    key = json.dumps({"gguf": gguf.sha256(), "options": asdict(options), "sharpi": __version__,
+def _cache_dir(gguf_path: Path, gguf_sha256: str, options: CompileOptions) -> Path:
+    key = json.dumps({"gguf": gguf_sha256, "options": asdict(options), "sharpi": __version__,
                       "format": FORMAT_VERSION, "code": _code_fingerprint()}, sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:24]
-    return sharpi_home() / "cache" / f"{gguf.path.stem}-{options.target}-{digest}"
+    return sharpi_home() / "cache" / f"{gguf_path.stem}-{options.target}-{digest}"
 
 
 def _check_output_dir(output: Path) -> None:

