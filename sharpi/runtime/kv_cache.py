@@ -47,15 +47,20 @@ class PagePool:
 class SequenceCache:
     """One sequence's page tables and lengths."""
 
-    def __init__(self, pool: PagePool, n_layers: int, max_pages: int):
+    def __init__(self, pool: PagePool, n_layers: int, kv_heads: int, max_pages: int):
         self.pool = pool
         self.n_layers = n_layers
+        self.kv_heads = kv_heads
         self.max_pages = max_pages
         self.pages: list[list[int]] = [[] for _ in range(n_layers)]
         self.length = [0] * n_layers
         self.logical_length = 0
-        self.positions: list[np.ndarray] = [np.zeros(0, np.int64) for _ in range(n_layers)]
+        # per layer [kv_heads, length]: the logical position each held slot came from
+        self.positions: list[np.ndarray] = [self._no_positions() for _ in range(n_layers)]
         self._table = np.zeros((n_layers, max_pages), np.int32)
+
+    def _no_positions(self) -> np.ndarray:
+        return np.zeros((self.kv_heads, 0), np.int64)
 
     @property
     def capacity(self) -> int:
@@ -78,10 +83,11 @@ class SequenceCache:
 
     def advance(self, n_new: int) -> None:
         """Record n_new tokens written at slots length[l].. and logical positions logical_length.."""
-        new_positions = np.arange(self.logical_length, self.logical_length + n_new, dtype=np.int64)
+        new = np.broadcast_to(np.arange(self.logical_length, self.logical_length + n_new, dtype=np.int64),
+                              (self.kv_heads, n_new))
         for l in range(self.n_layers):
             self.length[l] += n_new
-            self.positions[l] = np.concatenate([self.positions[l], new_positions])
+            self.positions[l] = np.concatenate([self.positions[l], new], axis=1)
         self.logical_length += n_new
 
     def page_table(self) -> np.ndarray:
@@ -99,13 +105,13 @@ class SequenceCache:
             self.pool.release(self.pages[l])
             self.pages[l] = []
             self.length[l] = 0
-            self.positions[l] = np.zeros(0, np.int64)
+            self.positions[l] = self._no_positions()
         self._table[:] = 0
         self.logical_length = 0
 
     def fork(self) -> "SequenceCache":
         """A copy with its own pages (contents copied), so both sequences can go on independently."""
-        other = SequenceCache(self.pool, self.n_layers, self.max_pages)
+        other = SequenceCache(self.pool, self.n_layers, self.kv_heads, self.max_pages)
         count = sum(len(p) for p in self.pages)
         fresh = self.pool.allocate(count)
         pool = self.pool.view()
@@ -121,24 +127,61 @@ class SequenceCache:
         other.logical_length = self.logical_length
         return other
 
-    def compact(self, layer: int, keep: np.ndarray) -> None:
-        """Keep only the slots in `keep` (strictly increasing) of one layer, gathered to the front."""
-        keep = np.asarray(keep, dtype=np.int64)
+    def compact(self, keep) -> None:
+        """Keep only the listed slots, gathered to the front; the trailing pages go back to the pool at once.
+
+        `keep` is one list for every layer and head, or a list per layer of either one list (all heads) or an
+        array [kv_heads, k] (one list per KV head; every head keeps the same count so the cache stays
+        rectangular). Lists are slot indices, strictly increasing, within the layer's length. logical_length is
+        unchanged, so later tokens are still RoPE'd at their true positions.
+        """
+        per_layer = self._keep_per_layer(keep)
+        for layer, rows in enumerate(per_layer):      # validate every layer before touching any
+            self._validate_keep(layer, rows)
+        for layer, rows in enumerate(per_layer):
+            self._compact_layer(layer, rows)
+
+    def _keep_per_layer(self, keep) -> list[np.ndarray]:
+        if isinstance(keep, np.ndarray) and keep.ndim == 1 or (isinstance(keep, (list, tuple)) and
+                                                                 (len(keep) == 0 or np.isscalar(keep[0]))):
+            keep = [keep] * self.n_layers
+        if len(keep) != self.n_layers:
+            raise KeepSetError(f"compact() needs one keep list, or one per layer ({self.n_layers}); got {len(keep)}.")
+        rows = []
+        for layer_keep in keep:
+            a = np.asarray(layer_keep)
+            if a.size and not np.issubdtype(a.dtype, np.integer):
+                raise KeepSetError("Keep lists hold integer slot indices.")
+            a = a.astype(np.int64)
+            if a.ndim == 1:
+                a = np.broadcast_to(a, (self.kv_heads, a.size))
+            if a.ndim != 2 or a.shape[0] != self.kv_heads:
+                raise KeepSetError(f"A per-head keep set must have shape [kv_heads={self.kv_heads}, k].")
+            rows.append(a)
+        return rows
+
+    def _validate_keep(self, layer: int, rows: np.ndarray) -> None:
         n = self.length[layer]
-        if keep.ndim != 1 or len(keep) > n or (len(keep) and (keep[0] < 0 or keep[-1] >= n)) \
-                or np.any(np.diff(keep) <= 0):
-            raise KeepSetError(f"Keep list for layer {layer} must be strictly increasing slots in [0, {n}) and "
-                               f"at most {n} long.")
+        if rows.shape[1] > n:
+            raise KeepSetError(f"Keep list for layer {layer} has {rows.shape[1]} slots but the layer holds {n}.")
+        if rows.size and (rows.min() < 0 or rows.max() >= n):
+            raise KeepSetError(f"Keep list for layer {layer} has a slot outside [0, {n}).")
+        if rows.shape[1] > 1 and np.any(np.diff(rows, axis=1) <= 0):
+            raise KeepSetError(f"Keep list for layer {layer} is not strictly increasing (unsorted or duplicates).")
+
+    def _compact_layer(self, layer: int, rows: np.ndarray) -> None:
         size = self.pool.page_size
+        k = rows.shape[1]
         pool = self.pool.view()
-        pages = np.asarray(self.pages[layer])
-        src_page, src_off = pages[keep // size], keep % size
-        data = pool[src_page, :, :, src_off, :].copy()   # [k, 2, kvh, d] (advanced indexing puts k first)
-        dst = np.arange(len(keep))
-        pool[pages[dst // size], :, :, dst % size, :] = data
-        used = math.ceil(len(keep) / size)
+        pages = np.asarray(self.pages[layer], dtype=np.int64)
+        dst = np.arange(k)
+        for head in range(self.kv_heads):
+            src = rows[head]
+            data = pool[pages[src // size], :, head, src % size, :].copy()    # [k, 2, head_dim]
+            pool[pages[dst // size], :, head, dst % size, :] = data
+        used = math.ceil(k / size)
         self.pool.release(self.pages[layer][used:])
         self.pages[layer] = self.pages[layer][:used]
         self._table[layer, used:] = 0
-        self.length[layer] = len(keep)
-        self.positions[layer] = self.positions[layer][keep]
+        self.length[layer] = k
+        self.positions[layer] = np.take_along_axis(self.positions[layer], rows, axis=1)

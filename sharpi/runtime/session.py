@@ -12,7 +12,8 @@ class Session:
 
     def __init__(self, model):
         self._model = model
-        self._cache = SequenceCache(model._pool, model.config.n_layers, model._manifest.max_pages)
+        self._cache = SequenceCache(model._pool, model.config.n_layers, model.config.n_kv_heads,
+                                    model._manifest.max_pages)
         self._closed = False
 
     # -- state ------------------------------------------------------------------------------------------------
@@ -31,8 +32,7 @@ class Session:
     @property
     def kept_positions(self) -> list[np.ndarray]:
         """Per layer: int array [kv_heads, length[l]], the logical position each held slot came from."""
-        kvh = self._model.config.n_kv_heads
-        return [np.broadcast_to(p, (kvh, len(p))).copy() for p in self._cache.positions]
+        return [p.copy() for p in self._cache.positions]
 
     @property
     def context_left(self) -> int:
@@ -56,6 +56,13 @@ class Session:
         """Logits of every fed token, float32 [len(ids), vocab] (teacher forcing)."""
         ids = self._check_ids(ids)
         return np.concatenate([self._forward("prefill_logits", chunk) for chunk in self._chunks(ids)])
+
+    def compact(self, keep) -> None:
+        """Keep only the listed slots (one list, or per layer one list or one [kv_heads, k] array); the freed
+        pages return to the pool at once. Raises KeepSetError for a list that is too long, out of range or not
+        strictly increasing."""
+        self._check_open()
+        self._cache.compact(keep)
 
     def fork(self) -> "Session":
         """An independent copy of this session (its pages copied): one prefill, many continuations."""
