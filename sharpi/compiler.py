@@ -11,7 +11,7 @@ import math
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from .common.errors import ConfigError
@@ -29,8 +29,19 @@ class CompileOptions:
     target: str = "llvm"
     mcpu: str | None = None
     max_context: int | None = None
+    snapkv: str = "on"                       # whether the SnapKV ops are compiled in
+    snapkv_defaults: tuple = ()              # (name, value) pairs: the artifact's run-time defaults
+
+    def snapkv_settings(self):
+        from .common.snapkv_settings import settings_from
+        return settings_from(env={}, **dict(self.snapkv_defaults))
 
     def validate(self) -> None:
+        if self.snapkv not in ("on", "off"):
+            raise ConfigError(f"--snapkv must be 'on' or 'off', got {self.snapkv!r}.")
+        settings = self.snapkv_settings()
+        from .common.snapkv_settings import check_against
+        check_against(settings, settings.budget or 0, settings.window)
         if self.target not in TARGETS:
             raise ConfigError(f"Unknown target {self.target!r}; choose one of {', '.join(TARGETS)}.")
         if self.target != "llvm":
@@ -40,32 +51,46 @@ class CompileOptions:
 
 
 def compile(model: str | Path, target: str = "llvm", output: str | Path | None = None, *, mcpu: str | None = None,
-            max_context: int | None = None, use_cache: bool = True, show_progress: bool = False) -> Path:
-    """Compile a GGUF (path or known model name) into an artifact directory; returns its path."""
+            max_context: int | None = None, snapkv: str | bool = "on", snapkv_budget=None, snapkv_window=None,
+            snapkv_recency=None, snapkv_pooling=None, snapkv_kernel=None, snapkv_granularity=None,
+            dump_ir: str | Path | None = None, use_cache: bool = True, show_progress: bool = False) -> Path:
+    """Compile a GGUF (path or known model name) into an artifact directory; returns its path.
+
+    snapkv decides whether the SnapKV ops exist; snapkv_window is also the largest window allowed at run time;
+    the other snapkv_* values become the artifact's run-time defaults. dump_ir writes the Relax IR after the
+    passes (before kernels are attached) to a file."""
     from .frontend.fetch import resolve_model
     from .frontend.gguf_file import GGUFFile
 
-    options = CompileOptions(target=target, mcpu=mcpu, max_context=max_context)
+    snapkv = {True: "on", False: "off"}.get(snapkv, snapkv)
+    defaults = tuple((k, v) for k, v in (("budget", snapkv_budget), ("window", snapkv_window),
+                                         ("recency", snapkv_recency), ("pooling", snapkv_pooling),
+                                         ("kernel", snapkv_kernel), ("granularity", snapkv_granularity))
+                     if v is not None)
+    options = CompileOptions(target=target, mcpu=mcpu, max_context=max_context, snapkv=snapkv,
+                             snapkv_defaults=defaults)
     options.validate()
     gguf_path = resolve_model(model, show_progress=show_progress)
     output = Path(output) if output is not None else Path(gguf_path.stem + f"-{target}")
     _check_output_dir(output)
     from .codegen.llvm import host_cpu
-    resolved = CompileOptions(target=target, mcpu=mcpu or host_cpu(), max_context=max_context)
+    resolved = replace(options, mcpu=mcpu or host_cpu())
     gguf_sha256 = file_sha256(gguf_path)   # the cache key needs only the bytes, not a parse of the GGUF
     cached = _cache_dir(gguf_path, gguf_sha256, resolved) if use_cache else None
-    if cached is not None and (cached / "manifest.json").is_file():
+    if cached is not None and (cached / "manifest.json").is_file() and dump_ir is None:
         _log(show_progress, f"sharpi: using the cached compile {cached.name}")
         _copy_artifact(cached, output)
         return output
     gguf = GGUFFile(gguf_path)
-    built = _compile_uncached(gguf, gguf_sha256, resolved, output if cached is None else cached, show_progress)
+    built = _compile_uncached(gguf, gguf_sha256, resolved, output if cached is None else cached, show_progress,
+                              dump_ir)
     if cached is not None:
         _copy_artifact(built, output)
     return output
 
 
-def _compile_uncached(gguf, gguf_sha256: str, options: CompileOptions, output: Path, show_progress: bool) -> Path:
+def _compile_uncached(gguf, gguf_sha256: str, options: CompileOptions, output: Path, show_progress: bool,
+                      dump_ir: str | Path | None = None) -> Path:
     from .codegen import artifact
     from .codegen.llvm import build, kernel_names, lower, make_target, required_cpu_features
     from .common.tokenizer import build_from_gguf_metadata
@@ -81,6 +106,14 @@ def _compile_uncached(gguf, gguf_sha256: str, options: CompileOptions, output: P
     weights = llama_weights(gguf, cfg, show_progress)
     max_pages = math.ceil(max_context / PAGE_SIZE)
     mod = LlamaBuilder(cfg, weights, max_pages).build()
+    functions = ["prefill", "prefill_logits", "decode"]
+    settings = options.snapkv_settings()
+    if options.snapkv == "on":
+        from .ir_passes.snapkv import SNAPKV_FUNCTIONS, snapkv_pass
+        mod = snapkv_pass(mod)
+        functions += list(SNAPKV_FUNCTIONS)
+    if dump_ir is not None:
+        Path(dump_ir).write_text(mod.script())
     target = make_target(options.mcpu)
     steps = ["lowering", "building"]
     from .common.progress import progress_bar
@@ -102,8 +135,9 @@ def _compile_uncached(gguf, gguf_sha256: str, options: CompileOptions, output: P
             target={"kind": options.target, "mcpu": str(target.attrs["mcpu"]),
                     "cpu_features": required_cpu_features(target)},
             tokenizer=tok_info.to_dict(), page_size=PAGE_SIZE, max_context=max_context, max_pages=max_pages,
-            prefill_chunk=PREFILL_CHUNK, functions=["prefill", "prefill_logits", "decode"],
-            kernels=kernel_names(lowered), params=params)
+            prefill_chunk=PREFILL_CHUNK, functions=functions, kernels=kernel_names(lowered), params=params,
+            snapkv={"enabled": options.snapkv == "on", "max_window": settings.window,
+                    "defaults": settings.to_dict()})
         artifact.finalize(staging, output, manifest)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

@@ -15,6 +15,7 @@ from ..common.errors import CompileError
 from .kernels.paged_attention import make_kv_append, make_paged_attention
 from .kernels.quant_matmul import make_embedding, make_matmul
 from .kernels.rope import make_rope
+from .kernels.snapkv import make_kv_compact, make_snapkv_score, make_snapkv_select
 
 
 def _extern_name(call) -> str | None:
@@ -49,7 +50,7 @@ class KernelAttacher(relax.PyExprMutator):
 
     def kernel(self, key: tuple, make) -> tvm.ir.GlobalVar:
         if key not in self.kernels:
-            name = "_".join(str(k) for k in key if k is not None) + ("" if key[-1] is None else "_static")
+            name = "_".join(str(k) for k in key if k is not None)
             prim = make().with_attr("tirx.is_scheduled", True).with_attr("global_symbol", name)
             self.kernels[key] = self.builder_.add_func(prim, name)
         return self.kernels[key]
@@ -87,6 +88,12 @@ class KernelAttacher(relax.PyExprMutator):
             return self._kv_append(args, call.ty)
         if name == ops.PAGED_ATTENTION:
             return self._attention(args, call.ty)
+        if name == ops.SNAPKV_SCORE:
+            return self._snapkv_score(args, call.ty)
+        if name == ops.SNAPKV_SELECT:
+            return self._snapkv_select(args, call.ty)
+        if name == ops.KV_COMPACT:
+            return self._kv_compact(args, call.ty)
         if name.startswith(ops.DEQUANTIZE):
             return call  # consumed by a fused matmul or embedding; dead code after this pass
         raise CompileError(f"The frontend emitted {name}, which the llvm codegen has no kernel for.")
@@ -139,6 +146,33 @@ class KernelAttacher(relax.PyExprMutator):
                          lambda: make_paged_attention(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, ops.PAGE_SIZE,
                                                       scale, tokens))
         return relax.call_tir(gv, [q, pool, page_table, kv_lens, layer], ty)
+
+
+    def _snapkv_score(self, args, ty):
+        q, pool, page_table, kv_lens, layer, window, scale = args
+        cfg = self.cfg
+        max_pages = int(page_table.ty.shape[1])
+        scale = _prim_constant(scale)
+        gv = self.kernel(("snapkv_score", None),
+                         lambda: make_snapkv_score(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, ops.PAGE_SIZE, max_pages,
+                                                   scale))
+        return relax.call_tir(gv, [q, pool, page_table, kv_lens, layer, window], ty)
+
+    def _snapkv_select(self, args, ty):
+        scores, params = args
+        layers, kv_heads, slots = (int(d) for d in ty.shape)
+        gv = self.kernel(("snapkv_pool_topk", None), lambda: make_snapkv_select(layers, kv_heads, slots))
+        scratch = relax.TensorType(ty.shape, "float32")
+        outputs = self.builder_.emit(relax.call_tir(gv, [scores, params], [ty, scratch, scratch]))
+        return relax.TupleGetItem(outputs, 0)
+
+    def _kv_compact(self, args, ty):
+        pool, page_table, keep, count = args
+        cfg = self.cfg
+        layers, max_pages = (int(d) for d in page_table.ty.shape)
+        gv = self.kernel(("kv_compact", None),
+                         lambda: make_kv_compact(layers, cfg.n_kv_heads, cfg.head_dim, ops.PAGE_SIZE, max_pages))
+        return relax.call_tir_inplace(gv, [pool, page_table, keep, count], [0], ty)
 
 
 def attach_kernels(mod: tvm.IRModule, cfg: ModelConfig) -> tvm.IRModule:

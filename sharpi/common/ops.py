@@ -24,3 +24,16 @@ def dequantize_op(qtype: str) -> str:
 
 def rope_op(layout: str) -> str:
     return ROPE + layout
+
+# SnapKV (inserted by sharpi.ir_passes.snapkv):
+# sharpi.snapkv.score(q, pool, page_table, kv_lens, layer: i64, window [1] int32, scale: f32) -> f32 [KVH, slots]
+#   the last `window` queries of the chunk attend (causally) over the layer's slots; probabilities summed over
+#   those queries and averaged over each KV head's query heads.
+SNAPKV_SCORE = "sharpi.snapkv.score"
+# sharpi.snapkv.select(scores f32 [L, KVH, slots], params int32 [6]) -> keep int32 [L, KVH, slots]
+#   params: total, budget, recency, pooling kernel, pooling (0 none, 1 max, 2 avg), shared (0/1);
+#   keep[l, h, :budget] is the ascending keep set.
+SNAPKV_SELECT = "sharpi.snapkv.select"
+# sharpi.kv_compact(pool, page_table, keep int32 [L, KVH, slots], count [1] int32) -> pool (written in place)
+KV_COMPACT = "sharpi.kv_compact"
+SNAPKV_POOLING_CODES = {"none": 0, "max": 1, "avg": 2}

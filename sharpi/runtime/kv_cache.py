@@ -127,19 +127,40 @@ class SequenceCache:
         other.logical_length = self.logical_length
         return other
 
-    def compact(self, keep) -> None:
-        """Keep only the listed slots, gathered to the front; the trailing pages go back to the pool at once.
+    def keep_rows(self, keep) -> list[np.ndarray]:
+        """Validate a keep set for compact(): one list for every layer and head, or per layer either one list
+        (all heads) or an array [kv_heads, k] (one list per KV head; every head keeps the same count so the
+        cache stays rectangular). Slot indices, strictly increasing, within the layer's length. Returns one
+        [kv_heads, k] array per layer; raises KeepSetError before anything is changed."""
+        rows = self._keep_per_layer(keep)
+        for layer, layer_rows in enumerate(rows):
+            self._validate_keep(layer, layer_rows)
+        return rows
 
-        `keep` is one list for every layer and head, or a list per layer of either one list (all heads) or an
-        array [kv_heads, k] (one list per KV head; every head keeps the same count so the cache stays
-        rectangular). Lists are slot indices, strictly increasing, within the layer's length. logical_length is
-        unchanged, so later tokens are still RoPE'd at their true positions.
-        """
-        per_layer = self._keep_per_layer(keep)
-        for layer, rows in enumerate(per_layer):      # validate every layer before touching any
-            self._validate_keep(layer, rows)
-        for layer, rows in enumerate(per_layer):
-            self._compact_layer(layer, rows)
+    def move_slots(self, rows: list[np.ndarray]) -> None:
+        """Gather the kept slots to the front of each layer and head (numpy on the pool; the compiled
+        snapkv_compact kernel does the same on the device)."""
+        size = self.pool.page_size
+        pool = self.pool.view()
+        for layer, layer_rows in enumerate(rows):
+            pages = np.asarray(self.pages[layer], dtype=np.int64)
+            dst = np.arange(layer_rows.shape[1])
+            for head in range(self.kv_heads):
+                src = layer_rows[head]
+                data = pool[pages[src // size], :, head, src % size, :].copy()    # [k, 2, head_dim]
+                pool[pages[dst // size], :, head, dst % size, :] = data
+
+    def record_compaction(self, rows: list[np.ndarray]) -> None:
+        """Bookkeeping after the slots moved: lengths, kept positions, trailing pages back to the pool at once.
+        logical_length is unchanged, so later tokens are still RoPE'd at their true positions."""
+        for layer, layer_rows in enumerate(rows):
+            k = layer_rows.shape[1]
+            used = math.ceil(k / self.pool.page_size)
+            self.pool.release(self.pages[layer][used:])
+            self.pages[layer] = self.pages[layer][:used]
+            self._table[layer, used:] = 0
+            self.length[layer] = k
+            self.positions[layer] = np.take_along_axis(self.positions[layer], layer_rows, axis=1)
 
     def _keep_per_layer(self, keep) -> list[np.ndarray]:
         if isinstance(keep, np.ndarray) and keep.ndim == 1 or (isinstance(keep, (list, tuple)) and
@@ -168,20 +189,3 @@ class SequenceCache:
             raise KeepSetError(f"Keep list for layer {layer} has a slot outside [0, {n}).")
         if rows.shape[1] > 1 and np.any(np.diff(rows, axis=1) <= 0):
             raise KeepSetError(f"Keep list for layer {layer} is not strictly increasing (unsorted or duplicates).")
-
-    def _compact_layer(self, layer: int, rows: np.ndarray) -> None:
-        size = self.pool.page_size
-        k = rows.shape[1]
-        pool = self.pool.view()
-        pages = np.asarray(self.pages[layer], dtype=np.int64)
-        dst = np.arange(k)
-        for head in range(self.kv_heads):
-            src = rows[head]
-            data = pool[pages[src // size], :, head, src % size, :].copy()    # [k, 2, head_dim]
-            pool[pages[dst // size], :, head, dst % size, :] = data
-        used = math.ceil(k / size)
-        self.pool.release(self.pages[layer][used:])
-        self.pages[layer] = self.pages[layer][:used]
-        self._table[layer, used:] = 0
-        self.length[layer] = k
-        self.positions[layer] = np.take_along_axis(self.positions[layer], rows, axis=1)

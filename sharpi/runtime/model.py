@@ -56,14 +56,25 @@ class Model:
         tensor = tvm.runtime.empty(shape, "float32", self.device)  # untouched pages cost no resident memory
         return PagePool(tensor, m.page_size, page_bytes=4 * 2 * cfg.n_kv_heads * m.page_size * cfg.head_dim)
 
-    def _call(self, function: str, ids, positions, page_table, kv_lens) -> np.ndarray:
+    def _call(self, function: str, ids, positions, page_table, kv_lens, extra: tuple = ()):
+        """A forward function: logits as numpy; for prefill_snapkv (logits, scores tensor)."""
         import tvm
 
         dev = self.device
         out = self._functions[function](tvm.runtime.tensor(ids, dev), tvm.runtime.tensor(positions, dev),
                                         self._pool.tensor, tvm.runtime.tensor(page_table, dev),
-                                        tvm.runtime.tensor(kv_lens, dev), self._weights)
+                                        tvm.runtime.tensor(kv_lens, dev), self._weights,
+                                        *[tvm.runtime.tensor(e, dev) for e in extra])
+        if function == "prefill_snapkv":
+            return out[0].numpy(), out[1]
         return out.numpy()
+
+    def _call_raw(self, function: str, *args):
+        """Call a helper function (snapkv_select, snapkv_compact); numpy arguments are moved to the device."""
+        import tvm
+
+        converted = [tvm.runtime.tensor(a, self.device) if isinstance(a, np.ndarray) else a for a in args]
+        return self._functions[function](*converted)
 
     # -- public API -------------------------------------------------------------------------------------------
     @property
@@ -80,10 +91,30 @@ class Model:
     def detokenize(self, ids, special: bool = True) -> str:
         return self.tokenizer.detokenize(ids, special=special)
 
-    def session(self, **snapkv) -> Session:
-        if snapkv:
-            raise ConfigError(f"SnapKV options ({', '.join(sorted(snapkv))}) are not available in this build yet.")
-        return Session(self)
+    def session(self, *, snapkv_budget=None, snapkv_window=None, snapkv_recency=None, snapkv_pooling=None,
+                snapkv_kernel=None, snapkv_granularity=None) -> Session:
+        """A new sequence. SnapKV knobs: argument > SHARPI_SNAPKV_* env > the artifact's defaults; budget None
+        means auto (off on CPU), 0 off."""
+        settings, budget = self.snapkv_settings(budget=snapkv_budget, window=snapkv_window, recency=snapkv_recency,
+                                                pooling=snapkv_pooling, kernel=snapkv_kernel,
+                                                granularity=snapkv_granularity)
+        return Session(self, settings, budget)
+
+    def snapkv_settings(self, **arguments):
+        """The resolved SnapKV settings and effective budget (0 = no eviction) for these arguments."""
+        from ..common.snapkv_settings import auto_budget, check_against, settings_from
+
+        info = self._manifest.snapkv or {}
+        settings = settings_from(info.get("defaults"), **arguments)
+        budget = settings.budget
+        if budget is None:
+            cfg = self.config
+            full = cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * 4 * self.max_context
+            budget = auto_budget(self.max_context, full, self._manifest.target.get("kind", "llvm"))
+        if budget and not info.get("enabled"):
+            raise ConfigError("This artifact was compiled with --snapkv off; recompile with --snapkv on to evict.")
+        check_against(settings, budget, info.get("max_window", settings.window))
+        return settings, budget
 
     def score(self, ids) -> np.ndarray:
         """Teacher-forced logits, float32 [len(ids), vocab], of a fresh sequence."""
@@ -127,9 +158,7 @@ class _Generation:
     def __init__(self, model: Model, prompt, max_tokens, params, stop, snapkv_budget, special):
         if not isinstance(max_tokens, int) or max_tokens < 0:
             raise ConfigError(f"max_tokens must be an integer >= 0, got {max_tokens!r}.")
-        if snapkv_budget not in (None, 0):
-            raise ConfigError("snapkv_budget is not available in this build yet.")
-        self.model, self.max_tokens = model, max_tokens
+        self.model, self.max_tokens, self.snapkv_budget = model, max_tokens, snapkv_budget
         self.sampler = Sampler(params)
         self.stop = [stop] if isinstance(stop, str) else list(stop or [])
         self.special = special
@@ -147,7 +176,7 @@ class _Generation:
         out: list[int] = []
         emitted = ""
         finish = "length"
-        with model.session() as session:
+        with model.session(snapkv_budget=self.snapkv_budget) as session:
             t0 = time.perf_counter()
             logits = session.prefill(self.prompt_ids)
             t1 = time.perf_counter()
@@ -169,7 +198,7 @@ class _Generation:
                 if len(safe) > len(emitted):
                     yield safe[len(emitted):]
                     emitted = safe
-                if len(out) >= self.max_tokens or session.context_left == 0:
+                if len(out) >= self.max_tokens or session.context_left == 0 or session.logical_positions_left == 0:
                     break
                 logits = session.decode(token)
             t2 = time.perf_counter()

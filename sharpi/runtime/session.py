@@ -3,17 +3,26 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..common import ops
 from ..common.errors import ConfigError, ContextLengthError
+from ..common.snapkv_settings import SnapKVSettings
 from .kv_cache import SequenceCache
 
 
 class Session:
-    """prefill(ids) -> logits of the last token; decode(token) -> logits of that token."""
+    """prefill(ids) -> logits of the last token; decode(token) -> logits of that token.
 
-    def __init__(self, model):
+    With a SnapKV budget, a fresh prefill of more than `budget` (and `window`) tokens is followed by eviction:
+    the last window of queries scores every prompt position, the keep sets are selected, and the cache is
+    compacted to `budget` slots per layer and KV head. A continuation prefill never evicts."""
+
+    def __init__(self, model, snapkv: SnapKVSettings | None = None, budget: int = 0):
         self._model = model
         self._cache = SequenceCache(model._pool, model.config.n_layers, model.config.n_kv_heads,
                                     model._manifest.max_pages)
+        self.snapkv = snapkv
+        self.snapkv_budget = budget
+        self.evicted = False
         self._closed = False
 
     # -- state ------------------------------------------------------------------------------------------------
@@ -35,17 +44,50 @@ class Session:
         return [p.copy() for p in self._cache.positions]
 
     @property
+    def logical_positions_left(self) -> int:
+        return self._cache.capacity - self._cache.logical_length
+
+    @property
     def context_left(self) -> int:
         return self._cache.capacity - max(self._cache.length)
 
     # -- feeding tokens ---------------------------------------------------------------------------------------
     def prefill(self, ids) -> np.ndarray:
-        """Feed a prompt (or a continuation of the conversation); returns float32 [vocab] for its last token."""
+        """Feed a prompt (or a continuation of the conversation); returns float32 [vocab] for its last token.
+        May evict (see the class doc)."""
         ids = self._check_ids(ids)
+        if self._should_evict(len(ids)):
+            return self._prefill_and_evict(ids)
         last = None
         for chunk in self._chunks(ids):
             last = self._forward("prefill", chunk)[-1]
         return last
+
+    def _should_evict(self, n: int) -> bool:
+        budget, settings = self.snapkv_budget, self.snapkv
+        return bool(budget) and self._cache.logical_length == 0 and n > budget and n > settings.window
+
+    def _prefill_and_evict(self, ids: np.ndarray) -> np.ndarray:
+        """Chunked prefill whose last chunk holds the whole scoring window, then select and compact."""
+        model, settings = self._model, self.snapkv
+        window = min(settings.window, len(ids))
+        step = model._manifest.prefill_chunk
+        tail = max(window, len(ids) % step or step)
+        for start in range(0, len(ids) - tail, step):
+            self._forward("prefill", ids[start:min(start + step, len(ids) - tail)])
+        logits, scores = self._forward("prefill_snapkv", ids[len(ids) - tail:],
+                                       extra=(np.array([window], np.int32),))
+        total = self._cache.length[0]
+        params = np.array([total, self.snapkv_budget, settings.recency, settings.kernel,
+                           ops.SNAPKV_POOLING_CODES[settings.pooling], int(settings.granularity == "shared")],
+                          np.int32)
+        keep = model._call_raw("snapkv_select", scores, params)
+        rows = keep.numpy()[:, :, :self.snapkv_budget].astype(np.int64)
+        model._call_raw("snapkv_compact", model._pool.tensor, self._cache.page_table(), keep,
+                        np.array([self.snapkv_budget], np.int32))
+        self._cache.record_compaction(list(rows))
+        self.evicted = True
+        return logits[-1]
 
     def decode(self, token: int) -> np.ndarray:
         """Feed one token; returns its logits, float32 [vocab]."""
@@ -64,11 +106,31 @@ class Session:
         self._check_open()
         self._cache.compact(keep)
 
+    def compact(self, keep) -> None:
+        """Keep only the listed slots: one list, or per layer one list or one [kv_heads, k] array. The freed
+        pages return to the pool at once; raises KeepSetError for a list that is too long, out of range or not
+        strictly increasing."""
+        self._check_open()
+        rows = self._cache.keep_rows(keep)
+        counts = {r.shape[1] for r in rows}
+        if "snapkv_compact" in self._model._functions and len(counts) == 1:
+            model, cache = self._model, self._cache
+            slots = cache.capacity
+            keep_table = np.zeros((cache.n_layers, cache.kv_heads, slots), np.int32)
+            for layer, r in enumerate(rows):
+                keep_table[layer, :, :r.shape[1]] = r
+            model._call_raw("snapkv_compact", model._pool.tensor, cache.page_table(), keep_table,
+                            np.array([counts.pop()], np.int32))
+        else:
+            self._cache.move_slots(rows)
+        self._cache.record_compaction(rows)
+
     def fork(self) -> "Session":
         """An independent copy of this session (its pages copied): one prefill, many continuations."""
         self._check_open()
         other = Session.__new__(Session)
         other._model, other._closed = self._model, False
+        other.snapkv, other.snapkv_budget, other.evicted = self.snapkv, self.snapkv_budget, self.evicted
         other._cache = self._cache.fork()
         return other
 
@@ -113,10 +175,10 @@ class Session:
                                      f"and {self.context_left} slots are left.")
         return array.astype(np.int32)
 
-    def _forward(self, function: str, ids: np.ndarray) -> np.ndarray:
+    def _forward(self, function: str, ids: np.ndarray, extra: tuple = ()):
         cache = self._cache
         cache.reserve(len(ids))
         positions = np.arange(cache.logical_length, cache.logical_length + len(ids), dtype=np.int32)
-        logits = self._model._call(function, ids, positions, cache.page_table(), cache.kv_lens())
+        out = self._model._call(function, ids, positions, cache.page_table(), cache.kv_lens(), extra)
         cache.advance(len(ids))
-        return logits
+        return out

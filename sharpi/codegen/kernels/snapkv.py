@@ -1,0 +1,168 @@
+"""SnapKV's kernels: score prompt positions from the last window of queries, pool and select keep sets, and
+gather the kept slots of the paged KV cache to the front.
+
+Semantics (sharpi.testing.snapkv holds the numpy reference):
+- score: for each of the last W queries of the chunk (W = min(window, n)), softmax over the slots it sees
+  (causal), summed over those queries and averaged over the query heads of each KV head -> [kv_heads, slots].
+- select: per row (one row per layer and KV head, or one shared row = the sum of all rows), pool over
+  neighbouring positions (max or avg with odd kernel K, zero-padded: avg divides by K; none = K 1), keep the
+  last `recency` positions and the top (budget - recency) of the others by pooled score, ties to the lower index,
+  ascending. Selection is a radix select on the float bits (scores are >= 0), linear in the prompt length.
+- compact: slot keep[l, h, i] -> slot i, per layer and KV head, in place (keep is increasing, so a slot is never
+  overwritten before it is read).
+"""
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+from .quant_matmul import token_count
+
+POOL_NONE, POOL_MAX, POOL_AVG = 0, 1, 2
+# select params tensor (int32 [6]): total slots, budget, recency, kernel, pooling code, shared (0/1)
+P_TOTAL, P_BUDGET, P_RECENCY, P_KERNEL, P_POOLING, P_SHARED = range(6)
+
+
+def make_snapkv_score(heads: int, kv_heads: int, head_dim: int, page_size: int, max_pages: int, scale: float):
+    """PrimFunc (q [n, H, D], pool, page_table, kv_lens, layer, window [1] int32, out [KVH, max_pages*page])."""
+    n = token_count(None)
+    pages, layers = T.int64(), T.int64()
+    group = heads // kv_heads
+    slots = max_pages * page_size
+    neg_inf = -3.0e38
+
+    @T.prim_func
+    def snapkv_score(var_q: T.handle, var_pool: T.handle, var_pt: T.handle, var_lens: T.handle, layer: T.int64,
+                     var_window: T.handle, var_out: T.handle):
+        T.func_attr({"tirx.noalias": True, "op_pattern": 8})
+        q = T.match_buffer(var_q, (n, heads, head_dim), "float32")
+        pool = T.match_buffer(var_pool, (pages, 2, kv_heads, page_size, head_dim), "float32")
+        page_table = T.match_buffer(var_pt, (layers, max_pages), "int32")
+        kv_lens = T.match_buffer(var_lens, (layers,), "int32")
+        window = T.match_buffer(var_window, (1,), "int32")
+        out = T.match_buffer(var_out, (kv_heads, slots), "float32")
+        for kvh in T.parallel(kv_heads):
+            st = T.decl_buffer((4,), "float32", scope="global")  # running max, running sum, logit, dot
+            for s in range(slots):
+                out[kvh, s] = T.float32(0)
+            for w in range(T.min(T.Cast("int64", window[0]), n)):
+                for g in range(group):
+                    t = T.meta_var(n - T.min(T.Cast("int64", window[0]), n) + w)
+                    h = T.meta_var(kvh * group + g)
+                    st[0] = T.float32(neg_inf)
+                    st[1] = T.float32(0)
+                    for s in range(T.Cast("int64", kv_lens[layer]) + t + 1):
+                        st[3] = T.float32(0)
+                        for d in range(head_dim):
+                            st[3] = st[3] + q[t, h, d] * pool[T.Cast("int64", page_table[layer, s // page_size]),
+                                                              0, kvh, s % page_size, d]
+                        st[2] = st[3] * T.float32(scale)
+                        st[1] = st[1] * T.exp(st[0] - T.max(st[0], st[2])) + T.exp(st[2] - T.max(st[0], st[2]))
+                        st[0] = T.max(st[0], st[2])
+                    for s in range(T.Cast("int64", kv_lens[layer]) + t + 1):
+                        st[3] = T.float32(0)
+                        for d in range(head_dim):
+                            st[3] = st[3] + q[t, h, d] * pool[T.Cast("int64", page_table[layer, s // page_size]),
+                                                              0, kvh, s % page_size, d]
+                        out[kvh, s] = out[kvh, s] + T.exp(st[3] * T.float32(scale) - st[0]) / st[1] / T.float32(group)
+
+    return snapkv_score
+
+
+def make_snapkv_select(layers: int, kv_heads: int, slots: int):
+    """PrimFunc (scores [L, KVH, S], params [6] int32, keep [L, KVH, S] int32, base, pooled [L, KVH, S] f32).
+
+    keep[l, h, :budget] receives the ascending keep set; base and pooled are scratch outputs."""
+    rows = layers * kv_heads
+
+    @T.prim_func
+    def snapkv_select(scores: T.Buffer((layers, kv_heads, slots), "float32"), params: T.Buffer((6,), "int32"),
+                      keep: T.Buffer((layers, kv_heads, slots), "int32"),
+                      base: T.Buffer((layers, kv_heads, slots), "float32"),
+                      pooled: T.Buffer((layers, kv_heads, slots), "float32")):
+        T.func_attr({"tirx.noalias": True, "op_pattern": 8})
+        for r in T.parallel(T.if_then_else(params[P_SHARED] == 1, 1, rows)):
+            l = T.meta_var(r // kv_heads)
+            h = T.meta_var(r % kv_heads)
+            st = T.decl_buffer((8,), "int32", scope="global")
+            acc = T.decl_buffer((1,), "float32", scope="global")
+            # 1. the row's raw scores (the sum over all layers and heads when shared)
+            for s in range(params[P_TOTAL]):
+                if params[P_SHARED] == 1:
+                    acc[0] = T.float32(0)
+                    for rr in range(rows):
+                        acc[0] = acc[0] + scores[rr // kv_heads, rr % kv_heads, s]
+                    base[l, h, s] = acc[0]
+                else:
+                    base[l, h, s] = scores[l, h, s]
+            # 2. pooling over neighbours [s - K/2, s + K/2], zero padded
+            for s in range(params[P_TOTAL]):
+                acc[0] = T.float32(0)
+                for j in range(params[P_KERNEL]):
+                    if s - params[P_KERNEL] // 2 + j >= 0 and s - params[P_KERNEL] // 2 + j < params[P_TOTAL]:
+                        if params[P_POOLING] == 1:
+                            acc[0] = T.max(acc[0], base[l, h, s - params[P_KERNEL] // 2 + j])
+                        else:
+                            acc[0] = acc[0] + base[l, h, s - params[P_KERNEL] // 2 + j]
+                if params[P_POOLING] == 2:
+                    pooled[l, h, s] = acc[0] / T.Cast("float32", params[P_KERNEL])
+                elif params[P_POOLING] == 1:
+                    pooled[l, h, s] = acc[0]
+                else:
+                    pooled[l, h, s] = base[l, h, s]
+            # 3. radix select of the k-th largest pooled score among candidates [0, total - recency)
+            st[0] = params[P_TOTAL] - params[P_RECENCY]        # candidates
+            st[1] = params[P_BUDGET] - params[P_RECENCY]       # k
+            st[2] = 0                                          # threshold bits, built from the top bit down
+            for bit in range(31):
+                st[3] = 0
+                for s in range(st[0]):
+                    if T.reinterpret("int32", pooled[l, h, s]) >= (st[2] | T.shift_left(1, 30 - bit)):
+                        st[3] = st[3] + 1
+                if st[3] >= st[1]:
+                    st[2] = st[2] | T.shift_left(1, 30 - bit)
+            st[4] = 0                                          # count strictly above the threshold
+            for s in range(st[0]):
+                if T.reinterpret("int32", pooled[l, h, s]) > st[2]:
+                    st[4] = st[4] + 1
+            st[5] = 0                                          # written
+            st[6] = 0                                          # ties taken
+            for s in range(st[0]):
+                if T.reinterpret("int32", pooled[l, h, s]) > st[2]:
+                    keep[l, h, st[5]] = s
+                    st[5] = st[5] + 1
+                elif T.reinterpret("int32", pooled[l, h, s]) == st[2] and st[6] < st[1] - st[4]:
+                    keep[l, h, st[5]] = s
+                    st[5] = st[5] + 1
+                    st[6] = st[6] + 1
+            for i in range(params[P_RECENCY]):
+                keep[l, h, st[1] + i] = st[0] + i
+        # 4. a shared set is every layer's and head's set
+        if params[P_SHARED] == 1:
+            for rr in range(1, rows):
+                for i in range(params[P_BUDGET]):
+                    keep[rr // kv_heads, rr % kv_heads, i] = keep[0, 0, i]
+
+    return snapkv_select
+
+
+def make_kv_compact(layers: int, kv_heads: int, head_dim: int, page_size: int, max_pages: int):
+    """PrimFunc (pool, page_table, keep [L, KVH, S] int32, count [1] int32) gathering kept slots, in place."""
+    pages = T.int64()
+    slots = max_pages * page_size
+
+    @T.prim_func
+    def kv_compact(var_pool: T.handle, page_table: T.Buffer((layers, max_pages), "int32"),
+                   keep: T.Buffer((layers, kv_heads, slots), "int32"), count: T.Buffer((1,), "int32")):
+        T.func_attr({"tirx.noalias": True, "op_pattern": 8})
+        pool = T.match_buffer(var_pool, (pages, 2, kv_heads, page_size, head_dim), "float32")
+        for lh in T.parallel(layers * kv_heads):
+            l = T.meta_var(lh // kv_heads)
+            h = T.meta_var(lh % kv_heads)
+            for i in range(count[0]):
+                for kv in range(2):
+                    for d in T.vectorized(head_dim):
+                        pool[T.Cast("int64", page_table[l, i // page_size]), kv, h, i % page_size, d] = pool[
+                            T.Cast("int64", page_table[l, keep[l, h, i] // page_size]), kv, h,
+                            keep[l, h, i] % page_size, d]
+
+    return kv_compact

@@ -1,0 +1,107 @@
+"""SnapKV's knobs: parsing, validation, precedence (API argument > SHARPI_SNAPKV_* env > artifact defaults)
+and the auto budget. Compile time decides whether the ops exist and the largest window; the rest is run time."""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, replace
+
+from .errors import ConfigError
+
+POOLINGS = ("max", "avg", "none")
+GRANULARITIES = ("kv-head", "shared")
+GPU_TARGETS = ("cuda", "vulkan")
+AUTO_MIN_CACHE_BYTES = 256 * 2**20
+ENV = {"budget": "SHARPI_SNAPKV_BUDGET", "window": "SHARPI_SNAPKV_WINDOW", "recency": "SHARPI_SNAPKV_RECENCY",
+       "pooling": "SHARPI_SNAPKV_POOLING", "kernel": "SHARPI_SNAPKV_KERNEL",
+       "granularity": "SHARPI_SNAPKV_GRANULARITY"}
+
+
+@dataclass(frozen=True)
+class SnapKVSettings:
+    budget: int | None = None      # None = auto, 0 = off, N = keep N slots per layer and KV head
+    window: int = 64               # last queries that score the prompt
+    recency: int = 64              # last positions always kept
+    pooling: str = "max"
+    kernel: int = 15               # odd pooling kernel; 1 with pooling "none"
+    granularity: str = "kv-head"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def auto_budget(max_seq_len: int, full_cache_bytes: int, target: str) -> int:
+    """min(max_seq_len/4, 4096), raised to min(1024, max_seq_len); on only for GPU targets whose full KV cache
+    would exceed 256 MiB, else 0 (off)."""
+    if target not in GPU_TARGETS or full_cache_bytes <= AUTO_MIN_CACHE_BYTES:
+        return 0
+    return max(min(max_seq_len // 4, 4096), min(1024, max_seq_len))
+
+
+def parse_budget(value, source: str) -> int | None:
+    text = str(value).strip().lower()
+    if text == "auto":
+        return None
+    try:
+        number = int(text)
+    except ValueError:
+        raise ConfigError(f"{source} must be 'auto', 0 (off) or a positive integer, got {value!r}.") from None
+    if number < 0:
+        raise ConfigError(f"{source} must be 'auto', 0 (off) or a positive integer, got {number}.")
+    return number
+
+
+def _parse_int(value, source: str, lowest: int) -> int:
+    try:
+        number = int(str(value).strip())
+    except ValueError:
+        raise ConfigError(f"{source} must be an integer, got {value!r}.") from None
+    if number < lowest:
+        raise ConfigError(f"{source} must be >= {lowest}, got {number}.")
+    return number
+
+
+def _parse_field(field: str, value, source: str):
+    if field == "budget":
+        return parse_budget(value, source)
+    if field in ("window", "recency"):
+        return _parse_int(value, source, 1 if field == "window" else 0)
+    if field == "kernel":
+        number = _parse_int(value, source, 1)
+        if number % 2 == 0:
+            raise ConfigError(f"{source} must be odd (the pooling window is centred), got {number}.")
+        return number
+    choices = POOLINGS if field == "pooling" else GRANULARITIES
+    text = str(value).strip().lower()
+    if text not in choices:
+        raise ConfigError(f"{source} must be one of {', '.join(choices)}, got {value!r}.")
+    return text
+
+
+def settings_from(defaults: dict | None = None, env: dict | None = None, **arguments) -> SnapKVSettings:
+    """Resolve each knob: an argument that is not None wins, then the env var, then the artifact default."""
+    env = os.environ if env is None else env
+    settings = SnapKVSettings(**(defaults or {}))
+    changes = {}
+    for field, var in ENV.items():
+        if var in env:
+            changes[field] = _parse_field(field, env[var], var)
+    for field, value in arguments.items():
+        if field not in ENV:
+            raise ConfigError(f"Unknown SnapKV option {field!r}; options are {', '.join(ENV)}.")
+        if value is not None:
+            changes[field] = _parse_field(field, value, f"snapkv_{field}")
+    settings = replace(settings, **changes)
+    if settings.pooling == "none" and "kernel" not in changes:
+        settings = replace(settings, kernel=1)
+    return settings
+
+
+def check_against(settings: SnapKVSettings, budget: int, max_window: int) -> None:
+    """The checks that need the effective budget and the compiled window."""
+    if settings.window > max_window:
+        raise ConfigError(f"SnapKV window {settings.window} exceeds the window this artifact was compiled for "
+                          f"({max_window}); compile with --snapkv-window {settings.window}.")
+    if budget and settings.recency >= budget:
+        raise ConfigError(f"SnapKV recency ({settings.recency}) must be smaller than the budget ({budget}).")
+    if settings.pooling == "none" and settings.kernel != 1:
+        raise ConfigError("SnapKV pooling 'none' takes kernel 1.")

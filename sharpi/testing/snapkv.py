@@ -1,0 +1,59 @@
+"""numpy reference of SnapKV's score and select (see sharpi.codegen.kernels.snapkv for the semantics)."""
+from __future__ import annotations
+
+import numpy as np
+
+POOLINGS = ("none", "max", "avg")
+
+
+def score_reference(q_window: np.ndarray, keys: np.ndarray, held_before: int, scale: float) -> np.ndarray:
+    """q_window [W, H, D]: the last W queries, which sit at slots total-W .. total-1; keys [total, KVH, D].
+
+    Returns [KVH, total]: softmax probabilities summed over the W queries, averaged over each group's heads."""
+    w, heads, _ = q_window.shape
+    total, kv_heads, _ = keys.shape
+    group = heads // kv_heads
+    k = np.repeat(keys, group, axis=1).astype(np.float64)
+    logits = np.einsum("whd,shd->hws", q_window.astype(np.float64), k) * scale
+    query_slot = total - w + np.arange(w)
+    visible = np.arange(total)[None, :] <= query_slot[:, None]
+    logits = np.where(visible[None], logits, -np.inf)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return p.sum(1).reshape(kv_heads, group, total).mean(1)
+
+
+def pool_reference(row: np.ndarray, pooling: str, kernel: int) -> np.ndarray:
+    """Zero-padded pooling in float32, summing in the kernel's order so that ties come out the same."""
+    row = np.asarray(row, np.float32)
+    if pooling == "none":
+        return row.copy()
+    half, total = kernel // 2, len(row)
+    padded = np.concatenate([np.zeros(half, np.float32), row, np.zeros(half, np.float32)])
+    acc = np.zeros(total, np.float32)
+    for j in range(kernel):
+        acc = np.maximum(acc, padded[j:j + total]) if pooling == "max" else acc + padded[j:j + total]
+    return acc if pooling == "max" else acc / np.float32(kernel)
+
+
+def select_row(row: np.ndarray, budget: int, recency: int, pooling: str, kernel: int) -> np.ndarray:
+    total = len(row)
+    pooled = pool_reference(row, pooling, kernel)
+    candidates = total - recency
+    order = np.lexsort((np.arange(candidates), -pooled[:candidates]))  # by score desc, then index asc
+    top = np.sort(order[:budget - recency])
+    return np.concatenate([top, np.arange(candidates, total)]).astype(np.int64)
+
+
+def select_reference(scores: np.ndarray, budget: int, recency: int, pooling: str, kernel: int,
+                     granularity: str) -> np.ndarray:
+    """scores [L, KVH, total] -> keep [L, KVH, budget]."""
+    layers, kv_heads, _ = scores.shape
+    if granularity == "shared":
+        total = np.zeros(scores.shape[-1], np.float32)
+        for row in np.asarray(scores, np.float32).reshape(-1, scores.shape[-1]):   # the kernel's order
+            total = total + row
+        one = select_row(total, budget, recency, pooling, kernel)
+        return np.broadcast_to(one, (layers, kv_heads, budget)).copy()
+    return np.stack([np.stack([select_row(scores[l, h], budget, recency, pooling, kernel) for h in range(kv_heads)])
+                     for l in range(layers)])
