@@ -45,3 +45,25 @@ def sampling_kwargs(args) -> dict:
                 repeat_penalty=args.repeat_penalty, seed=args.seed, stop=args.stop)
 
 
+def session_kwargs(args) -> dict:
+    """Sampling plus the run-time SnapKV flags, as generate()/chat() take them."""
+    return {**sampling_kwargs(args), **snapkv_kwargs(args)}
+
+
+
+
+SNAPKV_FLAGS = ("budget", "window", "recency", "pooling", "kernel", "granularity")
+
+
+def add_snapkv_flags(parser) -> None:
+    """The SnapKV knobs (run-time flags; on sharpi-compile they set the artifact's defaults)."""
+    parser.add_argument("--snapkv-budget", default=None, help="auto (default: off on CPU), 0 = off, or N slots")
+    parser.add_argument("--snapkv-window", default=None, help="last queries that score the prompt (64)")
+    parser.add_argument("--snapkv-recency", default=None, help="last positions always kept (64)")
+    parser.add_argument("--snapkv-pooling", default=None, help="max (default), avg or none")
+    parser.add_argument("--snapkv-kernel", default=None, help="odd pooling kernel (15)")
+    parser.add_argument("--snapkv-granularity", default=None, help="kv-head (default) or shared")
+
+
+def snapkv_kwargs(args) -> dict:
+    return {f"snapkv_{name}": getattr(args, f"snapkv_{name}") for name in SNAPKV_FLAGS}

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .common import user_errors_exit_2
+from .common import add_snapkv_flags, snapkv_kwargs, user_errors_exit_2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -14,6 +14,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", default=None, help="artifact directory (default: <gguf name>-<target>)")
     p.add_argument("--mcpu", default=None, help="CPU to compile for (default: this machine's, e.g. znver3)")
     p.add_argument("--max-context", type=int, default=None, help="context length (default: the GGUF's)")
+    p.add_argument("--snapkv", default="on", help="on (default) or off: whether the SnapKV ops are compiled in")
+    add_snapkv_flags(p)
+    p.add_argument("--dump-ir", default=None, metavar="FILE", help="write the Relax IR after the passes to FILE")
     p.add_argument("--no-cache", action="store_true", help="compile even if the cache has this artifact")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p
@@ -24,7 +27,8 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from ..compiler import compile as compile_model
     out = compile_model(args.model, target=args.target, output=args.output, mcpu=args.mcpu,
-                        max_context=args.max_context, use_cache=not args.no_cache, show_progress=not args.quiet)
+                        max_context=args.max_context, snapkv=args.snapkv, dump_ir=args.dump_ir,
+                        use_cache=not args.no_cache, show_progress=not args.quiet, **snapkv_kwargs(args))
     print(out)
     return 0
 

@@ -5,7 +5,8 @@ import argparse
 import json
 import sys
 
-from .common import add_sampling_flags, add_threads_flag, sampling_kwargs, user_errors_exit_2
+from .common import (add_sampling_flags, add_snapkv_flags, add_threads_flag, session_kwargs, snapkv_kwargs,
+                     user_errors_exit_2)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,11 +25,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("-p", "--prompt", required=True)
     r.add_argument("--verbose", action="store_true", help="print timing and the artifact's target")
     add_sampling_flags(r)
+    add_snapkv_flags(r)
     add_threads_flag(r)
 
     c = sub.add_parser("chat", help="chat with the model (its GGUF chat template)")
     c.add_argument("artifact")
     add_sampling_flags(c)
+    add_snapkv_flags(c)
     add_threads_flag(c)
 
     b = sub.add_parser("bench", help="prefill and decode speed")
@@ -38,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--compare-llama-cpp", action="store_true",
                    help="run llama.cpp (llama-cpp-python) on the same GGUF and threads, and print ratios")
+    add_snapkv_flags(b)
     b.add_argument("--gguf", default=None, help="the GGUF for --compare-llama-cpp (default: found by its sha256)")
     add_threads_flag(b)
     return p
@@ -69,7 +73,7 @@ def cmd_inspect(args) -> int:
 def cmd_run(args) -> int:
     import sharpi
     model = sharpi.load(args.artifact, threads=args.threads)
-    stream = model.stream(args.prompt, args.max_tokens, **sampling_kwargs(args))
+    stream = model.stream(args.prompt, args.max_tokens, **session_kwargs(args))
     for piece in stream:
         sys.stdout.write(piece)
         sys.stdout.flush()
@@ -95,7 +99,7 @@ def cmd_chat(args) -> int:
         if not line.strip():
             break
         messages.append({"role": "user", "content": line})
-        result = model.chat(messages, max_tokens=args.max_tokens, **sampling_kwargs(args))
+        result = model.chat(messages, max_tokens=args.max_tokens, **session_kwargs(args))
         print(result.text)
         messages.append({"role": "assistant", "content": result.text})
     return 0

@@ -121,26 +121,26 @@ class Model:
         with Session(self) as s:
             return s.score_logits(ids)
 
-    def generate(self, prompt, max_tokens: int = 64, *, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, min_p: float = 0.0, repeat_penalty: float = 1.0, seed: int | None = None,
-                 stop=None, snapkv_budget=None, special: bool = False) -> GenerationResult:
-        generation = self._generate(prompt, max_tokens, SamplingParams(temperature, top_k, top_p, min_p,
-                                                                       repeat_penalty, seed), stop, snapkv_budget,
-                                    special)
+    def generate(self, prompt, max_tokens: int = 64, **options) -> GenerationResult:
+        """Generate from a prompt (text or ids). Options: temperature, top_k, top_p, min_p, repeat_penalty,
+        seed (sampling); stop (strings); special (render special tokens); snapkv_budget, snapkv_window,
+        snapkv_recency, snapkv_pooling, snapkv_kernel, snapkv_granularity (as session())."""
+        generation = self.stream(prompt, max_tokens, **options)
         for _ in generation:
             pass
         return generation.result
 
-    def stream(self, prompt, max_tokens: int = 64, **kwargs):
-        """An iterator of text pieces as they are generated (same arguments as generate); once exhausted,
+    def stream(self, prompt, max_tokens: int = 64, **options):
+        """An iterator of text pieces as they are generated (same options as generate); once exhausted,
         its `.result` is the GenerationResult."""
-        params = SamplingParams(**{k: kwargs.pop(k) for k in list(kwargs)
-                                   if k in SamplingParams.__dataclass_fields__})
-        gen = self._generate(prompt, max_tokens, params, kwargs.pop("stop", None), kwargs.pop("snapkv_budget", None),
-                             kwargs.pop("special", False))
-        if kwargs:
-            raise ConfigError(f"Unknown argument(s) to stream(): {', '.join(sorted(kwargs))}.")
-        return gen
+        sampling = SamplingParams(**{k: options.pop(k) for k in list(options)
+                                     if k in SamplingParams.__dataclass_fields__})
+        stop, special = options.pop("stop", None), options.pop("special", False)
+        snapkv = {k: options.pop(k) for k in list(options) if k.startswith("snapkv_")}
+        if options:
+            raise ConfigError(f"Unknown option(s): {', '.join(sorted(options))}.")
+        session = self.session(**snapkv)          # validates the SnapKV knobs before any work
+        return _Generation(self, session, prompt, max_tokens, sampling, stop, special)
 
     def chat(self, messages, max_tokens: int = 256, **kwargs) -> GenerationResult:
         info = self.tokenizer.info
@@ -148,17 +148,14 @@ class Model:
         ids = self.tokenize(prompt, special=True)
         return self.generate(ids, max_tokens, **kwargs)
 
-    def _generate(self, prompt, max_tokens, params, stop, snapkv_budget, special):
-        return _Generation(self, prompt, max_tokens, params, stop, snapkv_budget, special)
-
 
 class _Generation:
     """The generation loop as an iterator of text pieces; `.result` holds the GenerationResult at the end."""
 
-    def __init__(self, model: Model, prompt, max_tokens, params, stop, snapkv_budget, special):
+    def __init__(self, model: Model, session: Session, prompt, max_tokens, params, stop, special):
         if not isinstance(max_tokens, int) or max_tokens < 0:
             raise ConfigError(f"max_tokens must be an integer >= 0, got {max_tokens!r}.")
-        self.model, self.max_tokens, self.snapkv_budget = model, max_tokens, snapkv_budget
+        self.model, self.session, self.max_tokens = model, session, max_tokens
         self.sampler = Sampler(params)
         self.stop = [stop] if isinstance(stop, str) else list(stop or [])
         self.special = special
@@ -176,7 +173,7 @@ class _Generation:
         out: list[int] = []
         emitted = ""
         finish = "length"
-        with model.session(snapkv_budget=self.snapkv_budget) as session:
+        with self.session as session:
             t0 = time.perf_counter()
             logits = session.prefill(self.prompt_ids)
             t1 = time.perf_counter()

@@ -1,0 +1,198 @@
+"""SnapKV: the IR, the kernels against numpy, eviction on SmolLM2, RoPE after eviction, the knobs."""
+import numpy as np
+import pytest
+import tvm
+
+import sharpi
+from sharpi.codegen.kernels.paged_attention import make_kv_append
+from sharpi.codegen.kernels.snapkv import make_snapkv_score, make_snapkv_select
+from sharpi.codegen.llvm import make_target
+from sharpi.common import ops
+from sharpi.common.snapkv_settings import auto_budget, settings_from
+from sharpi.testing.snapkv import score_reference, select_reference
+from tiny_gguf import write_tiny_llama
+
+DEV = tvm.cpu()
+TARGET = make_target(None)
+SNAPKV_OPS = (ops.SNAPKV_SCORE, ops.SNAPKV_SELECT, ops.KV_COMPACT)
+
+
+def _t(a):
+    return tvm.runtime.tensor(np.ascontiguousarray(a), DEV)
+
+
+def _build(prim):
+    return tvm.compile(tvm.IRModule({"main": prim}), target=TARGET)
+
+
+# -- the IR -------------------------------------------------------------------------------------------------------
+def test_dump_ir_shows_snapkv_ops_only_when_on(tmp_path):
+    gguf = write_tiny_llama(tmp_path / "tiny.gguf")
+    on, off = tmp_path / "on.txt", tmp_path / "off.txt"
+    sharpi.compile(str(gguf), output=tmp_path / "a_on", dump_ir=on, use_cache=False)
+    sharpi.compile(str(gguf), output=tmp_path / "a_off", dump_ir=off, snapkv="off", use_cache=False)
+    text_on, text_off = on.read_text(), off.read_text()
+    assert text_on.count(ops.SNAPKV_SCORE) == 2          # one per attention layer of the 2-layer model
+    assert ops.SNAPKV_SELECT in text_on and ops.KV_COMPACT in text_on and "def prefill_snapkv" in text_on
+    assert not any(op in text_off for op in SNAPKV_OPS) and "prefill_snapkv" not in text_off
+
+
+# -- kernels against numpy ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (8, 1)])
+@pytest.mark.parametrize("held,new,window", [(0, 37, 8), (13, 30, 64), (21, 11, 11)])
+def test_score_kernel(heads, kv_heads, held, new, window, rng):
+    d, page, max_pages, layers, layer = 16, 16, 5, 2, 1
+    score = _build(make_snapkv_score(heads, kv_heads, d, page, max_pages, d ** -0.5))
+    append = _build(make_kv_append(kv_heads, d, page))
+    pool = _t(np.zeros((12, 2, kv_heads, page, d), np.float32))
+    table = np.zeros((layers, max_pages), np.int32)
+    table[layer] = [5, 2, 9, 1, 7]
+    keys = rng.standard_normal((held + new, kv_heads, d)).astype(np.float32)
+    lens = np.zeros(layers, np.int32)
+    if held:
+        append(pool, _t(keys[:held]), _t(keys[:held]), _t(table), _t(lens), layer)
+        lens[layer] = held
+    append(pool, _t(keys[held:]), _t(keys[held:]), _t(table), _t(lens), layer)
+    q = rng.standard_normal((new, heads, d)).astype(np.float32)
+    out = _t(np.zeros((kv_heads, max_pages * page), np.float32))
+    score(_t(q), pool, _t(table), _t(lens), layer, _t(np.array([window], np.int32)), out)
+    w = min(window, new)      # a window longer than the chunk scores with every query of the chunk
+    expected = score_reference(q[-w:], keys, held, d ** -0.5)
+    np.testing.assert_allclose(out.numpy()[:, :held + new], expected, rtol=1e-5, atol=1e-6)
+    assert not out.numpy()[:, held + new:].any()
+
+
+@pytest.mark.parametrize("pooling,kernel", [("none", 1), ("max", 5), ("avg", 7), ("max", 15)])
+@pytest.mark.parametrize("granularity", ["kv-head", "shared"])
+def test_select_kernel_ties_and_pooling(pooling, kernel, granularity, rng):
+    layers, kv_heads, slots, total, budget, recency = 3, 2, 96, 77, 30, 6
+    select = _build(make_snapkv_select(layers, kv_heads, slots))
+    scores = np.zeros((layers, kv_heads, slots), np.float32)
+    scores[..., :total] = rng.integers(0, 5, (layers, kv_heads, total)) / np.float32(7)   # many exact ties
+    keep = _t(np.zeros((layers, kv_heads, slots), np.int32))
+    scratch = [_t(np.zeros((layers, kv_heads, slots), np.float32)) for _ in range(2)]
+    params = np.array([total, budget, recency, kernel, ops.SNAPKV_POOLING_CODES[pooling],
+                       int(granularity == "shared")], np.int32)
+    select(_t(scores), _t(params), keep, *scratch)
+    expected = select_reference(scores[..., :total], budget, recency, pooling, kernel, granularity)
+    np.testing.assert_array_equal(keep.numpy()[..., :budget], expected)
+
+
+# -- eviction on SmolLM2 ------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def long_prompt(smollm2):
+    from sharpi.cli.bench import prompt_ids
+    return prompt_ids(smollm2, 1040)
+
+
+def test_eviction_on_smollm2(smollm2, long_prompt):
+    layers = smollm2.config.n_layers
+    pool = smollm2._pool
+    with smollm2.session(snapkv_budget=0) as full:
+        full_logits = full.prefill(long_prompt)
+        full_bytes = full.kv_bytes
+    free_before = pool.free_count
+    s = smollm2.session(snapkv_budget=256)
+    logits = s.prefill(long_prompt)
+    assert s.kv_length == [256] * layers and s.logical_length == len(long_prompt)
+    assert s.kv_bytes <= 0.3 * full_bytes
+    assert pool.free_count == free_before - s.kv_bytes // pool.page_bytes      # the rest went back at once
+    np.testing.assert_array_equal(logits, full_logits)                          # eviction comes after the logits
+    for p in s.kept_positions:
+        assert p.shape == (smollm2.config.n_kv_heads, 256)
+        assert (np.diff(p, axis=1) > 0).all() and p.min() >= 0 and p.max() < len(long_prompt)
+        assert (p[:, -64:] == np.arange(len(long_prompt) - 64, len(long_prompt))).all()   # recency kept
+    other = smollm2.session()          # a second session takes the released pages
+    other.prefill(long_prompt[:700])
+    token, produced = int(np.argmax(logits)), []
+    for _ in range(8):
+        nxt = s.decode(token)
+        assert np.isfinite(nxt).all()
+        token = int(np.argmax(nxt))
+        produced.append(token)
+    assert s.kv_length == [264] * layers and s.logical_length == len(long_prompt) + 8
+    other.close()
+    s.close()
+
+
+def test_no_eviction_when_unset_on_cpu_or_budget_covers_prompt(smollm2, long_prompt, monkeypatch):
+    monkeypatch.delenv("SHARPI_SNAPKV_BUDGET", raising=False)
+    with smollm2.session() as s:
+        s.prefill(long_prompt[:300])
+        assert s.kv_length == [300] * smollm2.config.n_layers and not s.evicted
+    with smollm2.session(snapkv_budget=0) as off, smollm2.session(snapkv_budget=512) as big:
+        np.testing.assert_array_equal(off.prefill(long_prompt[:300]), big.prefill(long_prompt[:300]))
+        assert not big.evicted and big.kv_length == off.kv_length
+
+
+def test_rope_after_per_head_compaction_is_exact(smollm2, reference):
+    ids = smollm2.tokenize("The grass is green. The sky is blue. The sun is yellow. Here we go. " * 6)[:90]
+    rng = np.random.default_rng(5)
+    kvh, layers = smollm2.config.n_kv_heads, smollm2.config.n_layers
+    keep = [np.stack([np.sort(rng.choice(90, 40, replace=False)) for _ in range(kvh)]) for _ in range(layers)]
+    with smollm2.session() as s:
+        s.prefill(ids)
+        s.compact(keep)
+        got = s.decode(ids[0])
+        kept = s.kept_positions
+    prompt_kept = [k[:, :-1] for k in kept]
+    expected = reference.decode_after_compaction(ids, prompt_kept, ids[0])
+    np.testing.assert_allclose(got, expected, rtol=2e-3, atol=2e-3)
+    # a variant that RoPE'd the new token at the cache length (40) instead of its logical position (90) fails
+    wrong = reference.decode_after_compaction(ids, prompt_kept, ids[0], position=40)
+    assert not np.allclose(got, wrong, rtol=2e-3, atol=2e-3)
+
+
+def test_kept_positions_match_reference_keep_sets(smollm2, reference, long_prompt):
+    ids = long_prompt[:600]
+    budget, window, recency = 128, 32, 16
+    with smollm2.session(snapkv_budget=budget, snapkv_window=window, snapkv_recency=recency) as s:
+        s.prefill(ids)
+        kept = np.stack(s.kept_positions)                     # [L, KVH, budget]
+    captured = []
+    reference.forward(ids, capture=captured)
+    scale = smollm2.config.head_dim ** -0.5
+    scores = np.stack([score_reference(q[-window:], k, 0, scale) for q, k, _ in captured]).astype(np.float32)
+    expected = select_reference(scores, budget, recency, "max", 15, "kv-head")
+    overlap = np.mean([len(np.intersect1d(a, b)) / budget for a, b in zip(kept.reshape(-1, budget),
+                                                                           expected.reshape(-1, budget))])
+    assert overlap >= 0.99, overlap
+
+
+# -- knobs --------------------------------------------------------------------------------------------------------
+def test_auto_budget_edges():
+    mib = 2 ** 20
+    assert auto_budget(2048, 40 * mib, "cuda") == 0
+    assert auto_budget(4096, 512 * mib, "cuda") == 1024
+    assert auto_budget(8192, 512 * mib, "vulkan") == 2048
+    assert auto_budget(16384, 512 * mib, "cuda") == 4096
+    assert auto_budget(65536, 4096 * mib, "cuda") == 4096
+    assert auto_budget(65536, 4096 * mib, "llvm") == 0
+
+
+def test_env_budget_tristate():
+    assert settings_from(env={}).budget is None                               # unset: auto
+    assert settings_from(env={"SHARPI_SNAPKV_BUDGET": "0"}).budget == 0       # off
+    assert settings_from(env={"SHARPI_SNAPKV_BUDGET": "1024"}).budget == 1024
+    assert settings_from(env={"SHARPI_SNAPKV_BUDGET": "1024"}, budget=256).budget == 256   # argument wins
+    assert settings_from({"budget": 512}, env={}).budget == 512                # artifact default last
+
+
+@pytest.mark.parametrize("env,message", [
+    ({"SHARPI_SNAPKV_BUDGET": "-1"}, "SHARPI_SNAPKV_BUDGET"), ({"SHARPI_SNAPKV_BUDGET": "lots"}, "SHARPI_SNAPKV_BUDGET"),
+    ({"SHARPI_SNAPKV_WINDOW": "0"}, "SHARPI_SNAPKV_WINDOW"), ({"SHARPI_SNAPKV_KERNEL": "4"}, "odd"),
+    ({"SHARPI_SNAPKV_POOLING": "median"}, "max, avg, none"),
+    ({"SHARPI_SNAPKV_GRANULARITY": "per-token"}, "kv-head, shared"),
+    ({"SHARPI_SNAPKV_RECENCY": "x"}, "SHARPI_SNAPKV_RECENCY")])
+def test_bad_env_values(env, message):
+    with pytest.raises(sharpi.ConfigError, match=message):
+        settings_from(env=env)
+
+
+def test_bad_run_time_values(smollm2):
+    with pytest.raises(sharpi.ConfigError, match="recency .* smaller than the budget"):
+        smollm2.session(snapkv_budget=64, snapkv_recency=64)
+    with pytest.raises(sharpi.ConfigError, match="exceeds the window this artifact was compiled for"):
+        smollm2.session(snapkv_budget=256, snapkv_window=65)
+    with pytest.raises(sharpi.ConfigError, match="odd"):
+        smollm2.generate("hi", max_tokens=1, snapkv_kernel=2)
