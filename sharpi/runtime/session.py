@@ -23,6 +23,7 @@ class Session:
         self.snapkv = snapkv
         self.snapkv_budget = budget
         self.evicted = False
+        self._scores = None           # SnapKV scores of the fresh prompt, kept for evict()
         self._closed = False
 
     # -- state ------------------------------------------------------------------------------------------------
@@ -52,42 +53,63 @@ class Session:
         return self._cache.capacity - max(self._cache.length)
 
     # -- feeding tokens ---------------------------------------------------------------------------------------
-    def prefill(self, ids) -> np.ndarray:
+    def prefill(self, ids, *, keep_scores: bool = False) -> np.ndarray:
         """Feed a prompt (or a continuation of the conversation); returns float32 [vocab] for its last token.
-        May evict (see the class doc)."""
+
+        A fresh prompt longer than the SnapKV budget and window is evicted (see the class doc). With
+        keep_scores, a fresh prompt is scored but not evicted, so evict() can later apply any budget, e.g. on
+        forks of this session (one prefill, many budgets)."""
         ids = self._check_ids(ids)
-        if self._should_evict(len(ids)):
-            return self._prefill_and_evict(ids)
-        last = None
-        for chunk in self._chunks(ids):
-            last = self._forward("prefill", chunk)[-1]
-        return last
+        fresh = self._cache.logical_length == 0
+        evict = fresh and self._should_evict(len(ids), self.snapkv_budget)
+        if not (evict or (keep_scores and fresh)):
+            last = None
+            for chunk in self._chunks(ids):
+                last = self._forward("prefill", chunk)[-1]
+            return last
+        logits = self._prefill_scored(ids)
+        if evict:
+            self.evict()
+        return logits
 
-    def _should_evict(self, n: int) -> bool:
-        budget, settings = self.snapkv_budget, self.snapkv
-        return bool(budget) and self._cache.logical_length == 0 and n > budget and n > settings.window
+    def _should_evict(self, n: int, budget: int) -> bool:
+        return bool(budget) and n > budget and n > self.snapkv.window
 
-    def _prefill_and_evict(self, ids: np.ndarray) -> np.ndarray:
-        """Chunked prefill whose last chunk holds the whole scoring window, then select and compact."""
-        model, settings = self._model, self.snapkv
-        window = min(settings.window, len(ids))
-        step = model._manifest.prefill_chunk
+    def _prefill_scored(self, ids: np.ndarray) -> np.ndarray:
+        """Chunked prefill whose last chunk holds the whole scoring window; keeps the scores."""
+        if "prefill_snapkv" not in self._model._functions:
+            raise ConfigError("This artifact was compiled with --snapkv off; recompile with --snapkv on to score.")
+        window = min(self.snapkv.window, len(ids))
+        step = self._model._manifest.prefill_chunk
         tail = max(window, len(ids) % step or step)
         for start in range(0, len(ids) - tail, step):
             self._forward("prefill", ids[start:min(start + step, len(ids) - tail)])
-        logits, scores = self._forward("prefill_snapkv", ids[len(ids) - tail:],
-                                       extra=(np.array([window], np.int32),))
-        total = self._cache.length[0]
-        params = np.array([total, self.snapkv_budget, settings.recency, settings.kernel,
+        logits, self._scores = self._forward("prefill_snapkv", ids[len(ids) - tail:],
+                                             extra=(np.array([window], np.int32),))
+        return logits[-1]
+
+    def evict(self, budget: int | None = None, **knobs) -> bool:
+        """Select and compact with the scores of this session's prompt (budget, recency, pooling, kernel,
+        granularity may differ from the session's); returns whether anything was evicted."""
+        scores = self._scores
+        if scores is None:
+            raise ConfigError("evict() needs the scores of a fresh prefill: prefill(ids, keep_scores=True) first.")
+        settings, budget = self._model.snapkv_settings(budget=budget, **knobs) if (budget is not None or knobs) \
+            else (self.snapkv, self.snapkv_budget)
+        total = self._cache.logical_length
+        if self.evicted or not self._should_evict(total, budget) or self._cache.length != [total] * self._cache.n_layers:
+            return False
+        params = np.array([total, budget, settings.recency, settings.kernel,
                            ops.SNAPKV_POOLING_CODES[settings.pooling], int(settings.granularity == "shared")],
                           np.int32)
+        model = self._model
         keep = model._call_raw("snapkv_select", scores, params)
-        rows = keep.numpy()[:, :, :self.snapkv_budget].astype(np.int64)
+        rows = keep.numpy()[:, :, :budget].astype(np.int64)
         model._call_raw("snapkv_compact", model._pool.tensor, self._cache.page_table(), keep,
-                        np.array([self.snapkv_budget], np.int32))
+                        np.array([budget], np.int32))
         self._cache.record_compaction(list(rows))
         self.evicted = True
-        return logits[-1]
+        return True
 
     def decode(self, token: int) -> np.ndarray:
         """Feed one token; returns its logits, float32 [vocab]."""
@@ -131,6 +153,7 @@ class Session:
         other = Session.__new__(Session)
         other._model, other._closed = self._model, False
         other.snapkv, other.snapkv_budget, other.evicted = self.snapkv, self.snapkv_budget, self.evicted
+        other._scores = self._scores
         other._cache = self._cache.fork()
         return other
 
