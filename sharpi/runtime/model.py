@@ -11,7 +11,7 @@ from ..common.chat import render_chat
 from ..common.config import ModelConfig
 from ..common.errors import ArtifactError, ConfigError, ContextLengthError
 from ..common.manifest import Manifest
-from ..common.settings import resolve_threads
+from ..common.settings import parse_positive_int, resolve_threads
 from ..common.tokenizer import Tokenizer, TokenizerInfo
 from .kv_cache import PagePool
 from .loader import check_artifact, configure_threads, load_vm, load_weights
@@ -28,7 +28,8 @@ class GenerationResult:
 
 
 class Model:
-    def __init__(self, directory: str | Path, *, threads: int | None = None, verify: bool = True):
+    def __init__(self, directory: str | Path, *, threads: int | None = None, verify: bool = True,
+                 pool_sequences: int = 4):
         import tvm
 
         self.path = Path(directory)
@@ -45,13 +46,16 @@ class Model:
         self._weights = load_weights(self.path, self._manifest, self.device)
         self._vm = load_vm(self.path, self.device)
         self._functions = {name: self._vm[name] for name in self._manifest.functions}
-        self._pool = self._make_pool()
+        self._pool = self._make_pool(pool_sequences)
 
-    def _make_pool(self) -> PagePool:
+    def _make_pool(self, sequences: int) -> PagePool:
+        """Room for `sequences` full-context sequences (sessions and forks share it). The memory is only
+        reserved: a page becomes resident when a kernel first writes it."""
         import tvm
 
         cfg, m = self.config, self._manifest
-        pages = cfg.n_layers * m.max_pages
+        sequences = parse_positive_int(sequences, "pool_sequences")
+        pages = sequences * cfg.n_layers * m.max_pages
         shape = (pages, 2, cfg.n_kv_heads, m.page_size, cfg.head_dim)
         tensor = tvm.runtime.empty(shape, "float32", self.device)  # untouched pages cost no resident memory
         return PagePool(tensor, m.page_size, page_bytes=4 * 2 * cfg.n_kv_heads * m.page_size * cfg.head_dim)
