@@ -196,3 +196,13 @@ def test_bad_run_time_values(smollm2):
         smollm2.session(snapkv_budget=256, snapkv_window=65)
     with pytest.raises(sharpi.ConfigError, match="odd"):
         smollm2.generate("hi", max_tokens=1, snapkv_kernel=2)
+
+
+def test_cli_snapkv_flags(smollm2_artifact, capsys):
+    from sharpi.cli import main as main_cli
+    code = main_cli.main(["run", str(smollm2_artifact), "-p", "hi", "-n", "1", "--snapkv-pooling", "median"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err and "max, avg, none" in err
+    code = main_cli.main(["run", str(smollm2_artifact), "-p", "The grass is green. " * 40, "-n", "2",
+                          "--snapkv-budget", "100", "--snapkv-recency", "16", "--verbose"])
+    assert code == 0

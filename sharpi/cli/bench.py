@@ -16,11 +16,11 @@ def prompt_ids(model, n_tokens: int) -> list[int]:
     return ids[:n_tokens]
 
 
-def bench_sharpi(model, n_prompt: int, n_gen: int, repeats: int) -> dict:
+def bench_sharpi(model, n_prompt: int, n_gen: int, repeats: int, snapkv: dict | None = None) -> dict:
     ids = prompt_ids(model, n_prompt)
     prefill, decode = [], []
     for _ in range(repeats):
-        with model.session() as s:
+        with model.session(**(snapkv or {})) as s:
             t0 = time.perf_counter()
             logits = s.prefill(ids)
             t1 = time.perf_counter()
@@ -69,7 +69,13 @@ def run_bench(args) -> None:
     t = model.manifest.target
     print(f"sharpi bench: {model.manifest.source['name']} on {t['kind']} (mcpu {t['mcpu']}), {model.threads} threads, "
           f"prompt {args.prompt_tokens} tokens, {args.gen_tokens} generated, median of {args.repeats}")
-    ours = bench_sharpi(model, args.prompt_tokens, args.gen_tokens, args.repeats)
+    from .common import snapkv_kwargs
+    snapkv = snapkv_kwargs(args)
+    settings, budget = model.snapkv_settings(**{k[len("snapkv_"):]: v for k, v in snapkv.items()})
+    if budget:
+        print(f"SnapKV: budget {budget}, window {settings.window}, recency {settings.recency}, "
+              f"{settings.pooling} pooling (kernel {settings.kernel}), {settings.granularity} keep sets")
+    ours = bench_sharpi(model, args.prompt_tokens, args.gen_tokens, args.repeats, snapkv)
     rows = [("sharpi", ours)]
     if args.compare_llama_cpp:
         try:

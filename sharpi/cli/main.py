@@ -82,7 +82,9 @@ def cmd_run(args) -> int:
         st, t = stream.result.stats, model.manifest.target
         print(f"[target {t['kind']}, mcpu {t['mcpu']}, {model.threads} threads; prompt {st['prompt_tokens']} tokens "
               f"at {st['prefill_tok_s']:.1f} tok/s; {st['generated_tokens']} generated at {st['decode_tok_s']:.1f} "
-              f"tok/s; finish: {stream.result.finish_reason}]", file=sys.stderr)
+              f"tok/s; finish: {stream.result.finish_reason}; KV after prefill: {st['kv_slots_after_prefill']} slots "
+              f"a layer, {st['kv_bytes_after_prefill'] / 2**20:.1f} MiB{' (SnapKV evicted)' if st['evicted'] else ''}]",
+              file=sys.stderr)
     return 0
 
 
