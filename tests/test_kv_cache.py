@@ -93,3 +93,7 @@ def test_generation_stops_at_context_end(smollm2_gguf, tmp_path):
     assert out.finish_reason == "length" and len(out.token_ids) == 64 - 60 + 1  # the last one needs no slot
     with pytest.raises(sharpi.ContextLengthError):
         model.generate(model.tokenize("The grass is green. " * 20), max_tokens=1)
+    # after an eviction, slots are free but logical positions still end at the context
+    evicted = model.generate(prompt, max_tokens=50, snapkv_budget=32, snapkv_window=16, snapkv_recency=8)
+    assert evicted.stats["evicted"] and evicted.stats["kv_slots_after_prefill"] == 32
+    assert evicted.finish_reason == "length" and len(evicted.token_ids) == 64 - 60 + 1

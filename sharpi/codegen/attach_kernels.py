@@ -12,18 +12,11 @@ from tvm import relax
 from ..common import ops
 from ..common.config import ModelConfig
 from ..common.errors import CompileError
+from ..ir_passes.named_ops import extern_name
 from .kernels.paged_attention import make_kv_append, make_paged_attention
 from .kernels.quant_matmul import make_embedding, make_matmul
 from .kernels.rope import make_rope
 from .kernels.snapkv import make_kv_compact, make_snapkv_score, make_snapkv_select
-
-
-def _extern_name(call) -> str | None:
-    if isinstance(call, relax.Call) and call.op.same_as(tvm.ir.Op.get("relax.call_dps_packed")):
-        func = call.args[0]
-        if isinstance(func, relax.ExternFunc):
-            return str(func.global_symbol)
-    return None
 
 
 def _static_int(dim) -> int | None:
@@ -64,7 +57,7 @@ class KernelAttacher(relax.PyExprMutator):
 
     def _dequantize_source(self, expr):
         call = self._bound(expr)
-        name = _extern_name(call)
+        name = extern_name(call)
         if name and name.startswith(ops.DEQUANTIZE):
             return name[len(ops.DEQUANTIZE):], list(call.args[1].fields), call.ty
         return None
@@ -78,7 +71,7 @@ class KernelAttacher(relax.PyExprMutator):
             fused = self._fuse_embedding(call)
         if fused is not None:
             return fused
-        name = _extern_name(call)
+        name = extern_name(call)
         if name is None:
             return call
         args = list(call.args[1].fields)

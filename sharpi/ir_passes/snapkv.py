@@ -17,16 +17,9 @@ from tvm import relax
 from tvm.relax import op as R
 
 from ..common import ops
+from .named_ops import extern_name
 
 SNAPKV_FUNCTIONS = ("prefill_snapkv", "snapkv_select", "snapkv_compact")
-
-
-def _extern_name(call) -> str | None:
-    if isinstance(call, relax.Call) and call.op.same_as(tvm.ir.Op.get("relax.call_dps_packed")):
-        func = call.args[0]
-        if isinstance(func, relax.ExternFunc):
-            return str(func.global_symbol)
-    return None
 
 
 @relax.expr_functor.mutator
@@ -49,7 +42,7 @@ class _InsertScores(relax.PyExprMutator):
             stacked = self.builder_.emit(R.stack(self.scores, axis=0), name_hint="snapkv_scores")
             new_var = self.builder_.emit_output(relax.Tuple([logits, stacked]), name_hint=name)
         self.set_var_remap(binding.var, new_var)
-        if _extern_name(value) == ops.PAGED_ATTENTION:
+        if extern_name(value) == ops.PAGED_ATTENTION:
             self._emit_score(value)
 
     def _emit_score(self, attention) -> None:

@@ -200,7 +200,7 @@ class _Generation:
                 if len(safe) > len(emitted):
                     yield safe[len(emitted):]
                     emitted = safe
-                if len(out) >= self.max_tokens or session.context_left == 0 or session.logical_positions_left == 0:
+                if len(out) >= self.max_tokens or session.context_left == 0:
                     break
                 logits = session.decode(token)
             t2 = time.perf_counter()

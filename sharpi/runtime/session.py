@@ -20,7 +20,7 @@ class Session:
         self._model = model
         self._cache = SequenceCache(model._pool, model.config.n_layers, model.config.n_kv_heads,
                                     model._manifest.max_pages)
-        self.snapkv = snapkv
+        self.snapkv = snapkv or SnapKVSettings()
         self.snapkv_budget = budget
         self.evicted = False
         self._scores = None           # SnapKV scores of the fresh prompt, kept for evict()
@@ -45,12 +45,11 @@ class Session:
         return [p.copy() for p in self._cache.positions]
 
     @property
-    def logical_positions_left(self) -> int:
-        return self._cache.capacity - self._cache.logical_length
-
-    @property
     def context_left(self) -> int:
-        return self._cache.capacity - max(self._cache.length)
+        """Tokens that can still be fed: bounded by the slots left and by the logical positions left (RoPE
+        positions never go past the context, even when eviction freed slots)."""
+        cache = self._cache
+        return min(cache.capacity - max(cache.length), cache.capacity - cache.logical_length)
 
     # -- feeding tokens ---------------------------------------------------------------------------------------
     def prefill(self, ids, *, keep_scores: bool = False) -> np.ndarray:

@@ -1,0 +1,14 @@
+"""Reading the frontend's named ops (sharpi.common.ops) in Relax: shared by the passes and codegen."""
+from __future__ import annotations
+
+import tvm
+from tvm import relax
+
+
+def extern_name(expr) -> str | None:
+    """The op name of a `call_dps_packed` to a named op, else None."""
+    if isinstance(expr, relax.Call) and expr.op.same_as(tvm.ir.Op.get("relax.call_dps_packed")):
+        func = expr.args[0]
+        if isinstance(func, relax.ExternFunc):
+            return str(func.global_symbol)
+    return None
