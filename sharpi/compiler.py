@@ -73,7 +73,8 @@ def compile(model: str | Path, target: str = "llvm", output: str | Path | None =
     gguf_path = resolve_model(model, show_progress=show_progress)
     output = Path(output) if output is not None else Path(gguf_path.stem + f"-{target}")
     _check_output_dir(output)
-    from .codegen.llvm import host_cpu
+    from .codegen.llvm import host_cpu, make_target
+    make_target(mcpu)                      # an unknown --mcpu fails here, before any hashing or compiling
     resolved = replace(options, mcpu=mcpu or host_cpu())
     gguf_sha256 = file_sha256(gguf_path)   # the cache key needs only the bytes, not a parse of the GGUF
     cached = _cache_dir(gguf_path, gguf_sha256, resolved) if use_cache else None

@@ -124,3 +124,21 @@ def test_bad_sampling_and_thread_values(smollm2, monkeypatch):
     monkeypatch.setenv("SHARPI_NUM_THREADS", "0")
     with pytest.raises(sharpi.ConfigError, match=">= 1"):
         resolve_threads(None)
+
+
+def test_unknown_mcpu(tmp_path, capsys):
+    path = write_tiny_llama(tmp_path / "tiny.gguf")
+    with pytest.raises(sharpi.ConfigError, match="not a CPU LLVM knows"):
+        sharpi.compile(str(path), output=tmp_path / "out", mcpu="x86-64-v9")
+    _assert_clean_failure(*_cli(compile_cli, [str(path), "-o", str(tmp_path / "o"), "--mcpu", "bogus"], capsys),
+                          "not a CPU LLVM knows")
+
+
+def test_portable_mcpu_records_its_features_and_runs(tmp_path):
+    path = write_tiny_llama(tmp_path / "tiny.gguf", matrix_type="Q8_0")
+    art = sharpi.compile(str(path), output=tmp_path / "v2", mcpu="x86-64-v2", use_cache=False)
+    manifest = json.loads((art / "manifest.json").read_text())
+    assert manifest["target"]["mcpu"] == "x86-64-v2"
+    assert "avx2" not in manifest["target"]["cpu_features"] and "sse4_2" in manifest["target"]["cpu_features"]
+    model = sharpi.load(art)
+    assert np.isfinite(model.score([1, 2, 3])).all()

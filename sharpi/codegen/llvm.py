@@ -8,6 +8,7 @@ import tvm
 from tvm import relax
 
 from ..common.config import ModelConfig
+from ..common.errors import ConfigError
 from .attach_kernels import attach_kernels
 
 # CPU features an artifact may need, by the name /proc/cpuinfo uses; LLVM's names map onto these.
@@ -22,7 +23,16 @@ def host_cpu() -> str:
 
 
 def make_target(mcpu: str | None) -> tvm.target.Target:
-    return tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": mcpu or host_cpu()})
+    """The LLVM target for a CPU name (default: this machine's); an unknown name is a ConfigError, not LLVM's
+    silent fallback to generic x86-64."""
+    triple = "x86_64-linux-gnu"
+    if mcpu is not None:
+        known = [str(c) for c in tvm.target.codegen.llvm_get_cpu_archlist(tvm.target.Target({"kind": "llvm",
+                                                                                           "mtriple": triple}))]
+        if mcpu not in known:
+            close = ", ".join(sorted(c for c in known if c.startswith(mcpu[:3]))[:8]) or ", ".join(known[:8])
+            raise ConfigError(f"--mcpu {mcpu!r} is not a CPU LLVM knows; for example: {close}.")
+    return tvm.target.Target({"kind": "llvm", "mtriple": triple, "mcpu": mcpu or host_cpu()})
 
 
 def required_cpu_features(target: tvm.target.Target) -> list[str]:

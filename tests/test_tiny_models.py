@@ -1,0 +1,23 @@
+"""The whole pipeline on tiny random llama GGUFs of each weight type, against the exact numpy reference."""
+import numpy as np
+import pytest
+
+import sharpi
+from sharpi.testing.reference import NumpyReference
+from tiny_gguf import write_tiny_llama
+
+
+@pytest.mark.parametrize("matrix_type", ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "F16", "F32"])
+def test_tiny_llama_matches_reference(matrix_type, tmp_path):
+    path = write_tiny_llama(tmp_path / f"tiny-{matrix_type}.gguf", matrix_type=matrix_type, layers=2, heads=4,
+                            kv_heads=2)
+    model = sharpi.load(sharpi.compile(str(path), output=tmp_path / "art"))
+    ids = list(np.random.default_rng(0).integers(0, model.config.vocab_size, 37))
+    got = model.score(ids)
+    expected = NumpyReference(path).forward(ids)
+    np.testing.assert_allclose(got, expected, rtol=1e-3, atol=1e-3)
+    with model.session() as s:                       # decode through the cache agrees too
+        last = s.prefill(ids[:20])
+        np.testing.assert_allclose(last, expected[19], rtol=1e-3, atol=1e-3)
+        for i in range(20, 25):
+            np.testing.assert_allclose(s.decode(ids[i]), expected[i], rtol=1e-3, atol=1e-3)
