@@ -1,0 +1,48 @@
+"""Quantized matmul for GPU targets: y[t, j] = sum_k x[t, k] * W[j, k], W dequantized on the fly from sharpi's
+layouts. Written as a TE reduction over one dequantize expression, so dlight's GEMV rule (decode, one token)
+and Matmul rule (prefill, symbolic token count) schedule it; weights stay quantized in device memory."""
+from __future__ import annotations
+
+from tvm import te, tirx
+
+from ....common.errors import CompileError
+from ....common.quant_layout import BLOCK, LAYOUTS, QUANTIZED
+from ..quant_matmul import dense_value, dequant
+
+# Layouts this kernel builds for today. The others need a GPU-friendly layout first: WGSL has no 8- or 16-bit
+# storage types (q8_0's int8 quants, bf16's uint16), and dlight's rules need every read region to be one element
+# per block iterator, which the combined scale buffer [N, K/32, 2] of q4_1 and q5_0 is not (two fields read).
+# The fix is one layout for all targets: quants packed in u32 words and one buffer per scale field.
+GPU_LAYOUTS = ("q4_0", "f32", "f16")
+
+
+def make_gpu_matmul(qtype: str, n_out: int, k_in: int, tokens: int | None = None) -> tirx.PrimFunc:
+    """PrimFunc (x [n, K] f32, *weight parts, y [n, N] f32), unscheduled (dlight schedules it)."""
+    if qtype not in GPU_LAYOUTS:
+        raise CompileError(f"Weights of type {qtype} have no GPU matmul kernel yet (GPU layouts: "
+                           f"{', '.join(GPU_LAYOUTS)}).")
+    def i64(v):   # every index int64: dlight's Matmul rule breaks on int32 constants beside an int64 dim
+        return tirx.IntImm("int64", v) if isinstance(v, int) else v
+
+    n = tirx.Var("n", "int64") if tokens is None else i64(tokens)
+    x = te.placeholder((n, i64(k_in)), "float32", name="x")
+    parts = [te.placeholder(tuple(i64(d) for d in shape(n_out, k_in)), dtype, name=name)
+             for name, dtype, shape in LAYOUTS[qtype]]
+    k = te.reduce_axis((i64(0), i64(k_in)), name="k")
+    if qtype in QUANTIZED:
+        qs, s = parts
+
+        def weight(j, kk):
+            return dequant(qtype, qs, s, j, kk // i64(BLOCK), kk % i64(BLOCK))
+    else:
+        (w,) = parts
+
+        def weight(j, kk):
+            return dense_value(qtype, w, j, kk)
+
+    # dequantize as its own stage (dlight inlines it into the matmul as a prologue, as MLC-LLM's kernels do)
+    w_f32 = te.compute((i64(n_out), i64(k_in)), weight, name="dequantize")
+    y = te.compute((n, i64(n_out)), lambda t, j: te.sum(x[t, k] * w_f32[j, k], axis=k), name="matmul")
+    func = te.create_prim_func([x, *parts, y])
+    name = f"gpu_matmul_{qtype}_{n_out}_{k_in}" + ("" if tokens is None else f"_{tokens}")
+    return func.with_attr("dlight.do_not_tensorize", True).with_attr("global_symbol", name)

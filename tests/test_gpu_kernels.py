@@ -1,0 +1,61 @@
+"""GPU kernels (written for dlight's GPU rules), built to WGSL and run on Vulkan (lavapipe in CI) via the plan
+runner, against numpy."""
+import os
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+import sharpi
+from sharpi.codegen.kernels.gpu.quant_matmul import GPU_LAYOUTS, make_gpu_matmul
+from sharpi.codegen.vulkan import build_plan, write_plan
+from sharpi.frontend.quant import dequantize_layout
+from test_kernels import _weight
+
+N, K = 96, 128
+
+
+def _runner(directory):
+    from sharpi.runtime.vulkan import VulkanPlanRunner, VulkanUnavailableError
+    try:
+        return VulkanPlanRunner(directory)
+    except VulkanUnavailableError as exc:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"no Vulkan device here: {exc}")
+
+
+def _matmul_module(qtype, parts):
+    """Relax functions `prefill` (symbolic tokens) and `decode` (one token) calling the GPU matmul."""
+    bb = relax.BlockBuilder()
+    for name, tokens in (("prefill", None), ("decode", 1)):
+        n = tvm.tirx.Var("n", "int64") if tokens is None else tokens
+        x = relax.Var("x", relax.TensorType((n, K), "float32"))
+        params = [relax.Var(f"w{i}", relax.TensorType(a.shape, str(a.dtype))) for i, a in enumerate(parts)]
+        gv = bb.add_func(make_gpu_matmul(qtype, N, K, tokens), f"matmul_{name}")
+        with bb.function(name, [x, *params]):
+            with bb.dataflow():
+                out = bb.emit_output(relax.call_tir(gv, [x, *params], relax.TensorType((n, N), "float32")))
+            bb.emit_func_output(out)
+    return bb.get()
+
+
+@pytest.mark.parametrize("qtype_name", ["Q4_0", "F16", "F32"])
+def test_gpu_matmul_on_vulkan(qtype_name, tmp_path, rng):
+    qtype, parts = _weight(qtype_name, N, K, rng)
+    write_plan(build_plan(_matmul_module(qtype, list(parts.values()))), tmp_path)
+    runner = _runner(tmp_path)
+    w = dequantize_layout(qtype, parts)
+    for function, tokens in (("decode", 1), ("prefill", 1), ("prefill", 19)):
+        x = rng.standard_normal((tokens, K)).astype(np.float32)
+        got = runner.run(function, x, *parts.values())
+        np.testing.assert_allclose(got, x @ w.T, rtol=1e-4, atol=1e-4)
+
+
+def test_layouts_without_a_gpu_kernel_say_so():
+    missing = [q for q in ("q4_1", "q5_0", "q8_0", "bf16") if q not in GPU_LAYOUTS]
+    assert missing
+    for qtype in missing:
+        with pytest.raises(sharpi.CompileError, match="no GPU matmul kernel yet"):
+            make_gpu_matmul(qtype, N, K)
