@@ -14,7 +14,8 @@ from ..common.config import ModelConfig
 from ..common.errors import CompileError
 from ..ir_passes.named_ops import extern_name
 from .kernels.paged_attention import make_kv_append, make_paged_attention
-from .kernels.quant_matmul import make_embedding, make_matmul
+from ..common.quant_layout import QUANTIZED
+from .kernels.quant_matmul import cpu_quants, make_embedding, make_matmul
 from .kernels.rope import make_rope
 from .kernels.snapkv import make_kv_compact, make_snapkv_score, make_snapkv_select
 
@@ -102,7 +103,7 @@ class KernelAttacher(relax.PyExprMutator):
         n_out, k_in = (int(d) for d in w_ty.shape)
         tokens = _static_int(call.ty.shape[0])
         gv = self.kernel(("matmul", qtype, n_out, k_in, tokens), lambda: make_matmul(qtype, n_out, k_in, tokens))
-        return relax.call_tir(gv, [call.args[0], *parts], call.ty)
+        return relax.call_tir(gv, [call.args[0], *self._cpu_parts(qtype, parts, n_out, k_in)], call.ty)
 
     def _fuse_embedding(self, call):
         source = self._dequantize_source(call.args[0])
@@ -111,7 +112,18 @@ class KernelAttacher(relax.PyExprMutator):
         qtype, parts, w_ty = source
         vocab, dim = (int(d) for d in w_ty.shape)
         gv = self.kernel(("embedding", qtype, vocab, dim), lambda: make_embedding(qtype, vocab, dim))
-        return relax.call_tir(gv, [call.args[1], *parts], call.ty)
+        return relax.call_tir(gv, [call.args[1], *self._cpu_parts(qtype, parts, vocab, dim)], call.ty)
+
+    def _cpu_parts(self, qtype, parts, n_out, k_in):
+        """The weight parts as the CPU kernels take them: quants through a zero-copy view where their dtype
+        differs from the stored layout (q8_0's u32 words read as int8)."""
+        if not parts or qtype not in QUANTIZED:
+            return parts
+        shape, dtype = cpu_quants(qtype, n_out, k_in)
+        if str(parts[0].ty.dtype) == dtype:
+            return parts
+        view = self.builder_.emit(relax.op.memory.view(parts[0], shape=shape, dtype=dtype))
+        return [view, *parts[1:]]
 
     def _rope(self, layout, args, ty):
         x, pos, theta = args

@@ -6,7 +6,8 @@ Quantized types have two parts: `qs` (the quants) and `s` (f32 [N, K/32, S], per
   q4_1:  qs uint32 [N, K/8]                                          s = (d, m)      w = q * d + m
   q5_0:  qs uint32 [N, K/8] (low 4 bits)                             s = (d, qh)     w = (q + 16 * bit_e(qh) - 16) * d
          (qh, the 32 fifth bits of the block, is stored as the bits of an f32: one scale buffer for every type)
-  q8_0:  qs int8 [N, K]                                              s = (d,)        w = q * d
+  q8_0:  qs uint32 [N, K/4] (4 int8 a word, little-endian)           s = (d,)        w = q * d
+Quants are always in u32 words: WGSL (the Vulkan path) has no 8- or 16-bit storage types.
 Dense types have one part `w` [N, K]: f32, f16, or bf16 kept as uint16 (the upper half of an f32).
 Every other GGUF type is expanded to f16 at load. Scales are f32 rather than GGUF's f16: one conversion per
 block saved on CPUs, at 4 bytes more per 32 weights (the artifact stays within 1.2x of the GGUF).
@@ -20,7 +21,7 @@ LAYOUTS = {
     "q4_0": [("qs", "uint32", lambda n, k: (n, k // 8)), ("s", "float32", lambda n, k: (n, k // BLOCK, 1))],
     "q4_1": [("qs", "uint32", lambda n, k: (n, k // 8)), ("s", "float32", lambda n, k: (n, k // BLOCK, 2))],
     "q5_0": [("qs", "uint32", lambda n, k: (n, k // 8)), ("s", "float32", lambda n, k: (n, k // BLOCK, 2))],
-    "q8_0": [("qs", "int8", lambda n, k: (n, k)), ("s", "float32", lambda n, k: (n, k // BLOCK, 1))],
+    "q8_0": [("qs", "uint32", lambda n, k: (n, k // 4)), ("s", "float32", lambda n, k: (n, k // BLOCK, 1))],
     "f32": [("w", "float32", lambda n, k: (n, k))],
     "f16": [("w", "float16", lambda n, k: (n, k))],
     "bf16": [("w", "uint16", lambda n, k: (n, k))],

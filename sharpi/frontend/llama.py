@@ -84,16 +84,10 @@ class LlamaBuilder:
 
     def _dequantize(self, name: str):
         qtype, indices = self.weights.tensors[name]
-        array = self.weights.arrays[indices[0]]
-        n_out = array.shape[0]
-        k_in = self._k_of(qtype, array)
+        n_out, k_in = self.weights.shapes[name]
         parts = [self._param(i) for i in indices]
         return self.bb.emit(relax.call_dps_packed(ops.dequantize_op(qtype), parts,
                                                   tensor_type((n_out, k_in), "float32")))
-
-    @staticmethod
-    def _k_of(qtype: str, first_part) -> int:
-        return first_part.shape[1] * (8 if qtype in ("q4_0", "q4_1", "q5_0") else 1)
 
     def _linear(self, x, name: str):
         w = self._dequantize(name)

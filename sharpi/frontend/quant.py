@@ -89,8 +89,8 @@ def _repack_q5_0(b):
 
 def _repack_q8_0(b):
     n, nb, _ = b.shape
-    return {"qs": np.ascontiguousarray(b[..., 2:34]).view(np.int8).reshape(n, nb * BLOCK),
-            "s": _scales(_f16_scale(b, 0))}
+    quants = np.ascontiguousarray(b[..., 2:34]).reshape(n, nb * BLOCK)   # int8 bytes, in element order
+    return {"qs": quants.view("<u4"), "s": _scales(_f16_scale(b, 0))}
 
 
 _REPACKERS = {"q4_0": _repack_q4_0, "q4_1": _repack_q4_1, "q5_0": _repack_q5_0, "q8_0": _repack_q8_0}
@@ -105,8 +105,9 @@ def dequantize_layout(qtype: str, parts: dict[str, np.ndarray]) -> np.ndarray:
     s = parts["s"]
     d = s[..., 0:1]
     if qtype == "q8_0":
-        n, k = parts["qs"].shape
-        return (parts["qs"].astype(np.float32).reshape(n, k // BLOCK, BLOCK) * d).reshape(n, k)
+        quants = np.ascontiguousarray(parts["qs"]).view(np.int8)
+        n, k = quants.shape
+        return (quants.astype(np.float32).reshape(n, k // BLOCK, BLOCK) * d).reshape(n, k)
     words = parts["qs"]
     n = words.shape[0]
     q = ((words[..., None] >> (np.arange(8, dtype=np.uint32) * 4)) & 0xF).reshape(n, -1, BLOCK).astype(np.float32)

@@ -16,12 +16,14 @@ class WeightTable:
     arrays: list[np.ndarray] = field(default_factory=list)
     names: list[str] = field(default_factory=list)
     tensors: dict[str, tuple[str, list[int]]] = field(default_factory=dict)
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)     # logical (dequantized) shape
 
     def add_matrix(self, gguf: GGUFFile, name: str) -> None:
         t = gguf.tensor(name)
         qtype = layout_of(t)
         parts = repack(t)
         self.tensors[name] = (qtype, self._append(name, parts))
+        self.shapes[name] = tuple(t.shape)
 
     def add_vector(self, gguf: GGUFFile, name: str) -> None:
         from gguf import GGMLQuantizationType
@@ -30,6 +32,7 @@ class WeightTable:
         t = gguf.tensor(name)
         data = np.asarray(dequantize(t.data, GGMLQuantizationType(t.type_id)), dtype=np.float32).reshape(t.shape)
         self.tensors[name] = ("f32", self._append(name, {"w": np.ascontiguousarray(data)}))
+        self.shapes[name] = tuple(t.shape)
 
     def _append(self, name: str, parts: dict[str, np.ndarray]) -> list[int]:
         start = len(self.arrays)

@@ -17,8 +17,12 @@ LANES = 8
 
 def dequant(qtype: str, qs, s, row, b, e):
     """TIR expression of weight (row, b*32 + e) in `qtype`'s layout (for quantized types)."""
-    if qtype == "q8_0":
+    if qtype == "q8_0" and str(qs.dtype) == "int8":   # CPU kernels read the words through an int8 view
         return T.Cast("float32", qs[row, b * BLOCK + e]) * s[row, b, 0]
+    if qtype == "q8_0":   # byte e%4 of the word, sign-extended by an arithmetic shift (no 8-bit types needed)
+        word = qs[row, b * 8 + e // 4]
+        byte = T.shift_right(T.reinterpret("int32", T.shift_left(word, T.Cast("uint32", 24 - (e % 4) * 8))), 24)
+        return T.Cast("float32", byte) * s[row, b, 0]
     nib = T.Cast("float32", (qs[row, b * 4 + e // 8] >> T.Cast("uint32", (e % 8) * 4)) & T.uint32(15))
     if qtype == "q4_0":
         return (nib - T.float32(8)) * s[row, b, 0]
@@ -45,6 +49,15 @@ def token_count(tokens: int | None):
     return tirx.Var("n", "int64") if tokens is None else tokens
 
 
+def cpu_quants(qtype: str, n: int, k: int) -> tuple[tuple[int, int], str]:
+    """Shape and dtype in which the CPU kernels take the quants: q8_0's u32 words as int8 [N, K] (a zero-copy
+    view that codegen inserts), which LLVM widens with one instruction instead of shifts per byte."""
+    if qtype == "q8_0":
+        return (n, k), "int8"
+    _, dtype, shape = LAYOUTS[qtype][0]
+    return shape(n, k), dtype
+
+
 def _part_dtypes(qtype: str):
     return {name: dtype for name, dtype, _ in LAYOUTS[qtype]}
 
@@ -67,9 +80,8 @@ def _quant_gemv(qtype, N, K):
     but the (stack) accumulators."""
     NB = K // BLOCK
     dt = _part_dtypes(qtype)
-    qs_shape = LAYOUTS[qtype][0][2](N, K)
+    qs_shape, qs_dtype = cpu_quants(qtype, N, K)
     S = LAYOUTS[qtype][1][2](N, K)[2]
-    qs_dtype = dt["qs"]
     R = _rows_per_group(N)
     G = N // R
     C = BLOCK // LANES
@@ -100,9 +112,8 @@ def _quant_matmul(qtype, N, K, tokens):
         return _quant_gemv(qtype, N, K)
     NB = K // BLOCK
     dt = _part_dtypes(qtype)
-    qs_shape = LAYOUTS[qtype][0][2](N, K)
+    qs_shape, qs_dtype = cpu_quants(qtype, N, K)
     S = LAYOUTS[qtype][1][2](N, K)[2]
-    qs_dtype = dt["qs"]
     TT = 1 if tokens == 1 else TILE
     n = token_count(tokens)
 
@@ -175,9 +186,8 @@ def make_embedding(qtype: str, vocab: int, dim: int):
     """PrimFunc (ids [n] int32, *weight parts, y [n, dim] f32): rows of the dequantized table."""
     if qtype in QUANTIZED:
         NB = dim // BLOCK
-        qs_shape = LAYOUTS[qtype][0][2](vocab, dim)
+        qs_shape, qs_dtype = cpu_quants(qtype, vocab, dim)
         S = LAYOUTS[qtype][1][2](vocab, dim)[2]
-        qs_dtype = _part_dtypes(qtype)["qs"]
         n = token_count(None)
 
         @T.prim_func

@@ -9,11 +9,12 @@ from ....common.errors import CompileError
 from ....common.quant_layout import BLOCK, LAYOUTS, QUANTIZED
 from ..quant_matmul import dense_value, dequant
 
-# Layouts this kernel builds for today. The others need a GPU-friendly layout first: WGSL has no 8- or 16-bit
-# storage types (q8_0's int8 quants, bf16's uint16), and dlight's rules need every read region to be one element
-# per block iterator, which the combined scale buffer [N, K/32, 2] of q4_1 and q5_0 is not (two fields read).
-# The fix is one layout for all targets: quants packed in u32 words and one buffer per scale field.
-GPU_LAYOUTS = ("q4_0", "f32", "f16")
+# Layouts this kernel builds for today. dlight's rules need every read region to be one element per block
+# iterator, which the combined scale buffer [N, K/32, 2] of q4_1 and q5_0 is not (two fields are read; staging
+# each field as its own TE stage does not help, dlight inlines the stages back). The fix is one buffer per scale
+# field in sharpi.common.quant_layout (the CPU kernels then need a signature per part count). bf16 needs its
+# uint16 words packed in pairs (WGSL has no 16-bit integer storage).
+GPU_LAYOUTS = ("q4_0", "q8_0", "f32", "f16")
 
 
 def make_gpu_matmul(qtype: str, n_out: int, k_in: int, tokens: int | None = None) -> tirx.PrimFunc:
