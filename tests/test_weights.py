@@ -23,7 +23,7 @@ def test_runtime_holds_no_float_copy_of_a_quantized_weight(smollm2):
         assert set(parts) == {"qs", "s"}, tensor
         assert str(parts["qs"].dtype) in ("uint32", "int8"), tensor
         n_rows = parts["qs"].shape[0]
-        k = parts["s"].shape[1] * 32
+        k = parts["s"].shape[2] * 32
         # the only floats of a quantized matrix are its per-block scales: at most 2 per 32 weights
         assert int(np.prod(parts["s"].shape)) <= n_rows * k // 16, tensor
     held = sum(int(np.prod(w.shape)) * np.dtype(str(w.dtype)).itemsize for w in smollm2._weights)

@@ -1,7 +1,8 @@
 """The weight layouts sharpi's kernels read, shared by the frontend (which repacks GGUF blocks into them)
 and codegen (whose kernels dequantize them). Blocks are 32 weights along K, the input dimension.
 
-Quantized types have two parts: `qs` (the quants) and `s` (f32 [N, K/32, S], per-block scale fields):
+Quantized types have two parts: `qs` (the quants) and `s` (f32 [S, N, K/32]: S planes of per-block scale fields;
+field-major, so one field is a contiguous [N, K/32] slice, which GPU kernels take as a buffer of its own):
   q4_0:  qs uint32 [N, K/8] (8 nibbles a word, in element order)   s = (d,)        w = (q - 8) * d
   q4_1:  qs uint32 [N, K/8]                                          s = (d, m)      w = q * d + m
   q5_0:  qs uint32 [N, K/8] (low 4 bits)                             s = (d, qh)     w = (q + 16 * bit_e(qh) - 16) * d
@@ -18,10 +19,10 @@ BLOCK = 32
 
 # qtype -> list of (part name, dtype, shape as a function of (N, K))
 LAYOUTS = {
-    "q4_0": [("qs", "uint32", lambda n, k: (n, k // 8)), ("s", "float32", lambda n, k: (n, k // BLOCK, 1))],
-    "q4_1": [("qs", "uint32", lambda n, k: (n, k // 8)), ("s", "float32", lambda n, k: (n, k // BLOCK, 2))],
-    "q5_0": [("qs", "uint32", lambda n, k: (n, k // 8)), ("s", "float32", lambda n, k: (n, k // BLOCK, 2))],
-    "q8_0": [("qs", "uint32", lambda n, k: (n, k // 4)), ("s", "float32", lambda n, k: (n, k // BLOCK, 1))],
+    "q4_0": [("qs", "uint32", lambda n, k: (n, k // 8)), ("s", "float32", lambda n, k: (1, n, k // BLOCK))],
+    "q4_1": [("qs", "uint32", lambda n, k: (n, k // 8)), ("s", "float32", lambda n, k: (2, n, k // BLOCK))],
+    "q5_0": [("qs", "uint32", lambda n, k: (n, k // 8)), ("s", "float32", lambda n, k: (2, n, k // BLOCK))],
+    "q8_0": [("qs", "uint32", lambda n, k: (n, k // 4)), ("s", "float32", lambda n, k: (1, n, k // BLOCK))],
     "f32": [("w", "float32", lambda n, k: (n, k))],
     "f16": [("w", "float16", lambda n, k: (n, k))],
     "bf16": [("w", "uint16", lambda n, k: (n, k))],

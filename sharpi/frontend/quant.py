@@ -71,7 +71,7 @@ def _pack_nibbles(q: np.ndarray) -> np.ndarray:
 
 
 def _scales(*fields: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(np.stack(fields, axis=-1).astype(np.float32))
+    return np.ascontiguousarray(np.stack(fields, axis=0).astype(np.float32))    # [S, N, K/32]
 
 
 def _repack_q4_0(b):
@@ -103,7 +103,7 @@ def dequantize_layout(qtype: str, parts: dict[str, np.ndarray]) -> np.ndarray:
     if qtype == "bf16":
         return (parts["w"].astype(np.uint32) << 16).view(np.float32)
     s = parts["s"]
-    d = s[..., 0:1]
+    d = s[0][..., None]
     if qtype == "q8_0":
         quants = np.ascontiguousarray(parts["qs"]).view(np.int8)
         n, k = quants.shape
@@ -114,9 +114,9 @@ def dequantize_layout(qtype: str, parts: dict[str, np.ndarray]) -> np.ndarray:
     if qtype == "q4_0":
         w = (q - 8) * d
     elif qtype == "q4_1":
-        w = q * d + s[..., 1:2]
+        w = q * d + s[1][..., None]
     elif qtype == "q5_0":
-        qh = np.ascontiguousarray(s[..., 1]).view(np.uint32)
+        qh = np.ascontiguousarray(s[1]).view(np.uint32)
         hi = ((qh[..., None] >> np.arange(BLOCK, dtype=np.uint32)) & 1).astype(np.float32)
         w = (q + 16 * hi - 16) * d
     else:

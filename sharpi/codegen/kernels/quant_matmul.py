@@ -15,22 +15,28 @@ TILE = 8
 LANES = 8
 
 
-def dequant(qtype: str, qs, s, row, b, e):
-    """TIR expression of weight (row, b*32 + e) in `qtype`'s layout (for quantized types)."""
+def planar(s):
+    """Scale-field accessor over the layout's one [S, N, K/32] buffer (what the CPU kernels take)."""
+    return lambda f, row, b: s[f, row, b]
+
+
+def dequant(qtype: str, qs, scale, row, b, e):
+    """TIR expression of weight (row, b*32 + e) in `qtype`'s layout (for quantized types); `scale(f, row, b)`
+    reads scale field f of the block."""
     if qtype == "q8_0" and str(qs.dtype) == "int8":   # CPU kernels read the words through an int8 view
-        return T.Cast("float32", qs[row, b * BLOCK + e]) * s[row, b, 0]
+        return T.Cast("float32", qs[row, b * BLOCK + e]) * scale(0, row, b)
     if qtype == "q8_0":   # byte e%4 of the word, sign-extended by an arithmetic shift (no 8-bit types needed)
         word = qs[row, b * 8 + e // 4]
         byte = T.shift_right(T.reinterpret("int32", T.shift_left(word, T.Cast("uint32", 24 - (e % 4) * 8))), 24)
-        return T.Cast("float32", byte) * s[row, b, 0]
+        return T.Cast("float32", byte) * scale(0, row, b)
     nib = T.Cast("float32", (qs[row, b * 4 + e // 8] >> T.Cast("uint32", (e % 8) * 4)) & T.uint32(15))
     if qtype == "q4_0":
-        return (nib - T.float32(8)) * s[row, b, 0]
+        return (nib - T.float32(8)) * scale(0, row, b)
     if qtype == "q4_1":
-        return nib * s[row, b, 0] + s[row, b, 1]
+        return nib * scale(0, row, b) + scale(1, row, b)
     if qtype == "q5_0":
-        hi = T.Cast("float32", (T.reinterpret("uint32", s[row, b, 1]) >> T.Cast("uint32", e)) & T.uint32(1))
-        return (nib + hi * T.float32(16) - T.float32(16)) * s[row, b, 0]
+        hi = T.Cast("float32", (T.reinterpret("uint32", scale(1, row, b)) >> T.Cast("uint32", e)) & T.uint32(1))
+        return (nib + hi * T.float32(16) - T.float32(16)) * scale(0, row, b)
     raise AssertionError(qtype)
 
 
@@ -81,13 +87,13 @@ def _quant_gemv(qtype, N, K):
     NB = K // BLOCK
     dt = _part_dtypes(qtype)
     qs_shape, qs_dtype = cpu_quants(qtype, N, K)
-    S = LAYOUTS[qtype][1][2](N, K)[2]
+    S = LAYOUTS[qtype][1][2](N, K)[0]
     R = _rows_per_group(N)
     G = N // R
     C = BLOCK // LANES
 
     @T.prim_func
-    def quant_gemv(x: T.Buffer((1, K), "float32"), qs: T.Buffer(qs_shape, qs_dtype), s: T.Buffer((N, NB, S), "float32"),
+    def quant_gemv(x: T.Buffer((1, K), "float32"), qs: T.Buffer(qs_shape, qs_dtype), s: T.Buffer((S, N, NB), "float32"),
                    y: T.Buffer((1, N), "float32")):
         T.func_attr({"tirx.noalias": True, "op_pattern": 8})
         for g in T.parallel(G):
@@ -99,7 +105,7 @@ def _quant_gemv(qtype, N, K):
                 for b in range(NB):
                     for c in T.unroll(C):
                         for l in T.vectorized(LANES):
-                            acc[c, l] = acc[c, l] + dequant(qtype, qs, s, g * R + r, b, c * LANES + l) * x[0, b * BLOCK + c * LANES + l]
+                            acc[c, l] = acc[c, l] + dequant(qtype, qs, planar(s), g * R + r, b, c * LANES + l) * x[0, b * BLOCK + c * LANES + l]
                 for l in T.vectorized(LANES):
                     acc[0, l] = (acc[0, l] + acc[1, l]) + (acc[2, l] + acc[3, l])
                 y[0, g * R + r] = ((acc[0, 0] + acc[0, 1]) + (acc[0, 2] + acc[0, 3])) + ((acc[0, 4] + acc[0, 5]) + (acc[0, 6] + acc[0, 7]))
@@ -113,12 +119,12 @@ def _quant_matmul(qtype, N, K, tokens):
     NB = K // BLOCK
     dt = _part_dtypes(qtype)
     qs_shape, qs_dtype = cpu_quants(qtype, N, K)
-    S = LAYOUTS[qtype][1][2](N, K)[2]
+    S = LAYOUTS[qtype][1][2](N, K)[0]
     TT = 1 if tokens == 1 else TILE
     n = token_count(tokens)
 
     @T.prim_func
-    def quant_matmul(var_x: T.handle, qs: T.Buffer(qs_shape, qs_dtype), s: T.Buffer((N, NB, S), "float32"),
+    def quant_matmul(var_x: T.handle, qs: T.Buffer(qs_shape, qs_dtype), s: T.Buffer((S, N, NB), "float32"),
                      var_y: T.handle):
         T.func_attr({"tirx.noalias": True, "op_pattern": 8})
         x = T.match_buffer(var_x, (n, K), "float32")
@@ -133,7 +139,7 @@ def _quant_matmul(qtype, N, K, tokens):
                 for b in range(NB):
                     for c in T.unroll(BLOCK // LANES):
                         for l in T.vectorized(LANES):
-                            wv[c * LANES + l] = dequant(qtype, qs, s, j, b, c * LANES + l)
+                            wv[c * LANES + l] = dequant(qtype, qs, planar(s), j, b, c * LANES + l)
                     for t in T.unroll(TT):
                         if tt * TT + t < n:
                             for c in T.unroll(BLOCK // LANES):
@@ -187,19 +193,19 @@ def make_embedding(qtype: str, vocab: int, dim: int):
     if qtype in QUANTIZED:
         NB = dim // BLOCK
         qs_shape, qs_dtype = cpu_quants(qtype, vocab, dim)
-        S = LAYOUTS[qtype][1][2](vocab, dim)[2]
+        S = LAYOUTS[qtype][1][2](vocab, dim)[0]
         n = token_count(None)
 
         @T.prim_func
         def quant_embedding(var_ids: T.handle, qs: T.Buffer(qs_shape, qs_dtype),
-                            s: T.Buffer((vocab, NB, S), "float32"), var_y: T.handle):
+                            s: T.Buffer((S, vocab, NB), "float32"), var_y: T.handle):
             T.func_attr({"tirx.noalias": True, "op_pattern": 8})
             ids = T.match_buffer(var_ids, (n,), "int32")
             y = T.match_buffer(var_y, (n, dim), "float32")
             for t in T.parallel(n):
                 for b in range(NB):
                     for e in T.vectorized(BLOCK):
-                        y[t, b * BLOCK + e] = dequant(qtype, qs, s, ids[t], b, e)
+                        y[t, b * BLOCK + e] = dequant(qtype, qs, planar(s), ids[t], b, e)
 
         return quant_embedding
     wdt = _part_dtypes(qtype)["w"]

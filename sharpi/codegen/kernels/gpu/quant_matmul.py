@@ -9,16 +9,15 @@ from ....common.errors import CompileError
 from ....common.quant_layout import BLOCK, LAYOUTS, QUANTIZED
 from ..quant_matmul import dense_value, dequant
 
-# Layouts this kernel builds for today. dlight's rules need every read region to be one element per block
-# iterator, which the combined scale buffer [N, K/32, 2] of q4_1 and q5_0 is not (two fields are read; staging
-# each field as its own TE stage does not help, dlight inlines the stages back). The fix is one buffer per scale
-# field in sharpi.common.quant_layout (the CPU kernels then need a signature per part count). bf16 needs its
-# uint16 words packed in pairs (WGSL has no 16-bit integer storage).
-GPU_LAYOUTS = ("q4_0", "q8_0", "f32", "f16")
+# Layouts this kernel builds for. bf16 needs its uint16 words packed in pairs first (WGSL has no 16-bit integer
+# storage types).
+GPU_LAYOUTS = ("q4_0", "q4_1", "q5_0", "q8_0", "f32", "f16")
 
 
 def make_gpu_matmul(qtype: str, n_out: int, k_in: int, tokens: int | None = None) -> tirx.PrimFunc:
-    """PrimFunc (x [n, K] f32, *weight parts, y [n, N] f32), unscheduled (dlight schedules it)."""
+    """PrimFunc (x [n, K] f32, qs, scale field 0[, field 1] ([N, K/32] each), y [n, N] f32) for quantized types,
+    (x, w, y) for dense ones; unscheduled (dlight schedules it). The fields are the planes of the layout's
+    [S, N, K/32] scale buffer, passed as zero-copy views."""
     if qtype not in GPU_LAYOUTS:
         raise CompileError(f"Weights of type {qtype} have no GPU matmul kernel yet (GPU layouts: "
                            f"{', '.join(GPU_LAYOUTS)}).")
@@ -27,14 +26,23 @@ def make_gpu_matmul(qtype: str, n_out: int, k_in: int, tokens: int | None = None
 
     n = tirx.Var("n", "int64") if tokens is None else i64(tokens)
     x = te.placeholder((n, i64(k_in)), "float32", name="x")
-    parts = [te.placeholder(tuple(i64(d) for d in shape(n_out, k_in)), dtype, name=name)
-             for name, dtype, shape in LAYOUTS[qtype]]
+    if qtype in QUANTIZED:
+        # the quants, then each scale field as a buffer of its own: dlight's rules need every read region to be
+        # one element per block iterator, which two fields read from one [S, N, K/32] buffer are not
+        (_, qs_dtype, qs_shape), (_, _, s_shape) = LAYOUTS[qtype]
+        fields = s_shape(n_out, k_in)[0]
+        parts = [te.placeholder(tuple(i64(d) for d in qs_shape(n_out, k_in)), qs_dtype, name="qs")]
+        parts += [te.placeholder((i64(n_out), i64(k_in // BLOCK)), "float32", name=f"scale{f}")
+                  for f in range(fields)]
+    else:
+        parts = [te.placeholder(tuple(i64(d) for d in shape(n_out, k_in)), dtype, name=name)
+                 for name, dtype, shape in LAYOUTS[qtype]]
     k = te.reduce_axis((i64(0), i64(k_in)), name="k")
     if qtype in QUANTIZED:
-        qs, s = parts
+        qs, fields = parts[0], parts[1:]
 
         def weight(j, kk):
-            return dequant(qtype, qs, s, j, kk // i64(BLOCK), kk % i64(BLOCK))
+            return dequant(qtype, qs, lambda f, row, b: fields[f][row, b], j, kk // i64(BLOCK), kk % i64(BLOCK))
     else:
         (w,) = parts
 
