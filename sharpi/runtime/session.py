@@ -93,8 +93,13 @@ class Session:
         scores = self._scores
         if scores is None:
             raise ConfigError("evict() needs the scores of a fresh prefill: prefill(ids, keep_scores=True) first.")
-        settings, budget = self._model.snapkv_settings(budget=budget, **knobs) if (budget is not None or knobs) \
-            else (self.snapkv, self.snapkv_budget)
+        if knobs.get("window") not in (None, self.snapkv.window):
+            raise ConfigError("evict() cannot change the window: the prompt was scored at prefill with window "
+                              f"{self.snapkv.window}.")
+        if budget is None and not knobs:
+            settings, budget = self.snapkv, self.snapkv_budget
+        else:
+            settings, budget = self._model.snapkv_settings(budget=budget, **knobs)
         total = self._cache.logical_length
         if self.evicted or not self._should_evict(total, budget) or self._cache.length != [total] * self._cache.n_layers:
             return False
