@@ -1,7 +1,7 @@
 """Quantized weights stay quantized: in the artifact and in what the runtime holds."""
 import numpy as np
 
-from sharpi.runtime.loader import WEIGHTS
+from sharpi.common.manifest import WEIGHTS
 
 
 def test_artifact_weights_within_1_3x_of_gguf(smollm2_artifact, smollm2_gguf):

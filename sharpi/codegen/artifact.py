@@ -11,10 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..common.manifest import Manifest, ParamEntry, file_sha256
-
-LIBRARY = "model.so"
-WEIGHTS = "weights.bin"
+from ..common.manifest import LIBRARY, WEIGHTS, Manifest, ParamEntry, file_sha256
 ALIGN = 64
 
 

@@ -1,7 +1,6 @@
 """The LLVM-CPU pipeline: attach sharpi's kernels, legalize the rest, fuse elementwise chains, schedule, build."""
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import tvm
@@ -68,6 +67,3 @@ def build(mod: tvm.IRModule, target: tvm.target.Target, library_path: Path) -> N
 def kernel_names(mod: tvm.IRModule) -> list[str]:
     return sorted(gv.name_hint for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc))
 
-
-def sanitize(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_]", "_", name)

@@ -10,6 +10,8 @@ from .errors import ArtifactError
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
+LIBRARY = "model.so"          # the compiled kernels (llvm, cuda)
+WEIGHTS = "weights.bin"       # every parameter, in manifest order, 64-byte aligned
 
 
 @dataclass

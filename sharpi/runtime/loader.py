@@ -7,10 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from ..common.errors import ArtifactError
-from ..common.manifest import Manifest, file_sha256
-
-LIBRARY = "model.so"
-WEIGHTS = "weights.bin"
+from ..common.manifest import LIBRARY, WEIGHTS, Manifest, file_sha256
 
 
 def host_cpu_flags() -> set[str]:

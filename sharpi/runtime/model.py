@@ -112,8 +112,7 @@ class Model:
         settings = settings_from(info.get("defaults"), **arguments)
         budget = settings.budget
         if budget is None:
-            cfg = self.config
-            full = cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * 4 * self.max_context
+            full = self._pool.page_bytes * self.config.n_layers * self._manifest.max_pages   # one full sequence
             budget = auto_budget(self.max_context, full, self._manifest.target.get("kind", "llvm"))
         if budget and not info.get("enabled"):
             raise ConfigError("This artifact was compiled with --snapkv off; recompile with --snapkv on to evict.")

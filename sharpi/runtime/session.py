@@ -106,12 +106,8 @@ class Session:
         params = np.array([total, budget, settings.recency, settings.kernel,
                            ops.SNAPKV_POOLING_CODES[settings.pooling], int(settings.granularity == "shared")],
                           np.int32)
-        model = self._model
-        keep = model._call_raw("snapkv_select", scores, params)
-        rows = keep.numpy()[:, :, :budget].astype(np.int64)
-        model._call_raw("snapkv_compact", model._pool.tensor, self._cache.page_table(), keep,
-                        np.array([budget], np.int32))
-        self._cache.record_compaction(list(rows))
+        keep = self._model._call_raw("snapkv_select", scores, params)
+        self._compact_on_device(keep, budget, list(keep.numpy()[:, :, :budget].astype(np.int64)))
         self.evicted = True
         return True
 
@@ -126,13 +122,6 @@ class Session:
         return np.concatenate([self._forward("prefill_logits", chunk) for chunk in self._chunks(ids)])
 
     def compact(self, keep) -> None:
-        """Keep only the listed slots (one list, or per layer one list or one [kv_heads, k] array); the freed
-        pages return to the pool at once. Raises KeepSetError for a list that is too long, out of range or not
-        strictly increasing."""
-        self._check_open()
-        self._cache.compact(keep)
-
-    def compact(self, keep) -> None:
         """Keep only the listed slots: one list, or per layer one list or one [kv_heads, k] array. The freed
         pages return to the pool at once; raises KeepSetError for a list that is too long, out of range or not
         strictly increasing."""
@@ -140,15 +129,20 @@ class Session:
         rows = self._cache.keep_rows(keep)
         counts = {r.shape[1] for r in rows}
         if "snapkv_compact" in self._model._functions and len(counts) == 1:
-            model, cache = self._model, self._cache
-            slots = cache.capacity
-            keep_table = np.zeros((cache.n_layers, cache.kv_heads, slots), np.int32)
+            cache = self._cache
+            keep_table = np.zeros((cache.n_layers, cache.kv_heads, cache.capacity), np.int32)
             for layer, r in enumerate(rows):
                 keep_table[layer, :, :r.shape[1]] = r
-            model._call_raw("snapkv_compact", model._pool.tensor, cache.page_table(), keep_table,
-                            np.array([counts.pop()], np.int32))
+            self._compact_on_device(keep_table, counts.pop(), rows)
         else:
             self._cache.move_slots(rows)
+            self._cache.record_compaction(rows)
+
+    def _compact_on_device(self, keep_table, count: int, rows: list[np.ndarray]) -> None:
+        """Gather keep_table[l, h, :count] to the front with the compiled snapkv_compact, then the bookkeeping."""
+        model = self._model
+        model._call_raw("snapkv_compact", model._pool.tensor, self._cache.page_table(), keep_table,
+                        np.array([count], np.int32))
         self._cache.record_compaction(rows)
 
     def fork(self) -> "Session":
