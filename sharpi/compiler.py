@@ -44,8 +44,10 @@ class CompileOptions:
         check_against(settings, settings.budget or 0, settings.window)
         if self.target not in TARGETS:
             raise ConfigError(f"Unknown target {self.target!r}; choose one of {', '.join(TARGETS)}.")
-        if self.target != "llvm":
-            raise ConfigError(f"Target {self.target!r} is not implemented yet; only 'llvm' compiles today.")
+        if self.target not in ("llvm", "vulkan"):
+            raise ConfigError(f"Target {self.target!r} is not implemented yet; 'llvm' and 'vulkan' compile today.")
+        if self.target == "vulkan" and self.mcpu is not None:
+            raise ConfigError("--mcpu applies to the llvm target only.")
         if self.max_context is not None:
             parse_positive_int(self.max_context, "--max-context")
 
@@ -73,9 +75,11 @@ def compile(model: str | Path, target: str = "llvm", output: str | Path | None =
     gguf_path = resolve_model(model, show_progress=show_progress)
     output = Path(output) if output is not None else Path(gguf_path.stem + f"-{target}")
     _check_output_dir(output)
-    from .codegen.llvm import host_cpu, make_target
-    make_target(mcpu)                      # an unknown --mcpu fails here, before any hashing or compiling
-    resolved = replace(options, mcpu=mcpu or host_cpu())
+    resolved = options
+    if target == "llvm":
+        from .codegen.llvm import host_cpu, make_target
+        make_target(mcpu)                  # an unknown --mcpu fails here, before any hashing or compiling
+        resolved = replace(options, mcpu=mcpu or host_cpu())
     gguf_sha256 = file_sha256(gguf_path)   # the cache key needs only the bytes, not a parse of the GGUF
     cached = _cache_dir(gguf_path, gguf_sha256, resolved) if use_cache else None
     if cached is not None and (cached / "manifest.json").is_file() and dump_ir is None:
@@ -93,7 +97,6 @@ def compile(model: str | Path, target: str = "llvm", output: str | Path | None =
 def _compile_uncached(gguf, gguf_sha256: str, options: CompileOptions, output: Path, show_progress: bool,
                       dump_ir: str | Path | None = None) -> Path:
     from .codegen import artifact
-    from .codegen.llvm import build, kernel_names, lower, make_target, required_cpu_features
     from .common.tokenizer import build_from_gguf_metadata
     from .frontend.config import config_from_gguf
     from .frontend.llama import LlamaBuilder, llama_weights
@@ -115,37 +118,62 @@ def _compile_uncached(gguf, gguf_sha256: str, options: CompileOptions, output: P
         functions += list(SNAPKV_FUNCTIONS)
     if dump_ir is not None:
         Path(dump_ir).write_text(mod.script())
-    target = make_target(options.mcpu)
-    steps = ["lowering", "building"]
     from .common.progress import progress_bar
     staging = artifact.staging_dir(output)
     try:
-        with progress_bar(len(steps), "compiling", show_progress, unit="step") as bar:
-            bar.set_postfix_str("attach kernels, legalize, fuse")
-            lowered = lower(mod, cfg, target)
-            bar.update(1)
-            bar.set_postfix_str("LLVM codegen")
-            build(lowered, target, staging / artifact.LIBRARY)
-            bar.update(1)
+        with progress_bar(2, "compiling", show_progress, unit="step") as bar:
+            if options.target == "vulkan":
+                target_info, kernels = _build_vulkan(mod, cfg, staging, bar)
+            else:
+                target_info, kernels = _build_llvm(mod, cfg, options, staging, bar)
         params = artifact.write_weights(weights.arrays, weights.names, staging / artifact.WEIGHTS)
         tokenizer.save(staging)
         manifest = Manifest(
             format_version=FORMAT_VERSION, sharpi_version=__version__,
             source={"name": gguf.path.name, "sha256": gguf_sha256, "size": gguf.path.stat().st_size},
             config=cfg.to_dict(),
-            target={"kind": options.target, "mcpu": str(target.attrs["mcpu"]),
-                    "cpu_features": required_cpu_features(target)},
+            target=target_info,
             tokenizer=tok_info.to_dict(), page_size=PAGE_SIZE, max_context=max_context, max_pages=max_pages,
-            prefill_chunk=PREFILL_CHUNK, functions=functions, kernels=kernel_names(lowered), params=params,
+            prefill_chunk=PREFILL_CHUNK, functions=functions, kernels=kernels, params=params,
             snapkv={"enabled": options.snapkv == "on", "max_window": settings.window,
                     "defaults": settings.to_dict()})
         artifact.finalize(staging, output, manifest)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    _log(show_progress, f"sharpi: compiled {gguf.path.name} for {options.target} "
-                        f"(mcpu {manifest.target['mcpu']}) in {time.perf_counter() - started:.1f} s -> {output}")
+    detail = f" (mcpu {manifest.target['mcpu']})" if options.target == "llvm" else ""
+    _log(show_progress, f"sharpi: compiled {gguf.path.name} for {options.target}{detail} in "
+                        f"{time.perf_counter() - started:.1f} s -> {output}")
     return output
+
+
+def _build_llvm(mod, cfg, options: CompileOptions, staging: Path, bar) -> tuple[dict, list[str]]:
+    from .codegen import artifact
+    from .codegen.llvm import build, kernel_names, lower, make_target, required_cpu_features
+
+    target = make_target(options.mcpu)
+    bar.set_postfix_str("attach kernels, legalize, fuse")
+    lowered = lower(mod, cfg, target)
+    bar.update(1)
+    bar.set_postfix_str("LLVM codegen")
+    build(lowered, target, staging / artifact.LIBRARY)
+    bar.update(1)
+    info = {"kind": "llvm", "mcpu": str(target.attrs["mcpu"]), "cpu_features": required_cpu_features(target)}
+    return info, kernel_names(lowered)
+
+
+def _build_vulkan(mod, cfg, staging: Path, bar) -> tuple[dict, list[str]]:
+    from .codegen.attach_kernels import attach_kernels
+    from .codegen.vulkan import build_plan, write_plan
+
+    bar.set_postfix_str("attach GPU kernels")
+    mod = attach_kernels(mod, cfg, gpu=True)
+    bar.update(1)
+    bar.set_postfix_str("dlight schedules, WGSL codegen, plan")
+    plan = build_plan(mod)
+    write_plan(plan, staging)
+    bar.update(1)
+    return {"kind": "vulkan", "shader": "wgsl", "activations": "float32"}, sorted(plan.kernels)
 
 
 def _code_fingerprint() -> str:

@@ -8,11 +8,9 @@ import sharpi
 def _layer_slots(session, model, layer):
     """The held K/V of one layer, [2, kv_heads, length, head_dim], read from the pool."""
     cache = session._cache
-    pool = model._pool.view()
-    n = cache.length[layer]
-    slots = np.arange(n)
-    pages = np.asarray(cache.pages[layer])[slots // cache.pool.page_size]
-    return pool[pages, :, :, slots % cache.pool.page_size, :].transpose(1, 2, 0, 3).copy()
+    pages = model._pool.read_pages(cache.pages[layer])      # [pages, 2, kv_heads, page_size, head_dim]
+    slots = np.arange(cache.length[layer])
+    return pages[slots // cache.pool.page_size, :, :, slots % cache.pool.page_size, :].transpose(1, 2, 0, 3).copy()
 
 
 @pytest.fixture

@@ -3,11 +3,17 @@
 Fusions happen here: matmul(x, permute_dims(dequantize(w))) becomes one quantized-matmul kernel and
 take(dequantize(w), ids) one embedding kernel, so quantized weights are never expanded in memory.
 Kernels are instantiated once per distinct shape; token count 1 (decode) gets specialized kernels.
+
+Two kernel sets share this pass: the CPU's (kernels/*.py, hand-scheduled loop nests) and the GPU's
+(kernels/gpu/*.py: the matmul and embedding as TE computes that dlight schedules; attention, RoPE and SnapKV
+hand-scheduled with thread bindings). GPU kernels take a quantized weight's scale fields as separate buffers
+(zero-copy views of its [S, N, K/32] planes), and SnapKV's score is two calls on a GPU (row statistics, then the
+probabilities), since a workgroup cannot wait for the others.
 """
 from __future__ import annotations
 
 import tvm
-from tvm import relax
+from tvm import relax, s_tir
 
 from ..common import ops
 from ..common.config import ModelConfig
@@ -18,6 +24,10 @@ from ..common.quant_layout import QUANTIZED
 from .kernels.quant_matmul import cpu_quants, make_embedding, make_matmul
 from .kernels.rope import make_rope
 from .kernels.snapkv import make_kv_compact, make_snapkv_score, make_snapkv_select
+from .kernels.gpu import attention as gpu_attention
+from .kernels.gpu import elementwise as gpu_elementwise
+from .kernels.gpu import snapkv as gpu_snapkv
+from .kernels.gpu.quant_matmul import make_gpu_matmul
 
 
 def _static_int(dim) -> int | None:
@@ -31,9 +41,9 @@ def _prim_constant(prim_value):
 
 @relax.expr_functor.mutator
 class KernelAttacher(relax.PyExprMutator):
-    def __init__(self, mod: tvm.IRModule, cfg: ModelConfig):
+    def __init__(self, mod: tvm.IRModule, cfg: ModelConfig, gpu: bool = False):
         super().__init__(mod)
-        self.mod_, self.cfg = mod, cfg
+        self.mod_, self.cfg, self.gpu = mod, cfg, gpu
         self.kernels: dict[tuple, tvm.ir.GlobalVar] = {}
 
     def run(self) -> tvm.IRModule:
@@ -45,7 +55,12 @@ class KernelAttacher(relax.PyExprMutator):
     def kernel(self, key: tuple, make) -> tvm.ir.GlobalVar:
         if key not in self.kernels:
             name = "_".join(str(k) for k in key if k is not None)
-            prim = make().with_attr("tirx.is_scheduled", True).with_attr("global_symbol", name)
+            prim = make()
+            if not self.gpu:
+                prim = prim.with_attr("tirx.is_scheduled", True)
+            elif prim.attrs is not None and "tirx.is_scheduled" in prim.attrs:
+                prim = _with_root_block(prim)
+            prim = prim.with_attr("global_symbol", name)
             self.kernels[key] = self.builder_.add_func(prim, name)
         return self.kernels[key]
 
@@ -90,7 +105,8 @@ class KernelAttacher(relax.PyExprMutator):
             return self._kv_compact(args, call.ty)
         if name.startswith(ops.DEQUANTIZE):
             return call  # consumed by a fused matmul or embedding; dead code after this pass
-        raise CompileError(f"The frontend emitted {name}, which the llvm codegen has no kernel for.")
+        raise CompileError(f"The frontend emitted {name}, which the {'GPU' if self.gpu else 'llvm'} codegen has "
+                           f"no kernel for.")
 
     def _fuse_matmul(self, call):
         weight = self._bound(call.args[1])
@@ -102,6 +118,10 @@ class KernelAttacher(relax.PyExprMutator):
         qtype, parts, w_ty = source
         n_out, k_in = (int(d) for d in w_ty.shape)
         tokens = _static_int(call.ty.shape[0])
+        if self.gpu:
+            gv = self.kernel(("gpu_matmul", qtype, n_out, k_in, tokens),
+                             lambda: make_gpu_matmul(qtype, n_out, k_in, tokens))
+            return relax.call_tir(gv, [call.args[0], *self._gpu_parts(qtype, parts, n_out, k_in)], call.ty)
         gv = self.kernel(("matmul", qtype, n_out, k_in, tokens), lambda: make_matmul(qtype, n_out, k_in, tokens))
         return relax.call_tir(gv, [call.args[0], *self._cpu_parts(qtype, parts, n_out, k_in)], call.ty)
 
@@ -111,6 +131,10 @@ class KernelAttacher(relax.PyExprMutator):
             return None
         qtype, parts, w_ty = source
         vocab, dim = (int(d) for d in w_ty.shape)
+        if self.gpu:
+            gv = self.kernel(("gpu_embedding", qtype, vocab, dim),
+                             lambda: gpu_elementwise.make_gpu_embedding(qtype, vocab, dim))
+            return relax.call_tir(gv, [call.args[1], *self._gpu_parts(qtype, parts, vocab, dim)], call.ty)
         gv = self.kernel(("embedding", qtype, vocab, dim), lambda: make_embedding(qtype, vocab, dim))
         return relax.call_tir(gv, [call.args[1], *self._cpu_parts(qtype, parts, vocab, dim)], call.ty)
 
@@ -125,21 +149,34 @@ class KernelAttacher(relax.PyExprMutator):
         view = self.builder_.emit(relax.op.memory.view(parts[0], shape=shape, dtype=dtype))
         return [view, *parts[1:]]
 
+    def _gpu_parts(self, qtype, parts, n_out, k_in):
+        """The weight parts as the GPU kernels take them: the quants, then each scale field as a zero-copy view
+        of its plane of the [S, N, K/32] buffer (dlight needs one buffer per field)."""
+        if qtype not in QUANTIZED:
+            return parts
+        qs, scales = parts
+        fields, plane = int(scales.ty.shape[0]), (n_out, k_in // 32)
+        views = [self.builder_.emit(relax.op.memory.view(scales, shape=plane, dtype="float32",
+                                                         relative_byte_offset=f * n_out * (k_in // 32) * 4))
+                 for f in range(fields)]
+        return [qs, *views]
+
     def _rope(self, layout, args, ty):
         x, pos, theta = args
         _, heads, head_dim = (d for d in ty.shape)
         tokens = _static_int(ty.shape[0])
         theta = _prim_constant(theta)
+        make = gpu_elementwise.make_gpu_rope if self.gpu else make_rope
         gv = self.kernel(("rope", layout, int(heads), int(head_dim), tokens, f"{theta:g}".replace(".", "p")),
-                         lambda: make_rope(int(heads), int(head_dim), theta, layout, tokens))
+                         lambda: make(int(heads), int(head_dim), theta, layout, tokens))
         return relax.call_tir(gv, [x, pos], ty)
 
     def _kv_append(self, args, ty):
         pool, k, v, page_table, kv_lens, layer = args
         tokens = _static_int(k.ty.shape[0])
         cfg = self.cfg
-        gv = self.kernel(("kv_append", tokens),
-                         lambda: make_kv_append(cfg.n_kv_heads, cfg.head_dim, ops.PAGE_SIZE, tokens))
+        make = gpu_attention.make_gpu_kv_append if self.gpu else make_kv_append
+        gv = self.kernel(("kv_append", tokens), lambda: make(cfg.n_kv_heads, cfg.head_dim, ops.PAGE_SIZE, tokens))
         return relax.call_tir_inplace(gv, [pool, k, v, page_table, kv_lens, layer], [0], ty)
 
     def _attention(self, args, ty):
@@ -147,9 +184,9 @@ class KernelAttacher(relax.PyExprMutator):
         tokens = _static_int(ty.shape[0])
         cfg = self.cfg
         scale = _prim_constant(scale)
+        make = gpu_attention.make_gpu_paged_attention if self.gpu else make_paged_attention
         gv = self.kernel(("paged_attention", tokens),
-                         lambda: make_paged_attention(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, ops.PAGE_SIZE,
-                                                      scale, tokens))
+                         lambda: make(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, ops.PAGE_SIZE, scale, tokens))
         return relax.call_tir(gv, [q, pool, page_table, kv_lens, layer], ty)
 
 
@@ -158,15 +195,22 @@ class KernelAttacher(relax.PyExprMutator):
         cfg = self.cfg
         max_pages = int(page_table.ty.shape[1])
         scale = _prim_constant(scale)
-        gv = self.kernel(("snapkv_score", None),
-                         lambda: make_snapkv_score(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, ops.PAGE_SIZE, max_pages,
-                                                   scale))
+        shape = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, ops.PAGE_SIZE, max_pages, scale)
+        if self.gpu:
+            stats_gv = self.kernel(("snapkv_row_stats", None), lambda: gpu_snapkv.make_gpu_snapkv_row_stats(*shape))
+            stats_ty = relax.TensorType((q.ty.shape[0], cfg.n_heads, 2), "float32")
+            stats = self.builder_.emit(relax.call_tir(stats_gv, [q, pool, page_table, kv_lens, layer, window],
+                                                      stats_ty))
+            gv = self.kernel(("snapkv_score", None), lambda: gpu_snapkv.make_gpu_snapkv_score(*shape))
+            return relax.call_tir(gv, [q, pool, page_table, kv_lens, layer, window, stats], ty)
+        gv = self.kernel(("snapkv_score", None), lambda: make_snapkv_score(*shape))
         return relax.call_tir(gv, [q, pool, page_table, kv_lens, layer, window], ty)
 
     def _snapkv_select(self, args, ty):
         scores, params = args
         layers, kv_heads, slots = (int(d) for d in ty.shape)
-        gv = self.kernel(("snapkv_pool_topk", None), lambda: make_snapkv_select(layers, kv_heads, slots))
+        make = gpu_snapkv.make_gpu_snapkv_select if self.gpu else make_snapkv_select
+        gv = self.kernel(("snapkv_pool_topk", None), lambda: make(layers, kv_heads, slots))
         scratch = relax.TensorType(ty.shape, "float32")
         outputs = self.builder_.emit(relax.call_tir(gv, [scores, params], [ty, scratch, scratch]))
         return relax.TupleGetItem(outputs, 0)
@@ -175,11 +219,19 @@ class KernelAttacher(relax.PyExprMutator):
         pool, page_table, keep, count = args
         cfg = self.cfg
         layers, max_pages = (int(d) for d in page_table.ty.shape)
+        make = gpu_snapkv.make_gpu_kv_compact if self.gpu else make_kv_compact
         gv = self.kernel(("kv_compact", None),
-                         lambda: make_kv_compact(layers, cfg.n_kv_heads, cfg.head_dim, ops.PAGE_SIZE, max_pages))
+                         lambda: make(layers, cfg.n_kv_heads, cfg.head_dim, ops.PAGE_SIZE, max_pages))
         return relax.call_tir_inplace(gv, [pool, page_table, keep, count], [0], ty)
 
 
-def attach_kernels(mod: tvm.IRModule, cfg: ModelConfig) -> tvm.IRModule:
-    mod = KernelAttacher(mod, cfg).run()
+def _with_root_block(prim: tvm.tirx.PrimFunc) -> tvm.tirx.PrimFunc:
+    """Wrap a hand-scheduled kernel's body in a root block, the form Relax's GPU passes expect of every PrimFunc
+    (RewriteDataflowReshape's pattern check asserts it); TVMScript does not let a thread-bound body have one."""
+    return prim.with_body(s_tir.SBlockRealize([], True, s_tir.SBlock([], [], [], "root", prim.body)))
+
+
+def attach_kernels(mod: tvm.IRModule, cfg: ModelConfig, gpu: bool = False) -> tvm.IRModule:
+    """Replace the named ops with the CPU kernels, or with the GPU kernels when `gpu`."""
+    mod = KernelAttacher(mod, cfg, gpu).run()
     return relax.transform.DeadCodeElimination()(mod)

@@ -35,26 +35,45 @@ class VulkanPlan:
         return {"functions": self.functions, "prim_funcs": self.prim_funcs, "kernels": self.kernels}
 
 
-def shape_expr(e) -> str:
-    """A TIR integer expression as a shape-expression string (sharpi.common.shape_expr evaluates it)."""
+def shape_expr(e, names=None) -> str:
+    """A TIR integer expression as a shape-expression string (sharpi.common.shape_expr evaluates it); `names`
+    gives variables unique names (TVMScript calls every anonymous T.int64() "v")."""
     if isinstance(e, int):
         return str(e)
     if isinstance(e, tirx.IntImm):
         return str(int(e.value))
     if isinstance(e, tirx.Var):
-        return e.name
+        return names(e) if names is not None else e.name
     binary = {tirx.Add: "+", tirx.Sub: "-", tirx.Mul: "*", tirx.FloorDiv: "//", tirx.FloorMod: "%",
               tirx.Div: "//", tirx.Mod: "%"}    # shapes are non-negative, so truncating == flooring
     for cls, op in binary.items():
         if isinstance(e, cls):
-            return f"({shape_expr(e.a)} {op} {shape_expr(e.b)})"
+            return f"({shape_expr(e.a, names)} {op} {shape_expr(e.b, names)})"
     if isinstance(e, (tirx.Min, tirx.Max)):
-        return f"{'min' if isinstance(e, tirx.Min) else 'max'}({shape_expr(e.a)}, {shape_expr(e.b)})"
+        return f"{'min' if isinstance(e, tirx.Min) else 'max'}({shape_expr(e.a, names)}, {shape_expr(e.b, names)})"
     if isinstance(e, tirx.Cast):
-        return shape_expr(e.value)
-    if isinstance(e, tirx.Call) and e.op.name in ("tirx.shift_right", "tirx.shift_left"):
+        return shape_expr(e.value, names)
+    compare = {tirx.LT: "<", tirx.LE: "<=", tirx.GT: ">", tirx.GE: ">=", tirx.EQ: "==", tirx.NE: "!="}
+    for cls, op in compare.items():
+        if isinstance(e, cls):
+            return f"({shape_expr(e.a, names)} {op} {shape_expr(e.b, names)})"
+    if isinstance(e, (tirx.And, tirx.Or)):
+        return f"({shape_expr(e.a, names)} {'and' if isinstance(e, tirx.And) else 'or'} {shape_expr(e.b, names)})"
+    if isinstance(e, tirx.Not):
+        return f"(not {shape_expr(e.a, names)})"
+    if isinstance(e, tirx.Select):
+        return (f"({shape_expr(e.true_value, names)} if {shape_expr(e.condition, names)} "
+                f"else {shape_expr(e.false_value, names)})")
+    op_name = getattr(getattr(e, "op", None), "name", "")
+    if op_name.endswith("if_then_else"):
+        cond, a, b = (shape_expr(x, names) for x in e.args)
+        return f"({a} if {cond} else {b})"
+    for name, op in (("RShift", ">>"), ("LShift", "<<")):
+        if hasattr(tirx, name) and isinstance(e, getattr(tirx, name)):
+            return f"({shape_expr(e.a, names)} {op} {shape_expr(e.b, names)})"
+    if op_name.endswith(("shift_right", "shift_left")):
         op = ">>" if e.op.name.endswith("right") else "<<"
-        return f"({shape_expr(e.args[0])} {op} {shape_expr(e.args[1])})"
+        return f"({shape_expr(e.args[0], names)} {op} {shape_expr(e.args[1], names)})"
     raise NotImplementedError(f"shape expression {type(e).__name__}: {e}")
 
 
@@ -136,64 +155,123 @@ def _collect_launches(split: tvm.IRModule, plan: VulkanPlan) -> None:
     for gv, f in split.functions_items():
         if gv.name_hint in plan.kernels or not isinstance(f, tirx.PrimFunc):
             continue
-        params = [p.name for p in f.params]
+        names = _Names()
+        params = [names(p) for p in f.params]
         lets, launches = {}, []
         body = list(f.body.seq) if isinstance(f.body, tirx.SeqStmt) else [f.body]
         for stmt in body:
             if isinstance(stmt, tirx.Bind):
-                lets[stmt.var.name] = shape_expr(stmt.value)
+                lets[names(stmt.var)] = shape_expr(stmt.value, names)
             elif isinstance(stmt, tirx.Evaluate) and getattr(stmt.value.op, "name", "") == "tirx.call_ffi_kernel":
-                launches.append(_launch(stmt.value, plan.kernels, params))
+                launches.append(_launch(stmt.value, plan.kernels, f.params, names))
             elif not isinstance(stmt, tirx.DeclBuffer):
                 raise NotImplementedError(f"{gv.name_hint}: host statement {type(stmt).__name__}")
         plan.prim_funcs[gv.name_hint] = {
-            "params": params, "param_shapes": [[shape_expr(d) for d in p.ty.shape] for p in f.params],
-            "lets": lets, "launches": launches}
+            "params": params, "lets": lets, "launches": launches,
+            # a buffer's dims (shape expressions), or None for a scalar parameter (bound by value)
+            "param_shapes": [[shape_expr(d, names) for d in p.ty.shape] if hasattr(p.ty, "shape") else None
+                             for p in f.params]}
 
 
-def _launch(call, kernels, params) -> dict:
+def _launch(call, kernels, params, names) -> dict:
     kernel = kernels[call.args[0].value]
     n_buf, n_pod = len(kernel["buffers"]), len(kernel["pod"])
     buffers = []
     for arg in call.args[1:1 + n_buf]:
         var = arg.args[0]                                  # tirx.buffer_data(param)
-        buffers.append(params.index(var.name))
-    pods = [shape_expr(x) for x in call.args[1 + n_buf:1 + n_buf + n_pod]]
-    extents = [shape_expr(x) for x in call.args[1 + n_buf + n_pod:]]
+        buffers.append([p.name for p in params].index(var.name))   # the data var is named as its parameter
+    pods = [shape_expr(x, names) for x in call.args[1 + n_buf:1 + n_buf + n_pod]]
+    extents = [shape_expr(x, names) for x in call.args[1 + n_buf + n_pod:]]
     return {"kernel": call.args[0].value, "buffer_args": buffers, "pod_args": pods,
             "launch": dict(zip([str(p) for p in call.attrs.launch_params], extents))}
 
 
+class _Names:
+    """Unique plan names for Relax variables: lowering reuses name hints (two `lv2`s in one function), and the
+    plan refers to values by name."""
+
+    def __init__(self):
+        self.by_var, self.used = {}, set()
+
+    def __call__(self, var) -> str:
+        if var in self.by_var:
+            return self.by_var[var]
+        name, i = var.name, 1
+        while name in self.used:
+            name, i = f"{var.name}_{i}", i + 1
+        self.used.add(name)
+        self.by_var[var] = name
+        return name
+
+
 def _function_plan(func: relax.Function, plan: VulkanPlan) -> dict:
-    sym_vars, inputs = {}, []
-    for i, p in enumerate(func.params):
-        dims = list(p.ty.shape.values)
-        for j, d in enumerate(dims):
-            if isinstance(d, tirx.Var) and d.name not in sym_vars:
-                sym_vars[d.name] = [i, j]
-        inputs.append({"name": p.name, "shape": [shape_expr(d) for d in dims], "dtype": str(p.ty.dtype)})
+    names, sym_vars = _Names(), {}
+    inputs = [_input_spec(names(p), p.ty, [i], sym_vars) for i, p in enumerate(func.params)]
     ops = []
     for block in func.body.blocks:
         for b in block.bindings:
-            ops.append(_op(b.var.name, b.value, plan))
-    return {"inputs": inputs, "sym_vars": sym_vars, "ops": ops, "output": func.body.body.name}
+            op = _op(b.value, plan, names)    # operands are named before the bound variable
+            if op is not None:
+                if op["op"] not in ("call", "kill"):
+                    op["out"] = names(b.var)
+                ops.append(op)
+    return {"inputs": inputs, "sym_vars": sym_vars, "ops": ops, "output": names(func.body.body)}
 
 
-def _op(out: str, value, plan: VulkanPlan) -> dict:
+def _input_spec(name: str, ty, path: list, sym_vars: dict) -> dict:
+    """An input's shape and dtype, or for a tuple (the weights) its fields; symbolic dims are recorded in
+    sym_vars as [input path..., dim] so the runner can bind them from the tensors it is given."""
+    if isinstance(ty, relax.TupleType):
+        return {"name": name, "fields": [_input_spec(f"{name}.{i}", t, path + [i], sym_vars)
+                                         for i, t in enumerate(ty.fields)]}
+    dims = list(ty.shape.values)
+    for j, d in enumerate(dims):
+        if isinstance(d, tirx.Var) and d.name not in sym_vars:
+            sym_vars[d.name] = path + [j]
+    return {"name": name, "shape": [shape_expr(d) for d in dims], "dtype": str(ty.dtype)}
+
+
+def _arg(a, names) -> dict:
+    """A call argument: a variable, or a scalar constant (a prim_value such as the layer index)."""
+    if isinstance(a, relax.Var):
+        return {"var": names(a)}
+    if isinstance(a, (tirx.IntImm, tirx.FloatImm)):      # relax.prim_value(...) is a plain immediate here
+        return {"const": a.value}
+    raise NotImplementedError(f"Vulkan plan: call argument {a}")
+
+
+def _op(value, plan: VulkanPlan, names) -> dict | None:
     op_name = value.op.name if isinstance(value, relax.Call) and isinstance(value.op, ir.Op) else None
     if op_name == "relax.vm.alloc_storage":
-        return {"op": "alloc_storage", "out": out, "nbytes": shape_expr(value.args[0].values[0])}
+        return {"op": "alloc_storage", "nbytes": shape_expr(value.args[0].values[0])}
     if op_name == "relax.vm.alloc_tensor":
-        return {"op": "alloc_tensor", "out": out, "storage": value.args[0].name,
-                "offset": shape_expr(value.args[1].value), "shape": [shape_expr(d) for d in value.args[2].values],
-                "dtype": str(value.args[3].value)}
+        return {"op": "alloc_tensor", "storage": names(value.args[0]), "offset": shape_expr(value.args[1].value),
+                "shape": [shape_expr(d) for d in value.args[2].values], "dtype": str(value.args[3].value)}
     if op_name == "relax.vm.kill_object":
-        return {"op": "kill", "var": value.args[0].name}
+        return None                  # a buffer lives as long as a tensor refers to it (Python's GC frees it)
+    if isinstance(value, relax.Call) and isinstance(value.op, relax.ExternFunc):
+        return _packed(value, names)
     if isinstance(value, relax.Call) and isinstance(value.op, relax.GlobalVar) and value.op.name_hint in plan.prim_funcs:
-        return {"op": "call", "func": value.op.name_hint, "args": [a.name for a in value.args]}
+        return {"op": "call", "func": value.op.name_hint, "args": [_arg(a, names) for a in value.args]}
     if isinstance(value, relax.Var):
-        return {"op": "alias", "out": out, "src": value.name}
-    raise NotImplementedError(f"Vulkan plan: Relax binding {out} = {value}")
+        return {"op": "alias", "src": names(value)}
+    if isinstance(value, relax.TupleGetItem):
+        return {"op": "get_item", "src": names(value.tuple_value), "index": int(value.index)}
+    if isinstance(value, relax.Tuple):
+        return {"op": "tuple", "fields": [names(f) for f in value.fields]}
+    raise NotImplementedError(f"Vulkan plan: Relax binding {value}")
+
+
+def _packed(call, names) -> dict:
+    """The runtime builtins the GPU pipeline leaves in a function: zero-copy reshapes and views."""
+    func, args = call.op.global_symbol, call.args
+    if func == "vm.builtin.reshape":
+        return {"op": "view", "src": names(args[0]), "shape": [shape_expr(d) for d in args[1].values],
+                "dtype": None, "byte_offset": "0"}
+    if func == "runtime.TVMTensorCreateView":
+        return {"op": "view", "src": names(args[0]), "shape": [shape_expr(d) for d in args[1].values],
+                "dtype": str(args[2].value), "byte_offset": shape_expr(args[3])}
+    raise NotImplementedError(f"Vulkan plan: packed call {func}")
 
 
 def write_plan(plan: VulkanPlan, directory) -> None:

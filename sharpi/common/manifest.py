@@ -12,6 +12,7 @@ FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 LIBRARY = "model.so"          # the compiled kernels (llvm, cuda)
 WEIGHTS = "weights.bin"       # every parameter, in manifest order, 64-byte aligned
+PLAN = "plan.json"            # vulkan: the plan of calls; one .wgsl file per kernel beside it
 
 
 @dataclass

@@ -14,15 +14,15 @@ from ..common.errors import ContextLengthError, KeepSetError
 
 
 class PagePool:
-    """The pool tensor (owned here, written in place by the kernels) and its free list."""
+    """The free list of the pool's pages; the pool's memory belongs to the backend (a TVM tensor on CPU, a wgpu
+    buffer on Vulkan), which the kernels write in place."""
 
-    def __init__(self, tensor, page_size: int, page_bytes: int):
-        self.tensor = tensor
+    def __init__(self, backend, num_pages: int, page_size: int, page_bytes: int):
+        self.backend = backend
         self.page_size = page_size
         self.page_bytes = page_bytes
-        self.num_pages = int(tensor.shape[0])
+        self.num_pages = num_pages
         self.free: list[int] = list(range(self.num_pages - 1, -1, -1))
-        self._view = None
 
     @property
     def free_count(self) -> int:
@@ -37,11 +37,15 @@ class PagePool:
     def release(self, pages: list[int]) -> None:
         self.free.extend(reversed(pages))
 
-    def view(self) -> np.ndarray:
-        """A numpy view of the pool (CPU only) for bookkeeping copies: fork, compaction."""
-        if self._view is None:
-            self._view = np.from_dlpack(self.tensor)
-        return self._view
+    def copy_pages(self, src: list[int], dst: list[int]) -> None:
+        self.backend.copy_pages(src, dst)
+
+    def read_pages(self, pages: list[int]) -> np.ndarray:
+        """A copy of the pages' contents, [len(pages), 2, kv_heads, page_size, head_dim]."""
+        return self.backend.read_pages(pages)
+
+    def write_pages(self, pages: list[int], data: np.ndarray) -> None:
+        self.backend.write_pages(pages, data)
 
 
 class SequenceCache:
@@ -114,12 +118,10 @@ class SequenceCache:
         other = SequenceCache(self.pool, self.n_layers, self.kv_heads, self.max_pages)
         count = sum(len(p) for p in self.pages)
         fresh = self.pool.allocate(count)
-        pool = self.pool.view()
         for l in range(self.n_layers):
             mine = self.pages[l]
             theirs = [fresh.pop() for _ in mine]
-            if mine:
-                pool[theirs] = pool[mine]
+            self.pool.copy_pages(mine, theirs)
             other.pages[l] = theirs
             other._table[l, :len(theirs)] = theirs
         other.length = list(self.length)
@@ -138,17 +140,21 @@ class SequenceCache:
         return rows
 
     def move_slots(self, rows: list[np.ndarray]) -> None:
-        """Gather the kept slots to the front of each layer and head (numpy on the pool; the compiled
-        snapkv_compact kernel does the same on the device)."""
+        """Gather the kept slots to the front of each layer and head through host memory (the compiled
+        snapkv_compact kernel does the same on the device when every layer keeps the same count)."""
         size = self.pool.page_size
-        pool = self.pool.view()
         for layer, layer_rows in enumerate(rows):
-            pages = np.asarray(self.pages[layer], dtype=np.int64)
-            dst = np.arange(layer_rows.shape[1])
+            if not self.pages[layer]:
+                continue
+            data = self.pool.read_pages(self.pages[layer])          # [pages, 2, kv_heads, page_size, head_dim]
+            slots = data.transpose(0, 3, 1, 2, 4).reshape(-1, *data.shape[1:3], data.shape[4])  # [slot, 2, kvh, d]
+            moved = slots.copy()
             for head in range(self.kv_heads):
                 src = layer_rows[head]
-                data = pool[pages[src // size], :, head, src % size, :].copy()    # [k, 2, head_dim]
-                pool[pages[dst // size], :, head, dst % size, :] = data
+                moved[:len(src), :, head] = slots[src, :, head]
+            self.pool.write_pages(self.pages[layer],
+                                  moved.reshape(len(self.pages[layer]), size, *data.shape[1:3], data.shape[4])
+                                  .transpose(0, 2, 3, 1, 4))
 
     def record_compaction(self, rows: list[np.ndarray]) -> None:
         """Bookkeeping after the slots moved: lengths, kept positions, trailing pages back to the pool at once.

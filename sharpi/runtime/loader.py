@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from ..common.errors import ArtifactError
-from ..common.manifest import LIBRARY, WEIGHTS, Manifest, file_sha256
+from ..common.manifest import LIBRARY, PLAN, WEIGHTS, Manifest, file_sha256
 
 
 def host_cpu_flags() -> set[str]:
@@ -22,7 +22,9 @@ def host_cpu_flags() -> set[str]:
 
 
 def check_artifact(directory: Path, manifest: Manifest, verify_hashes: bool = True) -> None:
-    for name in (LIBRARY, WEIGHTS, "tokenizer.json"):
+    kind = manifest.target.get("kind")
+    code = {"vulkan": PLAN}.get(kind, LIBRARY)
+    for name in (code, WEIGHTS, "tokenizer.json"):
         if not (directory / name).is_file():
             raise ArtifactError(f"{directory} is incomplete: {name} is missing; compile it again.")
     if verify_hashes:
@@ -33,6 +35,8 @@ def check_artifact(directory: Path, manifest: Manifest, verify_hashes: bool = Tr
             if file_sha256(path) != expected:
                 raise ArtifactError(f"{directory}/{name} does not match the hash in the manifest "
                                     f"(corrupted or changed); compile it again.")
+    if kind != "llvm":
+        return
     required = set(manifest.target.get("cpu_features", []))
     flags = host_cpu_flags()
     missing = sorted(required - flags) if flags else []

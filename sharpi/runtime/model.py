@@ -14,7 +14,6 @@ from ..common.manifest import Manifest
 from ..common.settings import parse_positive_int, resolve_threads
 from ..common.tokenizer import Tokenizer, TokenizerInfo
 from .kv_cache import PagePool
-from .loader import check_artifact, configure_threads, load_vm, load_weights
 from .sampling import Sampler, SamplingParams
 from .session import Session
 
@@ -29,56 +28,36 @@ class GenerationResult:
 
 class Model:
     def __init__(self, directory: str | Path, *, threads: int | None = None, verify: bool = True,
-                 pool_sequences: int = 4):
-        import tvm
-
+                 pool_sequences: int = 4, adapter: str | None = None):
+        """Load an artifact. threads: CPU threads (llvm); adapter: part of the Vulkan adapter's name to use
+        (default: the highest-performance one, or $SHARPI_VULKAN_ADAPTER)."""
         self.path = Path(directory)
         self._manifest = Manifest.read(self.path)
-        if self._manifest.target.get("kind") != "llvm":
-            raise ArtifactError(f"{self.path} targets {self._manifest.target.get('kind')}, which this runtime "
-                                f"cannot run yet.")
-        check_artifact(self.path, self._manifest, verify_hashes=verify)
         self.threads = resolve_threads(threads)
-        configure_threads(self.threads)
+        self._backend = _open_backend(self.path, self._manifest, self.threads, verify, adapter)
         self.config = ModelConfig.from_dict(self._manifest.config)
         self.tokenizer = Tokenizer.load(self.path, TokenizerInfo.from_dict(self._manifest.tokenizer))
-        self.device = tvm.cpu()
-        self._weights = load_weights(self.path, self._manifest, self.device)
-        self._vm = load_vm(self.path, self.device)
-        self._functions = {name: self._vm[name] for name in self._manifest.functions}
         self._pool = self._make_pool(pool_sequences)
 
     def _make_pool(self, sequences: int) -> PagePool:
-        """Room for `sequences` full-context sequences (sessions and forks share it). The memory is only
-        reserved: a page becomes resident when a kernel first writes it."""
-        import tvm
-
+        """Room for `sequences` full-context sequences (sessions and forks share it), or as many pages as the
+        backend can hold in one buffer (Vulkan's storage-binding limit) if that is less."""
         cfg, m = self.config, self._manifest
         sequences = parse_positive_int(sequences, "pool_sequences")
+        page_bytes = 4 * 2 * cfg.n_kv_heads * m.page_size * cfg.head_dim
         pages = sequences * cfg.n_layers * m.max_pages
         shape = (pages, 2, cfg.n_kv_heads, m.page_size, cfg.head_dim)
-        tensor = tvm.runtime.empty(shape, "float32", self.device)  # untouched pages cost no resident memory
-        return PagePool(tensor, m.page_size, page_bytes=4 * 2 * cfg.n_kv_heads * m.page_size * cfg.head_dim)
+        pages = self._backend.allocate_pool(shape)
+        return PagePool(self._backend, pages, m.page_size, page_bytes)
 
-    def _call(self, function: str, ids, positions, page_table, kv_lens, extra: tuple = ()):
-        """A forward function: logits as numpy; for prefill_snapkv (logits, scores tensor)."""
-        import tvm
+    @property
+    def backend(self) -> str:
+        """Where this model runs, in words: the CPU and threads, or the Vulkan adapter."""
+        return self._backend.description
 
-        dev = self.device
-        out = self._functions[function](tvm.runtime.tensor(ids, dev), tvm.runtime.tensor(positions, dev),
-                                        self._pool.tensor, tvm.runtime.tensor(page_table, dev),
-                                        tvm.runtime.tensor(kv_lens, dev), self._weights,
-                                        *[tvm.runtime.tensor(e, dev) for e in extra])
-        if function == "prefill_snapkv":
-            return out[0].numpy(), out[1]
-        return out.numpy()
-
-    def _call_raw(self, function: str, *args):
-        """Call a helper function (snapkv_select, snapkv_compact); numpy arguments are moved to the device."""
-        import tvm
-
-        converted = [tvm.runtime.tensor(a, self.device) if isinstance(a, np.ndarray) else a for a in args]
-        return self._functions[function](*converted)
+    @property
+    def _weights(self):
+        return self._backend.weights
 
     # -- public API -------------------------------------------------------------------------------------------
     @property
@@ -216,6 +195,17 @@ class _Generation:
                    "kv_bytes_after_prefill": kv_after_prefill[1], "evicted": kv_after_prefill[2],
                    "prefill_tok_s": len(self.prompt_ids) / max(t1 - t0, 1e-9),
                    "decode_tok_s": n_decode / max(t2 - t1, 1e-9) if n_decode else 0.0})
+
+
+def _open_backend(path: Path, manifest: Manifest, threads: int, verify: bool, adapter: str | None):
+    kind = manifest.target.get("kind")
+    if kind == "llvm":
+        from .tvm_backend import TVMBackend
+        return TVMBackend(path, manifest, threads, verify)
+    if kind == "vulkan":
+        from .vulkan import VulkanBackend
+        return VulkanBackend(path, manifest, verify, adapter)
+    raise ArtifactError(f"{path} targets {kind}, which this runtime cannot run yet.")
 
 
 def _find_stop(text: str, stops: list[str]) -> int | None:

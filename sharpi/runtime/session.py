@@ -76,7 +76,7 @@ class Session:
 
     def _prefill_scored(self, ids: np.ndarray) -> np.ndarray:
         """Chunked prefill whose last chunk holds the whole scoring window; keeps the scores."""
-        if "prefill_snapkv" not in self._model._functions:
+        if "prefill_snapkv" not in self._model._backend.functions:
             raise ConfigError("This artifact was compiled with --snapkv off; recompile with --snapkv on to score.")
         window = min(self.snapkv.window, len(ids))
         step = self._model._manifest.prefill_chunk
@@ -106,8 +106,8 @@ class Session:
         params = np.array([total, budget, settings.recency, settings.kernel,
                            ops.SNAPKV_POOLING_CODES[settings.pooling], int(settings.granularity == "shared")],
                           np.int32)
-        keep = self._model._call_raw("snapkv_select", scores, params)
-        self._compact_on_device(keep, budget, list(keep.numpy()[:, :, :budget].astype(np.int64)))
+        keep, keep_numpy = self._model._backend.select(scores, params)
+        self._compact_on_device(keep, budget, list(keep_numpy[:, :, :budget].astype(np.int64)))
         self.evicted = True
         return True
 
@@ -128,21 +128,19 @@ class Session:
         self._check_open()
         rows = self._cache.keep_rows(keep)
         counts = {r.shape[1] for r in rows}
-        if "snapkv_compact" in self._model._functions and len(counts) == 1:
+        if "snapkv_compact" in self._model._backend.functions and len(counts) == 1:
             cache = self._cache
             keep_table = np.zeros((cache.n_layers, cache.kv_heads, cache.capacity), np.int32)
             for layer, r in enumerate(rows):
                 keep_table[layer, :, :r.shape[1]] = r
             self._compact_on_device(keep_table, counts.pop(), rows)
-        else:
+        else:                 # layers keeping different counts: moved through host memory
             self._cache.move_slots(rows)
             self._cache.record_compaction(rows)
 
-    def _compact_on_device(self, keep_table, count: int, rows: list[np.ndarray]) -> None:
-        """Gather keep_table[l, h, :count] to the front with the compiled snapkv_compact, then the bookkeeping."""
-        model = self._model
-        model._call_raw("snapkv_compact", model._pool.tensor, self._cache.page_table(), keep_table,
-                        np.array([count], np.int32))
+    def _compact_on_device(self, keep, count: int, rows: list[np.ndarray]) -> None:
+        """Gather keep[l, h, :count] to the front with the compiled snapkv_compact, then the bookkeeping."""
+        self._model._backend.compact(self._cache.page_table(), keep, count)
         self._cache.record_compaction(rows)
 
     def fork(self) -> "Session":
@@ -200,6 +198,6 @@ class Session:
         cache = self._cache
         cache.reserve(len(ids))
         positions = np.arange(cache.logical_length, cache.logical_length + len(ids), dtype=np.int32)
-        out = self._model._call(function, ids, positions, cache.page_table(), cache.kv_lens(), extra)
+        out = self._model._backend.forward(function, ids, positions, cache.page_table(), cache.kv_lens(), extra)
         cache.advance(len(ids))
         return out

@@ -1,0 +1,158 @@
+"""Paged-KV-cache kernels for GPU targets (WGSL on Vulkan; written against WebGPU's limits: 256 invocations and
+32 KiB of workgroup memory per workgroup, no 64-bit or 8/16-bit integers, no f64). Each is the twin of a CPU
+kernel in ..paged_attention, with the same parameters and buffer shapes, so codegen can pick per target.
+
+kv_append: pool[page_table[l, s // P], {0, 1}, h, s % P, :] = k/v[t, h, :] for slot s = kv_lens[l] + t; the
+    pool is written in place. One workgroup per (token, KV head), one invocation per element of the head.
+paged_attention: out[t, h] = softmax(q[t, h] . K[s] * scale) V over the slots s <= kv_lens[l] + t of KV head
+    h // (H / KVH) (the CPU kernel's causal rule and GQA mapping). One workgroup per (token, query head) with
+    TX = min(head_dim, 256) invocations; the visible slots are walked in tiles of TX:
+      1. invocation i computes the score of slot tile*TX + i (a dot product with q, which the workgroup staged
+         in shared memory, pre-scaled), and stores it with the slot's page in shared memory;
+      2. every invocation reduces the tile's max redundantly (TX broadcast reads of shared memory: cheaper than
+         a tree of barriers), rescales its running state (online softmax), and invocation i stores exp of its
+         own slot's score;
+      3. every invocation accumulates p * v over the tile for the output dims it owns (d = i, i + TX, ...).
+    The tile loop's trip count depends only on the workgroup (kv_lens and the token), so the barriers stay in
+    uniform control flow, as WGSL requires. Slots past the visible range get probability 0 and are never read.
+
+All three are hand-scheduled (explicit thread bindings) and marked "tirx.is_scheduled" so dlight leaves them be.
+Shape variables carry names: the Vulkan plan binds each kernel's scalar arguments by the name of the shape
+variable they come from, and TVMScript's anonymous T.int64() vars are all called "v".
+"""
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from ..quant_matmul import token_count
+
+MAX_THREADS = 256           # WebGPU's maxComputeInvocationsPerWorkgroup default
+NEG_INF = -3.0e38           # finite "minus infinity": exp(NEG_INF - m) underflows to 0 without inf - inf NaNs
+ATTRS = {"tirx.noalias": True, "op_pattern": 8, "tirx.is_scheduled": True}
+
+
+def _pool_vars():
+    """Named shape variables of the pool (pages) and the page table (layers, max_pages)."""
+    return tirx.Var("pages", "int64"), tirx.Var("layers", "int64"), tirx.Var("max_pages", "int64")
+
+
+def _named(func: tirx.PrimFunc, name: str, tokens: int | None) -> tirx.PrimFunc:
+    """Give the kernel a global symbol of its own (TVMScript names it after the Python function, and a module
+    holding the prefill and decode variants needs two)."""
+    return func.with_attr("global_symbol", name + ("" if tokens is None else f"_{tokens}"))
+
+
+def _threads(head_dim: int) -> tuple[int, int]:
+    """(invocations per workgroup, head dims each invocation owns) for a head of `head_dim`."""
+    tx = min(head_dim, MAX_THREADS)
+    return tx, (head_dim + tx - 1) // tx
+
+
+def make_gpu_kv_append(kv_heads: int, head_dim: int, page_size: int, tokens: int | None = None) -> tirx.PrimFunc:
+    """PrimFunc (pool, k [n, KVH, D], v [n, KVH, D], page_table, kv_lens, layer) writing the pool in place."""
+    n = token_count(tokens)
+    pages, layers, max_pages = _pool_vars()
+    TX, DPT = _threads(head_dim)
+
+    @T.prim_func
+    def gpu_kv_append(var_pool: T.handle, var_k: T.handle, var_v: T.handle, var_pt: T.handle, var_lens: T.handle,
+                      layer: T.int64):
+        T.func_attr(ATTRS)
+        pool = T.match_buffer(var_pool, (pages, 2, kv_heads, page_size, head_dim), "float32")
+        k = T.match_buffer(var_k, (n, kv_heads, head_dim), "float32")
+        v = T.match_buffer(var_v, (n, kv_heads, head_dim), "float32")
+        page_table = T.match_buffer(var_pt, (layers, max_pages), "int32")
+        kv_lens = T.match_buffer(var_lens, (layers,), "int32")
+        for b in T.thread_binding(n * kv_heads, thread="blockIdx.x"):
+            for tx in T.thread_binding(TX, thread="threadIdx.x"):
+                t = T.meta_var(b // kv_heads)
+                h = T.meta_var(b % kv_heads)
+                slot = T.meta_var(T.Cast("int64", kv_lens[layer]) + t)
+                page = T.meta_var(T.Cast("int64", page_table[layer, slot // page_size]))
+                for c in T.unroll(DPT):
+                    if c * TX + tx < head_dim:
+                        pool[page, 0, h, slot % page_size, c * TX + tx] = k[t, h, c * TX + tx]
+                        pool[page, 1, h, slot % page_size, c * TX + tx] = v[t, h, c * TX + tx]
+
+    return _named(gpu_kv_append, f"gpu_kv_append_{kv_heads}_{head_dim}_{page_size}", tokens)
+
+
+def make_gpu_paged_attention(heads: int, kv_heads: int, head_dim: int, page_size: int, scale: float,
+                             tokens: int | None = None) -> tirx.PrimFunc:
+    """PrimFunc (q [n, H, D], pool, page_table, kv_lens, layer, out [n, H, D]): causal attention per query head.
+    Workgroup memory: (D + 3 * TX) * 4 bytes, at most 4 KiB for D <= 256."""
+    n = token_count(tokens)
+    pages, layers, max_pages = _pool_vars()
+    group = heads // kv_heads
+    TX, DPT = _threads(head_dim)
+
+    @T.prim_func
+    def gpu_paged_attention(var_q: T.handle, var_pool: T.handle, var_pt: T.handle, var_lens: T.handle,
+                            layer: T.int64, var_out: T.handle):
+        T.func_attr(ATTRS)
+        q = T.match_buffer(var_q, (n, heads, head_dim), "float32")
+        pool = T.match_buffer(var_pool, (pages, 2, kv_heads, page_size, head_dim), "float32")
+        page_table = T.match_buffer(var_pt, (layers, max_pages), "int32")
+        kv_lens = T.match_buffer(var_lens, (layers,), "int32")
+        out = T.match_buffer(var_out, (n, heads, head_dim), "float32")
+        for b in T.thread_binding(n * heads, thread="blockIdx.x"):
+            for tx in T.thread_binding(TX, thread="threadIdx.x"):
+                q_sh = T.alloc_buffer((head_dim,), "float32", scope="shared")
+                score = T.alloc_buffer((TX,), "float32", scope="shared")
+                prob = T.alloc_buffer((TX,), "float32", scope="shared")
+                page_sh = T.alloc_buffer((TX,), "int32", scope="shared")
+                acc = T.alloc_buffer((DPT,), "float32", scope="local")
+                dot = T.alloc_buffer((1,), "float32", scope="local")
+                # running max, running sum, tile max, correction of the previous tiles
+                st = T.alloc_buffer((4,), "float32", scope="local")
+                t = T.meta_var(b // heads)
+                h = T.meta_var(b % heads)
+                kvh = T.meta_var(b % heads // group)
+                total = T.meta_var(T.Cast("int64", kv_lens[layer]) + t + 1)   # visible slots
+                for c in T.unroll(DPT):
+                    if c * TX + tx < head_dim:
+                        q_sh[c * TX + tx] = q[t, h, c * TX + tx] * T.float32(scale)
+                    acc[c] = T.float32(0)
+                st[0] = T.float32(NEG_INF)
+                st[1] = T.float32(0)
+                T.tvm_storage_sync("shared")
+                # truncdiv: total is positive, but TVM cannot know (it comes from kv_lens), and its floordiv by a
+                # divisor that is no power of two lowers with an offset of 2^31 that overflows WGSL's i32
+                for tile in range(T.truncdiv(total + TX - 1, TX)):
+                    # 1. this invocation's slot: its score and page
+                    if tile * TX + tx < total:
+                        page_sh[tx] = page_table[layer, (tile * TX + tx) // page_size]
+                        dot[0] = T.float32(0)
+                        for d in range(head_dim):
+                            dot[0] = dot[0] + q_sh[d] * pool[T.Cast("int64", page_sh[tx]), 0, kvh,
+                                                              (tile * TX + tx) % page_size, d]
+                        score[tx] = dot[0]
+                    else:
+                        score[tx] = T.float32(NEG_INF)
+                    T.tvm_storage_sync("shared")
+                    # 2. online softmax: the tile max (redundantly in every invocation), then p of own slot
+                    st[2] = st[0]
+                    for j in range(TX):
+                        st[2] = T.max(st[2], score[j])
+                    st[3] = T.exp(st[0] - st[2])
+                    st[0] = st[2]
+                    prob[tx] = T.exp(score[tx] - st[0])     # masked slots: exp(-3e38 - m) == 0
+                    T.tvm_storage_sync("shared")
+                    # 3. rescale and accumulate p * v for the dims this invocation owns
+                    st[1] = st[1] * st[3]
+                    for c in T.unroll(DPT):
+                        acc[c] = acc[c] * st[3]
+                    for j in range(T.min(T.int64(TX), total - tile * TX)):
+                        st[1] = st[1] + prob[j]
+                        for c in T.unroll(DPT):
+                            if c * TX + tx < head_dim:
+                                acc[c] = acc[c] + prob[j] * pool[T.Cast("int64", page_sh[j]), 1, kvh,
+                                                                 (tile * TX + j) % page_size, c * TX + tx]
+                    # the next tile overwrites score, prob and page_sh
+                    T.tvm_storage_sync("shared")
+                for c in T.unroll(DPT):
+                    if c * TX + tx < head_dim:
+                        out[t, h, c * TX + tx] = acc[c] / st[1]
+
+    return _named(gpu_paged_attention, f"gpu_paged_attention_{heads}_{kv_heads}_{head_dim}_{page_size}", tokens)

@@ -1,0 +1,116 @@
+"""Elementwise kernels for GPU targets (WGSL on Vulkan), twins of CPU kernels one folder up.
+
+rope: llama.cpp's NORM RoPE (adjacent pairs) at given positions, twin of ..rope.make_rope. Hand-scheduled: one
+    invocation per (token, head, pair), 128 per workgroup. WGSL has no f64, and an f32 angle pos * inv_freq is off
+    by up to ~pos * 1e-7 rad before any range reduction (0.01 rad deep in a 32k context), so the angle is
+    computed in fixed point instead: each frequency is stored as F_i = round(frac(inv_freq_i / 2pi) * 2^32), a
+    u32 built in Python from the float64 inv_freq the CPU kernel uses; pos * F_i in wrapping u32 arithmetic is
+    the angle in turns, already reduced mod 1, and read as an i32 it lies in [-1/2, 1/2) turns, i.e. [-pi, pi),
+    where Vulkan's cos and sin are accurate. Error: pos * 2^-33 turns from rounding F_i (1e-4 rad at position
+    131072; 6e-6 rad at 8191) plus 2^-24 relative from the i32 -> f32 conversion.
+embedding: y[t, :] = dequantized row ids[t] of the table, twin of ..quant_matmul.make_embedding but taking the
+    weight parts as the GPU matmul does (quants, then each scale field as an [N, K/32] buffer of its own). A TE
+    compute left unscheduled: dlight's Fallback rule binds it to threads like any elementwise op.
+"""
+from __future__ import annotations
+
+import math
+
+from tvm import te, tirx
+from tvm.script import tirx as T
+
+from ....common.errors import CompileError
+from ....common.quant_layout import BLOCK, LAYOUTS, QUANTIZED
+from ..quant_matmul import dense_value, dequant, token_count
+from .quant_matmul import GPU_LAYOUTS
+
+ROPE_THREADS = 128
+
+
+def rope_turns(head_dim: int, theta: float) -> list[int]:
+    """Per rotated pair i, the angle advanced per position as a 32-bit fraction of a turn (see the module doc)."""
+    fractions = [math.fmod(theta ** (-(2 * i) / head_dim) / (2 * math.pi), 1.0) for i in range(head_dim // 2)]
+    return [round(f * 2.0 ** 32) % 2 ** 32 for f in fractions]
+
+
+def _lookup(values: list[int], i, lo: int = 0, hi: int | None = None):
+    """values[i] for a symbolic i as a balanced tree of selects over constants (WGSL codegen has no constant
+    arrays): about log2(len) comparisons deep, no memory traffic."""
+    hi = len(values) if hi is None else hi
+    if hi - lo == 1:
+        return T.uint32(values[lo])
+    mid = (lo + hi) // 2
+    return T.if_then_else(i < mid, _lookup(values, i, lo, mid), _lookup(values, i, mid, hi))
+
+
+def make_gpu_rope(heads: int, head_dim: int, theta: float, layout: str = "norm",
+                  tokens: int | None = None) -> tirx.PrimFunc:
+    """PrimFunc (x [n, H, D] f32, pos [n] int32, y [n, H, D] f32)."""
+    if layout != "norm":
+        raise NotImplementedError(f"RoPE layout {layout!r}")
+    half = head_dim // 2
+    n = token_count(tokens)
+    turns = rope_turns(head_dim, theta)
+    rad_per_unit = 2 * math.pi / 2.0 ** 32
+
+    @T.prim_func
+    def gpu_rope(var_x: T.handle, var_pos: T.handle, var_y: T.handle):
+        T.func_attr({"tirx.noalias": True, "op_pattern": 8, "tirx.is_scheduled": True})
+        x = T.match_buffer(var_x, (n, heads, head_dim), "float32")
+        pos = T.match_buffer(var_pos, (n,), "int32")
+        y = T.match_buffer(var_y, (n, heads, head_dim), "float32")
+        for b in T.thread_binding((n * heads * half + ROPE_THREADS - 1) // ROPE_THREADS, thread="blockIdx.x"):
+            for tx in T.thread_binding(ROPE_THREADS, thread="threadIdx.x"):
+                cs = T.alloc_buffer((2,), "float32", scope="local")
+                e = T.meta_var(b * ROPE_THREADS + tx)
+                t = T.meta_var(e // (heads * half))
+                h = T.meta_var(e // half % heads)
+                i = T.meta_var(e % half)
+                if e < n * heads * half:
+                    # the angle in turns, reduced mod 1 by the wrap-around of u32 multiplication
+                    phase = T.meta_var(T.reinterpret("int32", T.Cast("uint32", pos[t]) * _lookup(turns, i)))
+                    cs[0] = T.Cast("float32", phase) * T.float32(rad_per_unit)
+                    cs[1] = T.sin(cs[0])
+                    cs[0] = T.cos(cs[0])
+                    y[t, h, 2 * i] = x[t, h, 2 * i] * cs[0] - x[t, h, 2 * i + 1] * cs[1]
+                    y[t, h, 2 * i + 1] = x[t, h, 2 * i] * cs[1] + x[t, h, 2 * i + 1] * cs[0]
+
+    name = f"gpu_rope_{heads}_{head_dim}" + ("" if tokens is None else f"_{tokens}")
+    return gpu_rope.with_attr("global_symbol", name)
+
+
+def _i64(v):
+    """Every index int64, as in make_gpu_matmul (dlight breaks on int32 constants beside int64 dims)."""
+    return tirx.IntImm("int64", v) if isinstance(v, int) else v
+
+
+def gpu_weight_parts(qtype: str, rows: int, cols: int):
+    """The weight parts as GPU kernels take them (placeholders), and value(row, col) -> f32 expression."""
+    if qtype in QUANTIZED:
+        (_, qs_dtype, qs_shape), (_, _, s_shape) = LAYOUTS[qtype]
+        qs = te.placeholder(tuple(_i64(d) for d in qs_shape(rows, cols)), qs_dtype, name="qs")
+        fields = [te.placeholder((_i64(rows), _i64(cols // BLOCK)), "float32", name=f"scale{f}")
+                  for f in range(s_shape(rows, cols)[0])]
+
+        def value(row, col):
+            return dequant(qtype, qs, lambda f, r, b: fields[f][r, b], row, col // _i64(BLOCK), col % _i64(BLOCK))
+
+        return [qs, *fields], value
+    parts = [te.placeholder(tuple(_i64(d) for d in shape(rows, cols)), dtype, name=name)
+             for name, dtype, shape in LAYOUTS[qtype]]
+    return parts, lambda row, col: dense_value(qtype, parts[0], row, col)
+
+
+def make_gpu_embedding(qtype: str, vocab: int, dim: int) -> tirx.PrimFunc:
+    """PrimFunc (ids [n] int32, qs, scale field 0[, field 1] ([vocab, dim/32] each), y [n, dim] f32) for quantized
+    types, (ids, w, y) for dense ones; unscheduled (dlight's Fallback rule schedules it)."""
+    if qtype not in GPU_LAYOUTS:
+        raise CompileError(f"Weights of type {qtype} have no GPU embedding kernel yet (GPU layouts: "
+                           f"{', '.join(GPU_LAYOUTS)}).")
+    n = tirx.Var("n", "int64")
+    ids = te.placeholder((n,), "int32", name="ids")
+    parts, value = gpu_weight_parts(qtype, vocab, dim)
+    y = te.compute((n, _i64(dim)), lambda t, d: value(T.Cast("int64", ids[t]), d), name="embedding")
+    func = te.create_prim_func([ids, *parts, y])
+    return (func.with_attr("dlight.do_not_tensorize", True)
+            .with_attr("global_symbol", f"gpu_embedding_{qtype}_{vocab}_{dim}"))

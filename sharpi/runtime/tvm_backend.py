@@ -1,0 +1,82 @@
+"""The backend for artifacts TVM's own runtime executes (llvm today): a Relax VM, weights as TVM tensors, and the
+KV page pool as one TVM tensor that the kernels write in place."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ..common.manifest import Manifest
+from .loader import check_artifact, configure_threads, load_vm, load_weights
+
+
+class TVMBackend:
+    kind = "llvm"
+
+    def __init__(self, directory: Path, manifest: Manifest, threads: int, verify: bool = True):
+        import tvm
+
+        check_artifact(directory, manifest, verify_hashes=verify)
+        configure_threads(threads)
+        self.device = tvm.cpu()
+        self.description = f"CPU ({manifest.target.get('mcpu')}, {threads} threads)"
+        self.weights = load_weights(directory, manifest, self.device)
+        self._vm = load_vm(directory, self.device)
+        self.functions = {name: self._vm[name] for name in manifest.functions}
+        self.pool = None
+        self._pool_view = None
+
+    # -- the KV page pool -------------------------------------------------------------------------------------
+    def allocate_pool(self, shape: tuple) -> int:
+        """Reserve the pool [pages, 2, kv_heads, page_size, head_dim]; returns the page count. Untouched pages
+        cost no resident memory (the OS maps them when a kernel first writes them)."""
+        import tvm
+
+        self.pool = tvm.runtime.empty(shape, "float32", self.device)
+        return int(shape[0])
+
+    def pool_view(self) -> np.ndarray:
+        """The pool as a numpy array (zero-copy, the CPU's memory)."""
+        if self._pool_view is None:
+            self._pool_view = np.from_dlpack(self.pool)
+        return self._pool_view
+
+    def copy_pages(self, src: list[int], dst: list[int]) -> None:
+        if src:
+            view = self.pool_view()
+            view[dst] = view[src]
+
+    def read_pages(self, pages: list[int]) -> np.ndarray:
+        return self.pool_view()[pages]
+
+    def write_pages(self, pages: list[int], data: np.ndarray) -> None:
+        self.pool_view()[pages] = data
+
+    # -- calls ------------------------------------------------------------------------------------------------
+    def forward(self, function: str, ids, positions, page_table, kv_lens, extra: tuple = ()):
+        """A forward function: logits as numpy; for prefill_snapkv (logits, scores on the device)."""
+        import tvm
+
+        dev = self.device
+        out = self.functions[function](tvm.runtime.tensor(ids, dev), tvm.runtime.tensor(positions, dev), self.pool,
+                                       tvm.runtime.tensor(page_table, dev), tvm.runtime.tensor(kv_lens, dev),
+                                       self.weights, *[tvm.runtime.tensor(e, dev) for e in extra])
+        if function == "prefill_snapkv":
+            return out[0].numpy(), out[1]
+        return out.numpy()
+
+    def select(self, scores, params: np.ndarray):
+        """snapkv_select: (keep on the device, keep as numpy [L, KVH, slots])."""
+        import tvm
+
+        keep = self.functions["snapkv_select"](scores, tvm.runtime.tensor(params, self.device))
+        return keep, keep.numpy()
+
+    def compact(self, page_table: np.ndarray, keep, count: int) -> None:
+        """snapkv_compact: slot keep[l, h, i] -> slot i for i < count, in place in the pool."""
+        import tvm
+
+        dev = self.device
+        keep = tvm.runtime.tensor(keep, dev) if isinstance(keep, np.ndarray) else keep
+        self.functions["snapkv_compact"](self.pool, tvm.runtime.tensor(page_table, dev), keep,
+                                         tvm.runtime.tensor(np.array([count], np.int32), dev))
