@@ -28,6 +28,7 @@ PREFILL_CHUNK = 512
 class CompileOptions:
     target: str = "llvm"
     mcpu: str | None = None
+    arch: str | None = None                  # cuda: sm_XY
     max_context: int | None = None
     snapkv: str = "on"                       # whether the SnapKV ops are compiled in
     snapkv_defaults: tuple = ()              # (name, value) pairs: the artifact's run-time defaults
@@ -44,16 +45,19 @@ class CompileOptions:
         check_against(settings, settings.budget or 0, settings.window)
         if self.target not in TARGETS:
             raise ConfigError(f"Unknown target {self.target!r}; choose one of {', '.join(TARGETS)}.")
-        if self.target not in ("llvm", "vulkan"):
-            raise ConfigError(f"Target {self.target!r} is not implemented yet; 'llvm' and 'vulkan' compile today.")
-        if self.target == "vulkan" and self.mcpu is not None:
+        if self.target != "llvm" and self.mcpu is not None:
             raise ConfigError("--mcpu applies to the llvm target only.")
+        if self.arch is not None:
+            if self.target != "cuda":
+                raise ConfigError("--arch applies to the cuda target only.")
+            from .codegen.cuda import check_arch
+            check_arch(self.arch)
         if self.max_context is not None:
             parse_positive_int(self.max_context, "--max-context")
 
 
 def compile(model: str | Path, target: str = "llvm", output: str | Path | None = None, *, mcpu: str | None = None,
-            max_context: int | None = None, snapkv: str | bool = "on", snapkv_budget=None, snapkv_window=None,
+            arch: str | None = None, max_context: int | None = None, snapkv: str | bool = "on", snapkv_budget=None, snapkv_window=None,
             snapkv_recency=None, snapkv_pooling=None, snapkv_kernel=None, snapkv_granularity=None,
             dump_ir: str | Path | None = None, use_cache: bool = True, show_progress: bool = False) -> Path:
     """Compile a GGUF (path or known model name) into an artifact directory; returns its path.
@@ -69,7 +73,7 @@ def compile(model: str | Path, target: str = "llvm", output: str | Path | None =
                                          ("recency", snapkv_recency), ("pooling", snapkv_pooling),
                                          ("kernel", snapkv_kernel), ("granularity", snapkv_granularity))
                      if v is not None)
-    options = CompileOptions(target=target, mcpu=mcpu, max_context=max_context, snapkv=snapkv,
+    options = CompileOptions(target=target, mcpu=mcpu, arch=arch, max_context=max_context, snapkv=snapkv,
                              snapkv_defaults=defaults)
     options.validate()
     gguf_path = resolve_model(model, show_progress=show_progress)
@@ -80,6 +84,10 @@ def compile(model: str | Path, target: str = "llvm", output: str | Path | None =
         from .codegen.llvm import host_cpu, make_target
         make_target(mcpu)                  # an unknown --mcpu fails here, before any hashing or compiling
         resolved = replace(options, mcpu=mcpu or host_cpu())
+    elif target == "cuda":
+        from .codegen.cuda import DEFAULT_ARCH, nvcc_path
+        nvcc_path()                        # no nvcc: say so before any work
+        resolved = replace(options, arch=arch or DEFAULT_ARCH)
     gguf_sha256 = file_sha256(gguf_path)   # the cache key needs only the bytes, not a parse of the GGUF
     cached = _cache_dir(gguf_path, gguf_sha256, resolved) if use_cache else None
     if cached is not None and (cached / "manifest.json").is_file() and dump_ir is None:
@@ -124,6 +132,8 @@ def _compile_uncached(gguf, gguf_sha256: str, options: CompileOptions, output: P
         with progress_bar(2, "compiling", show_progress, unit="step") as bar:
             if options.target == "vulkan":
                 target_info, kernels = _build_vulkan(mod, cfg, staging, bar)
+            elif options.target == "cuda":
+                target_info, kernels = _build_cuda(mod, cfg, options, staging, bar)
             else:
                 target_info, kernels = _build_llvm(mod, cfg, options, staging, bar)
         params = artifact.write_weights(weights.arrays, weights.names, staging / artifact.WEIGHTS)
@@ -141,7 +151,8 @@ def _compile_uncached(gguf, gguf_sha256: str, options: CompileOptions, output: P
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    detail = f" (mcpu {manifest.target['mcpu']})" if options.target == "llvm" else ""
+    detail = {"llvm": f" (mcpu {manifest.target.get('mcpu')})", "cuda": f" ({manifest.target.get('arch')})"}.get(
+        options.target, "")
     _log(show_progress, f"sharpi: compiled {gguf.path.name} for {options.target}{detail} in "
                         f"{time.perf_counter() - started:.1f} s -> {output}")
     return output
@@ -159,6 +170,22 @@ def _build_llvm(mod, cfg, options: CompileOptions, staging: Path, bar) -> tuple[
     build(lowered, target, staging / artifact.LIBRARY)
     bar.update(1)
     info = {"kind": "llvm", "mcpu": str(target.attrs["mcpu"]), "cpu_features": required_cpu_features(target)}
+    return info, kernel_names(lowered)
+
+
+def _build_cuda(mod, cfg, options: CompileOptions, staging: Path, bar) -> tuple[dict, list[str]]:
+    from .codegen import artifact, cuda
+    from .codegen.llvm import kernel_names
+
+    target = cuda.make_target(options.arch)
+    bar.set_postfix_str("attach GPU kernels")
+    lowered = cuda.lower(mod, cfg)
+    bar.update(1)
+    bar.set_postfix_str("dlight schedules, CUDA codegen, nvcc")
+    cuda.build(lowered, target, staging / artifact.LIBRARY)
+    bar.update(1)
+    images = cuda.fatbin_entries((staging / artifact.LIBRARY).read_bytes())
+    info = {"kind": "cuda", "arch": options.arch, "images": [f"{kind}:{arch}" for kind, arch in images]}
     return info, kernel_names(lowered)
 
 

@@ -142,3 +142,30 @@ def test_portable_mcpu_records_its_features_and_runs(tmp_path):
     assert "avx2" not in manifest["target"]["cpu_features"] and "sse4_2" in manifest["target"]["cpu_features"]
     model = sharpi.load(art)
     assert np.isfinite(model.score([1, 2, 3])).all()
+
+
+def test_target_errors(tmp_path, capsys):
+    path = write_tiny_llama(tmp_path / "tiny.gguf")
+    _assert_clean_failure(*_cli(compile_cli, [str(path), "--target", "metal", "-o", str(tmp_path / "m")], capsys),
+                          "Unknown target")
+    _assert_clean_failure(*_cli(compile_cli, [str(path), "--target", "vulkan", "--mcpu", "znver3", "-o",
+                                              str(tmp_path / "v")], capsys), "--mcpu applies to the llvm target")
+    bf16 = write_tiny_llama(tmp_path / "bf16.gguf", matrix_type="BF16")
+    with pytest.raises(sharpi.CompileError, match="bf16 have no GPU kernel yet"):
+        sharpi.compile(str(bf16), target="vulkan", output=tmp_path / "b")
+    _assert_clean_failure(*_cli(compile_cli, [str(bf16), "--target", "vulkan", "-o", str(tmp_path / "b")], capsys),
+                          "kernel yet")
+
+
+def test_vulkan_adapter_errors(tmp_path, capsys):
+    from sharpi.runtime.vulkan import VulkanUnavailableError, list_adapters
+    try:
+        list_adapters()
+    except VulkanUnavailableError:
+        pytest.skip("no wgpu here")
+    path = write_tiny_llama(tmp_path / "tiny.gguf")
+    artifact = sharpi.compile(str(path), target="vulkan", output=tmp_path / "vk")
+    with pytest.raises(sharpi.SharpiError, match="No Vulkan (adapter matches|device found)"):
+        sharpi.load(artifact, adapter="no-such-gpu-anywhere")
+    _assert_clean_failure(*_cli(main_cli, ["run", str(artifact), "-p", "hi", "--adapter", "no-such-gpu-anywhere"],
+                                capsys), "No Vulkan")

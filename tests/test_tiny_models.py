@@ -21,3 +21,26 @@ def test_tiny_llama_matches_reference(matrix_type, tmp_path):
         np.testing.assert_allclose(last, expected[19], rtol=1e-3, atol=1e-3)
         for i in range(20, 25):
             np.testing.assert_allclose(s.decode(ids[i]), expected[i], rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("matrix_type", ["Q4_0", "Q5_0", "F16", "F32"])
+def test_tiny_llama_on_vulkan_matches_reference(matrix_type, tmp_path):
+    """The Vulkan pipeline end to end for the weight types SmolLM2 does not have (it is Q4_1 and Q8_0)."""
+    import os
+    from sharpi.runtime.vulkan import VulkanUnavailableError
+    path = write_tiny_llama(tmp_path / f"tiny-{matrix_type}.gguf", matrix_type=matrix_type, layers=2, heads=4,
+                            kv_heads=2)
+    artifact = sharpi.compile(str(path), target="vulkan", output=tmp_path / "vk")
+    try:
+        model = sharpi.load(artifact)
+    except VulkanUnavailableError as exc:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"no Vulkan device here: {exc}")
+    ids = list(np.random.default_rng(0).integers(0, model.config.vocab_size, 37))
+    expected = NumpyReference(path).forward(ids)
+    np.testing.assert_allclose(model.score(ids), expected, rtol=1e-3, atol=1e-3)
+    with model.session() as s:
+        np.testing.assert_allclose(s.prefill(ids[:20]), expected[19], rtol=1e-3, atol=1e-3)
+        for i in range(20, 23):
+            np.testing.assert_allclose(s.decode(ids[i]), expected[i], rtol=1e-3, atol=1e-3)

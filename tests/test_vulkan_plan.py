@@ -74,3 +74,35 @@ def test_replay_on_vulkan_matches_numpy(runner, n):
 
 def test_adapter_is_reported(runner):
     assert runner.adapter_name
+
+
+def _norm_module(dim):
+    import tvm
+    n = tvm.tirx.Var("n", "int64")
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((n, dim), "float32"))
+    g = relax.Var("g", relax.TensorType((dim,), "float32"))
+    with bb.function("main", [x, g]):
+        with bb.dataflow():
+            out = bb.emit_output(R.nn.rms_norm(x, g, axes=[-1], epsilon=1e-5))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+@pytest.mark.parametrize("dim", [576, 1000])
+def test_rms_norm_on_vulkan_matches_numpy(tmp_path, dim):
+    """The model's norm as the GPU pipeline schedules it (legalized, dlight's reduction rule), at awkward sizes."""
+    from sharpi.runtime.vulkan import VulkanPlanRunner, VulkanUnavailableError
+    write_plan(build_plan(_norm_module(dim)), tmp_path)
+    try:
+        runner = VulkanPlanRunner(tmp_path)
+    except VulkanUnavailableError as exc:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"no Vulkan device here: {exc}")
+    rng = np.random.default_rng(dim)
+    g = rng.standard_normal(dim).astype(np.float32)
+    for n in (1, 37):
+        x = (rng.standard_normal((n, dim)) * 3).astype(np.float32)
+        want = x / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-5) * g
+        np.testing.assert_allclose(runner.run("main", x, g), want, rtol=1e-5, atol=1e-5)

@@ -62,12 +62,11 @@ def find_gguf(model, explicit: str | None) -> Path | None:
 
 
 def run_bench(args) -> None:
-    import sharpi
     from ..common.errors import ConfigError
+    from .common import load_model
 
-    model = sharpi.load(args.artifact, threads=args.threads)
-    t = model.manifest.target
-    print(f"sharpi bench: {model.manifest.source['name']} on {t['kind']} (mcpu {t['mcpu']}), {model.threads} threads, "
+    model = load_model(args)
+    print(f"sharpi bench: {model.manifest.source['name']} on {model.backend}, "
           f"prompt {args.prompt_tokens} tokens, {args.gen_tokens} generated, median of {args.repeats}")
     from .common import snapkv_kwargs
     snapkv = snapkv_kwargs(args)

@@ -24,9 +24,17 @@ def user_errors_exit_2(main):
     return wrapper
 
 
-def add_threads_flag(parser) -> None:
+def add_device_flags(parser) -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads for the kernels (default: SHARPI_NUM_THREADS or all available)")
+    parser.add_argument("--adapter", default=None,
+                        help="vulkan artifacts: part of the adapter's name (default: SHARPI_VULKAN_ADAPTER or the "
+                             "highest-performance adapter; `sharpi adapters` lists them)")
+
+
+def load_model(args):
+    import sharpi
+    return sharpi.load(args.artifact, threads=args.threads, adapter=args.adapter)
 
 
 def add_sampling_flags(parser) -> None:

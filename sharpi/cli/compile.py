@@ -10,7 +10,9 @@ from .common import add_snapkv_flags, snapkv_kwargs, user_errors_exit_2
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sharpi-compile", description=__doc__)
     p.add_argument("model", help="a .gguf path or a known model name (smollm2-135m, gemma3-270m)")
-    p.add_argument("--target", default="llvm", help="llvm (default), cuda or vulkan")
+    p.add_argument("--target", default="llvm",
+                   help="llvm (default, this CPU), vulkan (WGSL run through wgpu) or cuda (NVIDIA GPUs; needs nvcc)")
+    p.add_argument("--arch", default=None, help="cuda: the GPU architecture, sm_XY (default sm_80; PTX included)")
     p.add_argument("-o", "--output", default=None, help="artifact directory (default: <gguf name>-<target>)")
     p.add_argument("--mcpu", default=None, help="CPU to compile for (default: this machine's, e.g. znver3)")
     p.add_argument("--max-context", type=int, default=None, help="context length (default: the GGUF's)")
@@ -26,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from ..compiler import compile as compile_model
-    out = compile_model(args.model, target=args.target, output=args.output, mcpu=args.mcpu,
+    out = compile_model(args.model, target=args.target, output=args.output, mcpu=args.mcpu, arch=args.arch,
                         max_context=args.max_context, snapkv=args.snapkv, dump_ir=args.dump_ir,
                         use_cache=not args.no_cache, show_progress=not args.quiet, **snapkv_kwargs(args))
     print(out)

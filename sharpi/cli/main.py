@@ -1,11 +1,11 @@
-"""sharpi fetch | inspect | run | chat | bench: use compiled artifacts and known models."""
+"""sharpi fetch | inspect | run | chat | adapters | bench: use compiled artifacts and known models."""
 from __future__ import annotations
 
 import argparse
 import json
 import sys
 
-from .common import (add_sampling_flags, add_snapkv_flags, add_threads_flag, session_kwargs, snapkv_kwargs,
+from .common import (add_device_flags, add_sampling_flags, add_snapkv_flags, load_model, session_kwargs,
                      user_errors_exit_2)
 
 
@@ -26,13 +26,15 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--verbose", action="store_true", help="print timing and the artifact's target")
     add_sampling_flags(r)
     add_snapkv_flags(r)
-    add_threads_flag(r)
+    add_device_flags(r)
 
     c = sub.add_parser("chat", help="chat with the model (its GGUF chat template)")
     c.add_argument("artifact")
     add_sampling_flags(c)
     add_snapkv_flags(c)
-    add_threads_flag(c)
+    add_device_flags(c)
+
+    sub.add_parser("adapters", help="list the Vulkan adapters (the vulkan target's devices)")
 
     b = sub.add_parser("bench", help="prefill and decode speed")
     b.add_argument("artifact")
@@ -43,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run llama.cpp (llama-cpp-python) on the same GGUF and threads, and print ratios")
     add_snapkv_flags(b)
     b.add_argument("--gguf", default=None, help="the GGUF for --compare-llama-cpp (default: found by its sha256)")
-    add_threads_flag(b)
+    add_device_flags(b)
     return p
 
 
@@ -71,16 +73,15 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_run(args) -> int:
-    import sharpi
-    model = sharpi.load(args.artifact, threads=args.threads)
+    model = load_model(args)
     stream = model.stream(args.prompt, args.max_tokens, **session_kwargs(args))
     for piece in stream:
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
     if args.verbose:
-        st, t = stream.result.stats, model.manifest.target
-        print(f"[target {t['kind']}, mcpu {t['mcpu']}, {model.threads} threads; prompt {st['prompt_tokens']} tokens "
+        st = stream.result.stats
+        print(f"[{model.backend}; prompt {st['prompt_tokens']} tokens "
               f"at {st['prefill_tok_s']:.1f} tok/s; {st['generated_tokens']} generated at {st['decode_tok_s']:.1f} "
               f"tok/s; finish: {stream.result.finish_reason}; KV after prefill: {st['kv_slots_after_prefill']} slots "
               f"a layer, {st['kv_bytes_after_prefill'] / 2**20:.1f} MiB{' (SnapKV evicted)' if st['evicted'] else ''}]",
@@ -89,8 +90,7 @@ def cmd_run(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    import sharpi
-    model = sharpi.load(args.artifact, threads=args.threads)
+    model = load_model(args)
     messages = []
     print("sharpi chat: empty line or Ctrl-D to quit", file=sys.stderr)
     while True:
@@ -107,13 +107,25 @@ def cmd_chat(args) -> int:
     return 0
 
 
+def cmd_adapters(args) -> int:
+    from ..runtime.vulkan import list_adapters
+    adapters = list_adapters()
+    if not adapters:
+        print("no Vulkan adapters (on Debian or Ubuntu: apt-get install mesa-vulkan-drivers libvulkan1)")
+    for a in adapters:
+        f16 = "shader-f16" if "shader-f16" in a["features"] else "no shader-f16"
+        print(f"{a['name']}  ({a['type']}, {a['backend']}, {f16})")
+    return 0
+
+
 def cmd_bench(args) -> int:
     from .bench import run_bench
     run_bench(args)
     return 0
 
 
-COMMANDS = {"fetch": cmd_fetch, "inspect": cmd_inspect, "run": cmd_run, "chat": cmd_chat, "bench": cmd_bench}
+COMMANDS = {"fetch": cmd_fetch, "inspect": cmd_inspect, "run": cmd_run, "chat": cmd_chat, "adapters": cmd_adapters,
+            "bench": cmd_bench}
 
 if __name__ == "__main__":
     sys.exit(main())

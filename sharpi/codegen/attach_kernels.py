@@ -27,7 +27,7 @@ from .kernels.snapkv import make_kv_compact, make_snapkv_score, make_snapkv_sele
 from .kernels.gpu import attention as gpu_attention
 from .kernels.gpu import elementwise as gpu_elementwise
 from .kernels.gpu import snapkv as gpu_snapkv
-from .kernels.gpu.quant_matmul import make_gpu_matmul
+from .kernels.gpu.quant_matmul import GPU_LAYOUTS, make_gpu_matmul
 
 
 def _static_int(dim) -> int | None:
@@ -231,7 +231,24 @@ def _with_root_block(prim: tvm.tirx.PrimFunc) -> tvm.tirx.PrimFunc:
     return prim.with_body(s_tir.SBlockRealize([], True, s_tir.SBlock([], [], [], "root", prim.body)))
 
 
+def _check_gpu_layouts(mod: tvm.IRModule) -> None:
+    """Refuse weight types the GPU kernels lack before the mutator runs (an exception raised inside it reaches
+    Python through TVM's FFI as a plain RuntimeError)."""
+    for _, func in mod.functions_items():
+        if not isinstance(func, relax.Function):
+            continue
+        for block in func.body.blocks:
+            for binding in block.bindings:
+                name = extern_name(binding.value) or ""
+                qtype = name[len(ops.DEQUANTIZE):] if name.startswith(ops.DEQUANTIZE) else None
+                if qtype is not None and qtype not in GPU_LAYOUTS:
+                    raise CompileError(f"Weights of type {qtype} have no GPU kernel yet (GPU layouts: "
+                                       f"{', '.join(GPU_LAYOUTS)}); compile for llvm instead.")
+
+
 def attach_kernels(mod: tvm.IRModule, cfg: ModelConfig, gpu: bool = False) -> tvm.IRModule:
     """Replace the named ops with the CPU kernels, or with the GPU kernels when `gpu`."""
+    if gpu:
+        _check_gpu_layouts(mod)
     mod = KernelAttacher(mod, cfg, gpu).run()
     return relax.transform.DeadCodeElimination()(mod)

@@ -199,7 +199,7 @@ class _Generation:
 
 def _open_backend(path: Path, manifest: Manifest, threads: int, verify: bool, adapter: str | None):
     kind = manifest.target.get("kind")
-    if kind == "llvm":
+    if kind in ("llvm", "cuda"):
         from .tvm_backend import TVMBackend
         return TVMBackend(path, manifest, threads, verify)
     if kind == "vulkan":

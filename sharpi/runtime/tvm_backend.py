@@ -1,25 +1,36 @@
-"""The backend for artifacts TVM's own runtime executes (llvm today): a Relax VM, weights as TVM tensors, and the
-KV page pool as one TVM tensor that the kernels write in place."""
+"""The backend for artifacts TVM's own runtime executes (llvm, cuda): a Relax VM, weights as TVM tensors on the
+device, and the KV page pool as one TVM tensor that the kernels write in place."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import numpy as np
 
+from ..common.errors import SharpiError
 from ..common.manifest import Manifest
 from .loader import check_artifact, configure_threads, load_vm, load_weights
 
 
-class TVMBackend:
-    kind = "llvm"
+class CudaUnavailableError(SharpiError):
+    """A cuda artifact was loaded where no CUDA device is available."""
 
+
+class TVMBackend:
     def __init__(self, directory: Path, manifest: Manifest, threads: int, verify: bool = True):
         import tvm
 
         check_artifact(directory, manifest, verify_hashes=verify)
-        configure_threads(threads)
-        self.device = tvm.cpu()
-        self.description = f"CPU ({manifest.target.get('mcpu')}, {threads} threads)"
+        self.kind = manifest.target.get("kind")
+        if self.kind == "cuda":
+            self.device = tvm.cuda(0)
+            if not self.device.exist:
+                raise CudaUnavailableError(f"{directory} is a cuda artifact and this machine has no CUDA device (an "
+                                           f"NVIDIA GPU with its driver); compile for llvm or vulkan to run here.")
+            self.description = f"CUDA: {self.device.device_name} (artifact for {manifest.target.get('arch')})"
+        else:
+            configure_threads(threads)
+            self.device = tvm.cpu()
+            self.description = f"CPU ({manifest.target.get('mcpu')}, {threads} threads)"
         self.weights = load_weights(directory, manifest, self.device)
         self._vm = load_vm(directory, self.device)
         self.functions = {name: self._vm[name] for name in manifest.functions}
@@ -36,21 +47,37 @@ class TVMBackend:
         return int(shape[0])
 
     def pool_view(self) -> np.ndarray:
-        """The pool as a numpy array (zero-copy, the CPU's memory)."""
+        """The pool as a numpy array (zero-copy: CPU only)."""
         if self._pool_view is None:
             self._pool_view = np.from_dlpack(self.pool)
         return self._pool_view
 
+    def _page(self, page: int):
+        """One page of the pool as a TVM view (no copy), for device-side page copies."""
+        shape = tuple(int(d) for d in self.pool.shape[1:])
+        return self.pool._create_view(shape, "float32", relative_byte_offset=page * 4 * int(np.prod(shape)))
+
     def copy_pages(self, src: list[int], dst: list[int]) -> None:
-        if src:
+        if not src:
+            return
+        if self.kind == "llvm":
             view = self.pool_view()
             view[dst] = view[src]
+        else:
+            for s, d in zip(src, dst):
+                self._page(s).copyto(self._page(d))
 
     def read_pages(self, pages: list[int]) -> np.ndarray:
-        return self.pool_view()[pages]
+        if self.kind == "llvm":
+            return self.pool_view()[pages]
+        return np.stack([self._page(p).numpy() for p in pages])
 
     def write_pages(self, pages: list[int], data: np.ndarray) -> None:
-        self.pool_view()[pages] = data
+        if self.kind == "llvm":
+            self.pool_view()[pages] = data
+            return
+        for p, page in zip(pages, data):
+            self._page(p).copyfrom(np.ascontiguousarray(page, np.float32))
 
     # -- calls ------------------------------------------------------------------------------------------------
     def forward(self, function: str, ids, positions, page_table, kv_lens, extra: tuple = ()):

@@ -25,9 +25,12 @@ def dequant(qtype: str, qs, scale, row, b, e):
     reads scale field f of the block."""
     if qtype == "q8_0" and str(qs.dtype) == "int8":   # CPU kernels read the words through an int8 view
         return T.Cast("float32", qs[row, b * BLOCK + e]) * scale(0, row, b)
-    if qtype == "q8_0":   # byte e%4 of the word, sign-extended by an arithmetic shift (no 8-bit types needed)
+    if qtype == "q8_0":   # byte e%4 of the word, sign-extended (no 8-bit types needed)
         word = qs[row, b * 8 + e // 4]
-        byte = T.shift_right(T.reinterpret("int32", T.shift_left(word, T.Cast("uint32", 24 - (e % 4) * 8))), 24)
+        # the byte as unsigned, then its sign by arithmetic (no negative unsigned constants: the CUDA build's
+        # simplifier rejects the shift-left-then-arithmetic-shift-right form once it folds the shifts)
+        u = (word >> T.Cast("uint32", (e % 4) * 8)) & T.uint32(255)
+        byte = T.Cast("int32", u) - T.Cast("int32", u & T.uint32(128)) * 2
         return T.Cast("float32", byte) * scale(0, row, b)
     nib = T.Cast("float32", (qs[row, b * 4 + e // 8] >> T.Cast("uint32", (e % 8) * 4)) & T.uint32(15))
     if qtype == "q4_0":

@@ -1,0 +1,143 @@
+"""The CUDA pipeline: the GPU kernels (the same as Vulkan's: sharpi.codegen.kernels.gpu), TVM's generic GPU
+passes (legalize, fuse, dlight's GPU rules with tensorization off: `sch.tensorize` crashes this wheel), CUDA C++
+from TVM's codegen, and nvcc, which builds one fatbin per module holding SASS for the chosen architecture plus its
+PTX, so newer GPUs JIT the PTX. The artifact is a Relax VM library that TVM's CUDA runtime loads on the GPU
+machine; compiling needs nvcc, not a GPU.
+"""
+from __future__ import annotations
+
+import ctypes
+import re
+import shutil
+import struct
+import subprocess
+from pathlib import Path
+
+import tvm
+
+from ..common.config import ModelConfig
+from ..common.errors import CompileError, ConfigError
+from .attach_kernels import attach_kernels
+
+DEFAULT_ARCH = "sm_80"
+_ARCH = re.compile(r"sm_(\d{2,3})a?$")
+
+
+def check_arch(arch: str) -> str:
+    """`sm_XY` (compute capability X.Y, 5.0 or later), or a ConfigError naming the form."""
+    m = _ARCH.match(str(arch))
+    if not m or int(m.group(1)) < 50:
+        raise ConfigError(f"--arch {arch!r} is not a CUDA architecture sharpi builds for; use sm_XY with XY >= 50 "
+                          f"(sm_80 for A100, sm_89 for L4/RTX 40, sm_90 for H100/H200).")
+    return arch
+
+
+def make_target(arch: str) -> tvm.target.Target:
+    # the host code only launches kernels: a generic x86-64 host runs on any GPU machine's CPU
+    host = {"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "x86-64"}
+    return tvm.target.Target({"kind": "cuda", "arch": check_arch(arch)}, host=host)
+
+
+def nvcc_path() -> str:
+    path = shutil.which("nvcc") or (shutil.which("nvcc", path="/usr/local/cuda/bin"))
+    if path is None:
+        raise CompileError("Compiling for cuda needs nvcc (the CUDA toolkit) on the PATH; no GPU is needed.")
+    return path
+
+
+def fatbin_flags(arch: str) -> list[str]:
+    """nvcc -gencode pairs: SASS for `arch` and PTX of the same compute capability."""
+    cc = arch[3:]
+    return ["-gencode", f"arch=compute_{cc},code=sm_{cc}", "-gencode", f"arch=compute_{cc},code=compute_{cc}"]
+
+
+# The driver entry points TVM's CUDA runtime library links against (nm -D --undefined-only); see
+# ensure_cuda_runtime_library.
+_DRIVER_SYMBOLS = ("cuDeviceGetName", "cuFuncSetAttribute", "cuGetErrorName", "cuGetErrorString", "cuLaunchKernelEx",
+                   "cuModuleGetFunction", "cuModuleLoadData", "cuModuleUnload", "cuTensorMapEncodeTiled")
+
+
+def _driver_stub(directory: Path) -> Path:
+    """A libcuda.so.1 whose every entry point returns CUDA_ERROR_NO_DEVICE, built once with the C compiler: the
+    CUDA toolkit's stubs/ folder, which exists for exactly this, is missing from this toolkit."""
+    stub = directory / "libcuda.so.1"
+    if not stub.is_file():
+        directory.mkdir(parents=True, exist_ok=True)
+        source = directory / "libcuda_stub.c"
+        source.write_text("".join(f"int {name}(void) {{ return 100; }}\n" for name in _DRIVER_SYMBOLS))
+        cc = shutil.which("cc") or shutil.which("gcc")
+        if cc is None:
+            raise CompileError("Compiling for cuda on a machine without an NVIDIA driver needs a C compiler (cc).")
+        tmp = directory / f"libcuda.so.1.{id(source)}"
+        subprocess.run([cc, "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(tmp), str(source)],
+                       check=True, capture_output=True)
+        tmp.rename(stub)
+    return stub
+
+
+def ensure_cuda_runtime_library() -> None:
+    """Load TVM's CUDA runtime library (libtvm_runtime_cuda), which registers the CUDA module type the codegen
+    needs to embed compiled kernels: without it TVM keeps only the CUDA source and calls no compiler. The library
+    links against the driver (libcuda.so.1); on a machine with no NVIDIA driver a stub stands in, which is never
+    called, since nothing runs on a GPU here."""
+    from tvm.base import _LOADED_LIBS
+    from tvm_ffi.libinfo import load_lib_ctypes
+
+    if "tvm_runtime_cuda" in _LOADED_LIBS:
+        return
+    try:
+        ctypes.CDLL("libcuda.so.1", mode=ctypes.RTLD_GLOBAL)
+    except OSError:
+        from ..common.settings import sharpi_home
+        ctypes.CDLL(str(_driver_stub(sharpi_home() / "cuda-stub")), mode=ctypes.RTLD_GLOBAL)
+    runtime_dir = Path(_LOADED_LIBS["tvm_runtime"]._name).resolve().parent
+    _LOADED_LIBS["tvm_runtime_cuda"] = load_lib_ctypes(package="tvm", target_name="tvm_runtime_cuda",
+                                                       extra_lib_paths=[runtime_dir], mode="RTLD_LOCAL")
+
+
+FATBIN_MAGIC = 0xBA55ED50
+
+
+def fatbin_entries(blob: bytes) -> list[tuple[str, int]]:
+    """(kind, architecture) of every image in the first CUDA fatbin inside `blob` (a library or a fatbin):
+    ("elf", 80) is SASS for sm_80, ("ptx", 80) PTX for compute_80. Parsed from the fatbin container format
+    (a 16-byte header, then entries with kind 1 = PTX, 2 = ELF at offset 0, architecture at offset 28)."""
+    start = blob.find(struct.pack("<I", FATBIN_MAGIC))
+    if start < 0:
+        return []
+    _, header, size = struct.unpack_from("<HHQ", blob, start + 4)
+    offset, end, entries = start + header, start + header + size, []
+    while offset + 32 <= end:
+        kind, _, entry_header, payload = struct.unpack_from("<HHIQ", blob, offset)
+        arch = struct.unpack_from("<I", blob, offset + 28)[0]
+        entries.append(({1: "ptx", 2: "elf"}.get(kind, str(kind)), arch))
+        offset += entry_header + payload
+    return entries
+
+
+def lower(mod: tvm.IRModule, cfg: ModelConfig) -> tvm.IRModule:
+    return attach_kernels(mod, cfg, gpu=True)
+
+
+def build(mod: tvm.IRModule, target: tvm.target.Target, library_path: Path) -> None:
+    """Compile the Relax module for CUDA and export the VM library; CUDA sources go through nvcc (our callback,
+    for the SASS + PTX fatbin) rather than NVRTC (which needs the cuda-bindings package)."""
+    import tvm_ffi
+    from tvm.support import nvcc
+
+    arch = str(target.attrs["arch"])
+    nvcc_path()
+    ensure_cuda_runtime_library()
+    previous = tvm_ffi.get_global_func("tvm_callback_cuda_compile", allow_missing=True)
+
+    def compile_fatbin(code, *_):
+        return nvcc.compile_cuda(code, target_format="fatbin", arch=fatbin_flags(arch), compiler="nvcc")
+
+    tvm_ffi.register_global_func("tvm_callback_cuda_compile", compile_fatbin, override=True)
+    try:
+        with target, tvm.transform.PassContext(opt_level=3):
+            executable = tvm.compile(mod, target=target)
+        executable.export_library(str(library_path))
+    finally:
+        if previous is not None:
+            tvm_ffi.register_global_func("tvm_callback_cuda_compile", previous, override=True)

@@ -1,0 +1,67 @@
+"""The cuda target: compiled here with nvcc (no GPU needed), checked by parsing the fatbin the library embeds;
+run and compared with the CPU artifact only where a CUDA device exists."""
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+
+import sharpi
+from sharpi.codegen.cuda import fatbin_entries
+from tiny_gguf import write_tiny_llama
+
+pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None and not __import__("os").path.exists(
+    "/usr/local/cuda/bin/nvcc"), reason="the cuda target compiles with nvcc, which this machine lacks")
+
+
+def _cuda_device() -> bool:
+    import tvm
+    return bool(tvm.cuda(0).exist)
+
+
+@pytest.fixture(scope="session")
+def smollm2_cuda_artifact(smollm2_gguf, tmp_path_factory):
+    return sharpi.compile(str(smollm2_gguf), target="cuda", output=tmp_path_factory.mktemp("cuda") / "smollm2")
+
+
+def test_smollm2_cuda_artifact_holds_sass_and_ptx(smollm2_cuda_artifact):
+    from sharpi.common.manifest import Manifest
+    m = Manifest.read(smollm2_cuda_artifact)
+    assert m.target["kind"] == "cuda" and m.target["arch"] == "sm_80"
+    images = set(fatbin_entries((smollm2_cuda_artifact / "model.so").read_bytes()))
+    assert images == {("elf", 80), ("ptx", 80)}, images
+    assert set(m.target["images"]) == {"elf:80", "ptx:80"}
+    assert {"prefill", "decode", "prefill_snapkv", "snapkv_select", "snapkv_compact"} <= set(m.functions)
+
+
+def test_arch_is_chosen_and_validated(tmp_path, capsys):
+    from sharpi.cli import compile as compile_cli
+    path = write_tiny_llama(tmp_path / "tiny.gguf")
+    artifact = sharpi.compile(str(path), target="cuda", arch="sm_90", output=tmp_path / "c90")
+    assert set(fatbin_entries((artifact / "model.so").read_bytes())) == {("elf", 90), ("ptx", 90)}
+    with pytest.raises(sharpi.ConfigError, match="not a CUDA architecture"):
+        sharpi.compile(str(path), target="cuda", arch="compute_90", output=tmp_path / "bad")
+    assert compile_cli.main([str(path), "--target", "llvm", "--arch", "sm_90", "-o", str(tmp_path / "x")]) == 2
+    assert "--arch applies to the cuda target only" in capsys.readouterr().err
+
+
+def test_loading_without_a_cuda_device_says_so(smollm2_cuda_artifact):
+    if _cuda_device():
+        pytest.skip("this machine has a CUDA device")
+    with pytest.raises(sharpi.SharpiError, match="no CUDA device"):
+        sharpi.load(smollm2_cuda_artifact)
+
+
+def test_cuda_logits_match_cpu(smollm2_cuda_artifact, smollm2, golden):
+    if not _cuda_device():
+        pytest.skip("no CUDA device on this machine (benchmarks/gpu_check.py runs this on a GPU machine)")
+    gpu = sharpi.load(smollm2_cuda_artifact)
+    ids = golden["teacher_forced"]["ids"]
+    lg, lc = gpu.score(ids), smollm2.score(ids)
+    assert (lg.argmax(-1) == lc.argmax(-1)).mean() >= 0.99
+    with gpu.session(snapkv_budget=64) as a, smollm2.session(snapkv_budget=64) as b:
+        a.prefill(ids[:200]), b.prefill(ids[:200])
+        same = sum(np.intersect1d(x, y).size for pa, pb in zip(a.kept_positions, b.kept_positions)
+                   for x, y in zip(pa, pb))
+        assert same / sum(p.size for p in b.kept_positions) >= 0.99
