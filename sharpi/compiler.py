@@ -21,6 +21,7 @@ from .common.settings import parse_positive_int, sharpi_home
 from .common.version import __version__
 
 TARGETS = ("llvm", "cuda", "vulkan")
+KV_DTYPES = {"f32": "float32", "f16": "float16"}    # --kv-dtype names -> element types
 PREFILL_CHUNK = 512
 
 
@@ -29,6 +30,7 @@ class CompileOptions:
     target: str = "llvm"
     mcpu: str | None = None
     arch: str | None = None                  # cuda: sm_XY
+    kv_dtype: str = "float32"                # the KV page pool's element type
     max_context: int | None = None
     snapkv: str = "on"                       # whether the SnapKV ops are compiled in
     snapkv_defaults: tuple = ()              # (name, value) pairs: the artifact's run-time defaults
@@ -52,15 +54,21 @@ class CompileOptions:
                 raise ConfigError("--arch applies to the cuda target only.")
             from .codegen.cuda import check_arch
             check_arch(self.arch)
+        if self.kv_dtype not in KV_DTYPES.values():
+            raise ConfigError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}.")
         if self.max_context is not None:
             parse_positive_int(self.max_context, "--max-context")
 
 
 def compile(model: str | Path, target: str = "llvm", output: str | Path | None = None, *, mcpu: str | None = None,
-            arch: str | None = None, max_context: int | None = None, snapkv: str | bool = "on", snapkv_budget=None, snapkv_window=None,
-            snapkv_recency=None, snapkv_pooling=None, snapkv_kernel=None, snapkv_granularity=None,
-            dump_ir: str | Path | None = None, use_cache: bool = True, show_progress: bool = False) -> Path:
+            arch: str | None = None, kv_dtype: str | None = None, max_context: int | None = None,
+            snapkv: str | bool = "on", snapkv_budget=None, snapkv_window=None, snapkv_recency=None,
+            snapkv_pooling=None, snapkv_kernel=None, snapkv_granularity=None, dump_ir: str | Path | None = None,
+            use_cache: bool = True, show_progress: bool = False) -> Path:
     """Compile a GGUF (path or known model name) into an artifact directory; returns its path.
+
+    target: llvm (mcpu: the CPU, default this one), vulkan, or cuda (arch: sm_XY, default sm_80); kv_dtype: the
+    KV cache's element type, "f32" or "f16" (default f16 for cuda, else f32).
 
     snapkv decides whether the SnapKV ops exist; snapkv_window is also the largest window allowed at run time;
     the other snapkv_* values become the artifact's run-time defaults. dump_ir writes the Relax IR after the
@@ -73,8 +81,10 @@ def compile(model: str | Path, target: str = "llvm", output: str | Path | None =
                                          ("recency", snapkv_recency), ("pooling", snapkv_pooling),
                                          ("kernel", snapkv_kernel), ("granularity", snapkv_granularity))
                      if v is not None)
-    options = CompileOptions(target=target, mcpu=mcpu, arch=arch, max_context=max_context, snapkv=snapkv,
-                             snapkv_defaults=defaults)
+    if kv_dtype is None:                   # DESIGN.md: f32 on CPU; f16 on CUDA GPUs (Vulkan: f32 until measured)
+        kv_dtype = "f16" if target == "cuda" else "f32"
+    options = CompileOptions(target=target, mcpu=mcpu, arch=arch, kv_dtype=KV_DTYPES.get(kv_dtype, kv_dtype),
+                             max_context=max_context, snapkv=snapkv, snapkv_defaults=defaults)
     options.validate()
     gguf_path = resolve_model(model, show_progress=show_progress)
     output = Path(output) if output is not None else Path(gguf_path.stem + f"-{target}")
@@ -117,7 +127,7 @@ def _compile_uncached(gguf, gguf_sha256: str, options: CompileOptions, output: P
     tokenizer, tok_info = build_from_gguf_metadata(gguf.metadata)
     weights = llama_weights(gguf, cfg, show_progress)
     max_pages = math.ceil(max_context / PAGE_SIZE)
-    mod = LlamaBuilder(cfg, weights, max_pages).build()
+    mod = LlamaBuilder(cfg, weights, max_pages, kv_dtype=options.kv_dtype).build()
     functions = ["prefill", "prefill_logits", "decode"]
     settings = options.snapkv_settings()
     if options.snapkv == "on":
@@ -146,7 +156,7 @@ def _compile_uncached(gguf, gguf_sha256: str, options: CompileOptions, output: P
             tokenizer=tok_info.to_dict(), page_size=PAGE_SIZE, max_context=max_context, max_pages=max_pages,
             prefill_chunk=PREFILL_CHUNK, functions=functions, kernels=kernels, params=params,
             snapkv={"enabled": options.snapkv == "on", "max_window": settings.window,
-                    "defaults": settings.to_dict()})
+                    "defaults": settings.to_dict()}, kv_dtype=options.kv_dtype)
         artifact.finalize(staging, output, manifest)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

@@ -25,6 +25,12 @@ def smollm2_gguf():
 
 
 @pytest.fixture(scope="session")
+def gemma3_gguf():
+    from sharpi.frontend.fetch import fetch
+    return fetch("gemma3-270m", show_progress=False)
+
+
+@pytest.fixture(scope="session")
 def smollm2_artifact(smollm2_gguf, tmp_path_factory):
     import sharpi
     return sharpi.compile(str(smollm2_gguf), target="llvm", output=tmp_path_factory.mktemp("art") / "smollm2")

@@ -44,3 +44,27 @@ def test_tiny_llama_on_vulkan_matches_reference(matrix_type, tmp_path):
         np.testing.assert_allclose(s.prefill(ids[:20]), expected[19], rtol=1e-3, atol=1e-3)
         for i in range(20, 23):
             np.testing.assert_allclose(s.decode(ids[i]), expected[i], rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("target", ["llvm", "vulkan"])
+def test_f16_kv_cache(target, tmp_path):
+    """--kv-dtype f16: half the KV bytes, logits within f16 rounding of the reference, eviction still works."""
+    import os
+    from sharpi.runtime.vulkan import VulkanUnavailableError
+    path = write_tiny_llama(tmp_path / "tiny.gguf", matrix_type="Q8_0", layers=2, heads=4, kv_heads=2)
+    try:
+        half = sharpi.load(sharpi.compile(str(path), target=target, kv_dtype="f16", output=tmp_path / "f16"))
+        full = sharpi.load(sharpi.compile(str(path), target=target, output=tmp_path / "f32"))
+    except VulkanUnavailableError as exc:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"no Vulkan device here: {exc}")
+    assert half.manifest.kv_dtype == "float16" and half._pool.page_bytes * 2 == full._pool.page_bytes
+    ids = list(np.random.default_rng(1).integers(0, half.config.vocab_size, 40))
+    expected = NumpyReference(path).forward(ids)
+    np.testing.assert_allclose(half.score(ids), expected, rtol=2e-2, atol=2e-2)
+    with half.session(snapkv_budget=24, snapkv_window=8, snapkv_recency=4) as s, \
+            full.session(snapkv_budget=24, snapkv_window=8, snapkv_recency=4) as f:
+        s.prefill(ids[:36]), f.prefill(ids[:36])
+        assert s.kv_length == [24, 24] and s.kv_bytes * 2 == f.kv_bytes
+        np.testing.assert_allclose(s.decode(ids[36]), f.decode(ids[36]), rtol=2e-2, atol=2e-2)

@@ -16,6 +16,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", default=None, help="artifact directory (default: <gguf name>-<target>)")
     p.add_argument("--mcpu", default=None, help="CPU to compile for (default: this machine's, e.g. znver3)")
     p.add_argument("--max-context", type=int, default=None, help="context length (default: the GGUF's)")
+    p.add_argument("--kv-dtype", default=None, help="the KV cache's element type: f32 or f16 (half the memory; "
+                                                     "Vulkan needs shader-f16); default f16 for cuda, else f32")
     p.add_argument("--snapkv", default="on", help="on (default) or off: whether the SnapKV ops are compiled in")
     add_snapkv_flags(p)
     p.add_argument("--dump-ir", default=None, metavar="FILE", help="write the Relax IR after the passes to FILE")
@@ -29,6 +31,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from ..compiler import compile as compile_model
     out = compile_model(args.model, target=args.target, output=args.output, mcpu=args.mcpu, arch=args.arch,
+                        kv_dtype=args.kv_dtype,
                         max_context=args.max_context, snapkv=args.snapkv, dump_ir=args.dump_ir,
                         use_cache=not args.no_cache, show_progress=not args.quiet, **snapkv_kwargs(args))
     print(out)

@@ -176,7 +176,9 @@ class KernelAttacher(relax.PyExprMutator):
         tokens = _static_int(k.ty.shape[0])
         cfg = self.cfg
         make = gpu_attention.make_gpu_kv_append if self.gpu else make_kv_append
-        gv = self.kernel(("kv_append", tokens), lambda: make(cfg.n_kv_heads, cfg.head_dim, ops.PAGE_SIZE, tokens))
+        kv = _kv_dtype(pool)
+        gv = self.kernel(("kv_append", tokens, _kv_key(kv)),
+                         lambda: make(cfg.n_kv_heads, cfg.head_dim, ops.PAGE_SIZE, tokens, kv_dtype=kv))
         return relax.call_tir_inplace(gv, [pool, k, v, page_table, kv_lens, layer], [0], ty)
 
     def _attention(self, args, ty):
@@ -185,8 +187,10 @@ class KernelAttacher(relax.PyExprMutator):
         cfg = self.cfg
         scale = _prim_constant(scale)
         make = gpu_attention.make_gpu_paged_attention if self.gpu else make_paged_attention
-        gv = self.kernel(("paged_attention", tokens),
-                         lambda: make(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, ops.PAGE_SIZE, scale, tokens))
+        kv = _kv_dtype(pool)
+        gv = self.kernel(("paged_attention", tokens, _kv_key(kv)),
+                         lambda: make(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, ops.PAGE_SIZE, scale, tokens,
+                                      kv_dtype=kv))
         return relax.call_tir(gv, [q, pool, page_table, kv_lens, layer], ty)
 
 
@@ -196,14 +200,17 @@ class KernelAttacher(relax.PyExprMutator):
         max_pages = int(page_table.ty.shape[1])
         scale = _prim_constant(scale)
         shape = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, ops.PAGE_SIZE, max_pages, scale)
+        kv = _kv_dtype(pool)
         if self.gpu:
-            stats_gv = self.kernel(("snapkv_row_stats", None), lambda: gpu_snapkv.make_gpu_snapkv_row_stats(*shape))
+            stats_gv = self.kernel(("snapkv_row_stats", _kv_key(kv)),
+                                   lambda: gpu_snapkv.make_gpu_snapkv_row_stats(*shape, kv_dtype=kv))
             stats_ty = relax.TensorType((q.ty.shape[0], cfg.n_heads, 2), "float32")
             stats = self.builder_.emit(relax.call_tir(stats_gv, [q, pool, page_table, kv_lens, layer, window],
                                                       stats_ty))
-            gv = self.kernel(("snapkv_score", None), lambda: gpu_snapkv.make_gpu_snapkv_score(*shape))
+            gv = self.kernel(("snapkv_score", _kv_key(kv)),
+                             lambda: gpu_snapkv.make_gpu_snapkv_score(*shape, kv_dtype=kv))
             return relax.call_tir(gv, [q, pool, page_table, kv_lens, layer, window, stats], ty)
-        gv = self.kernel(("snapkv_score", None), lambda: make_snapkv_score(*shape))
+        gv = self.kernel(("snapkv_score", _kv_key(kv)), lambda: make_snapkv_score(*shape, kv_dtype=kv))
         return relax.call_tir(gv, [q, pool, page_table, kv_lens, layer, window], ty)
 
     def _snapkv_select(self, args, ty):
@@ -220,9 +227,20 @@ class KernelAttacher(relax.PyExprMutator):
         cfg = self.cfg
         layers, max_pages = (int(d) for d in page_table.ty.shape)
         make = gpu_snapkv.make_gpu_kv_compact if self.gpu else make_kv_compact
-        gv = self.kernel(("kv_compact", None),
-                         lambda: make(layers, cfg.n_kv_heads, cfg.head_dim, ops.PAGE_SIZE, max_pages))
+        kv = _kv_dtype(pool)
+        gv = self.kernel(("kv_compact", _kv_key(kv)),
+                         lambda: make(layers, cfg.n_kv_heads, cfg.head_dim, ops.PAGE_SIZE, max_pages, kv_dtype=kv))
         return relax.call_tir_inplace(gv, [pool, page_table, keep, count], [0], ty)
+
+
+def _kv_dtype(pool) -> str:
+    """The KV pool's element type, as the frontend typed the pool argument."""
+    return str(pool.ty.dtype)
+
+
+def _kv_key(kv_dtype: str) -> str | None:
+    """Kernel-name part for the pool type: none for float32, so f32 kernel names stay as they were."""
+    return None if kv_dtype == "float32" else "kv" + kv_dtype.replace("float", "f")
 
 
 def _with_root_block(prim: tvm.tirx.PrimFunc) -> tvm.tirx.PrimFunc:

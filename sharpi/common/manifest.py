@@ -41,6 +41,7 @@ class Manifest:
     params: list[ParamEntry]
     files: dict[str, str] = field(default_factory=dict)   # file name -> sha256
     snapkv: dict = field(default_factory=dict)
+    kv_dtype: str = "float32"    # the KV page pool's element type (float32 or float16)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)

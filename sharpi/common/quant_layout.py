@@ -7,11 +7,23 @@ field-major, so one field is a contiguous [N, K/32] slice, which GPU kernels tak
   q4_1:  qs uint32 [N, K/8]                                          s = (d, m)      w = q * d + m
   q5_0:  qs uint32 [N, K/8] (low 4 bits)                             s = (d, qh)     w = (q + 16 * bit_e(qh) - 16) * d
          (qh, the 32 fifth bits of the block, is stored as the bits of an f32: one scale buffer for every type)
+  q5_1:  qs uint32 [N, K/8] (low 4 bits)                             s = (d, m, qh)  w = (q + 16 * bit_e(qh)) * d + m
   q8_0:  qs uint32 [N, K/4] (4 int8 a word, little-endian)           s = (d,)        w = q * d
+The K-quants (super-blocks of 256) are expanded to the same per-32 form at repack time: each 32-block gets its
+own f32 scale (and offset), products of the super-block's f16 d (dmin) and its 6- or 8-bit sub-scales (mins),
+which are exact in f32, so the weights are bit-identical to ggml's dequantization:
+  q4_k:  qs uint32 [N, K/8]                                          s = (d, m)      w = q * d + m
+         (d = d_super * scale_6bit, m = -dmin_super * min_6bit: the q4_1 formula)
+  q5_k:  qs uint32 [N, K/8] (low 4 bits)                             s = (d, m, qh)  w = (q + 16 * bit_e(qh)) * d + m
+  q6_k:  qs uint32 [N, K/8] (low 4 bits)                             s = (d0, d1, h0, h1)
+         w = (q + 16 * hi_e - 32) * (d0 if e < 16 else d1), hi_e = 2-bit field e % 16 of (h0 if e < 16 else h1)
+         (d0, d1: d_super * the int8 scales of the block's two 16-halves; h0, h1: the 2-bit high parts of
+         elements 0-15 and 16-31, 16 a word, stored as the bits of an f32 like q5_0's qh)
 Quants are always in u32 words: WGSL (the Vulkan path) has no 8- or 16-bit storage types.
 Dense types have one part `w` [N, K]: f32, f16, or bf16 kept as uint16 (the upper half of an f32).
 Every other GGUF type is expanded to f16 at load. Scales are f32 rather than GGUF's f16: one conversion per
-block saved on CPUs, at 4 bytes more per 32 weights (the artifact stays within 1.2x of the GGUF).
+block saved on CPUs, at 4 bytes more per 32 weights (the artifact stays within 1.2x of the GGUF for the 32-block
+types; per tensor q5_1 is 28/24 = 1.17x, q4_k 24/18 = 1.33x, q5_k 28/22 = 1.27x, q6_k 32/26.25 = 1.22x).
 """
 from __future__ import annotations
 
@@ -22,16 +34,22 @@ LAYOUTS = {
     "q4_0": [("qs", "uint32", lambda n, k: (n, k // 8)), ("s", "float32", lambda n, k: (1, n, k // BLOCK))],
     "q4_1": [("qs", "uint32", lambda n, k: (n, k // 8)), ("s", "float32", lambda n, k: (2, n, k // BLOCK))],
     "q5_0": [("qs", "uint32", lambda n, k: (n, k // 8)), ("s", "float32", lambda n, k: (2, n, k // BLOCK))],
+    "q5_1": [("qs", "uint32", lambda n, k: (n, k // 8)), ("s", "float32", lambda n, k: (3, n, k // BLOCK))],
     "q8_0": [("qs", "uint32", lambda n, k: (n, k // 4)), ("s", "float32", lambda n, k: (1, n, k // BLOCK))],
+    "q4_k": [("qs", "uint32", lambda n, k: (n, k // 8)), ("s", "float32", lambda n, k: (2, n, k // BLOCK))],
+    "q5_k": [("qs", "uint32", lambda n, k: (n, k // 8)), ("s", "float32", lambda n, k: (3, n, k // BLOCK))],
+    "q6_k": [("qs", "uint32", lambda n, k: (n, k // 8)), ("s", "float32", lambda n, k: (4, n, k // BLOCK))],
     "f32": [("w", "float32", lambda n, k: (n, k))],
     "f16": [("w", "float16", lambda n, k: (n, k))],
     "bf16": [("w", "uint16", lambda n, k: (n, k))],
 }
-QUANTIZED = ("q4_0", "q4_1", "q5_0", "q8_0")
+QUANTIZED = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k")
+K_QUANTS = ("q4_k", "q5_k", "q6_k")
+SUPER_BLOCK = 256   # the K-quants' super-block: their tensors need K % 256 == 0
 
 # GGUF tensor type name -> sharpi layout kept as is (quantized in memory)
-NATIVE_TYPES = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q5_0": "q5_0", "Q8_0": "q8_0", "F32": "f32", "F16": "f16",
-                "BF16": "bf16"}
+NATIVE_TYPES = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q5_0": "q5_0", "Q5_1": "q5_1", "Q8_0": "q8_0",
+                "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k", "F32": "f32", "F16": "f16", "BF16": "bf16"}
 EXPANDED_TYPE = "f16"
 
 

@@ -1,9 +1,14 @@
 """Tokenizer and detokenizer built from GGUF metadata, held by the `tokenizers` library.
 
-GGUF stores a byte-level BPE as its vocabulary, merges, token types and a pre-tokenizer name
-(`tokenizer.ggml.pre`); llama.cpp maps that name to split regexes. We do the same mapping onto a
-`tokenizers` pipeline, so the ids equal llama.cpp's. The built tokenizer is serialized to tokenizer.json
-in the artifact, and the runtime loads it from there (no GGUF needed at run time).
+Two GGUF tokenizer models are supported, both rebuilt as `tokenizers` pipelines whose ids equal llama.cpp's:
+
+- "gpt2" (byte-level BPE): GGUF stores the vocabulary, merges, token types and a pre-tokenizer name
+  (`tokenizer.ggml.pre`); llama.cpp maps that name to split regexes, and we do the same mapping.
+- "llama" (SentencePiece BPE, llama.cpp's LLAMA_VOCAB_TYPE_SPM; Gemma, Llama 2, Mistral): GGUF stores the
+  vocabulary with a score per token; see `_sentencepiece_bpe`.
+
+The built tokenizer is serialized to tokenizer.json in the artifact, and the runtime loads it from there (no
+GGUF needed at run time).
 """
 from __future__ import annotations
 
@@ -64,16 +69,26 @@ def build_from_gguf_metadata(meta: dict) -> tuple["Tokenizer", TokenizerInfo]:
     if model == "gpt2":
         hf = _byte_level_bpe(tokens, meta.get("tokenizer.ggml.merges") or [], types,
                              meta.get("tokenizer.ggml.pre", "default"))
+    elif model == "llama":
+        scores = meta.get("tokenizer.ggml.scores")
+        if scores is None or len(scores) != len(tokens):
+            raise TokenizerError("The GGUF's SentencePiece tokenizer has no tokenizer.ggml.scores for its tokens.")
+        hf = _sentencepiece_bpe(tokens, scores, types, meta.get("tokenizer.ggml.unknown_token_id"),
+                                add_space_prefix=bool(meta.get("tokenizer.ggml.add_space_prefix", True)))
     else:
-        raise TokenizerError(f"Tokenizer model {model!r} is not supported yet (sharpi supports gpt2 byte-level BPE).")
+        raise TokenizerError(f"Tokenizer model {model!r} is not supported yet "
+                             "(sharpi supports gpt2 byte-level BPE and llama SentencePiece BPE).")
     bos = meta.get("tokenizer.ggml.bos_token_id")
     eos = meta.get("tokenizer.ggml.eos_token_id")
     stop_ids = sorted({i for i in (eos, meta.get("tokenizer.ggml.eot_token_id")) if i is not None}
                       | {i for i, t in enumerate(tokens) if t in ("<|im_end|>", "<|eot_id|>", "<end_of_turn>")})
+    chat_template = meta.get("tokenizer.chat_template")
+    if not chat_template and "<start_of_turn>" in tokens and "<end_of_turn>" in tokens:
+        chat_template = GEMMA_CHAT_TEMPLATE     # Gemma GGUFs may carry none; llama.cpp has it built in
     info = TokenizerInfo(
         model=model, pre=meta.get("tokenizer.ggml.pre", "default"), bos_id=bos, eos_id=eos,
         add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)), stop_ids=stop_ids,
-        chat_template=meta.get("tokenizer.chat_template"),
+        chat_template=chat_template,
         bos_token=tokens[bos] if bos is not None and 0 <= bos < len(tokens) else None,
         eos_token=tokens[eos] if eos is not None and 0 <= eos < len(tokens) else None)
     return Tokenizer(hf, info), info
@@ -105,6 +120,80 @@ def _byte_level_bpe(tokens, merges, types, pre: str):
     return hf
 
 
+def _sentencepiece_bpe(tokens, scores, types, unk_id, add_space_prefix: bool):
+    """llama.cpp's SPM tokenizer (`llm_tokenizer_spm` in src/llama-vocab.cpp) as a `tokenizers` BPE model.
+
+    llama.cpp, for each text fragment left between special / user-defined tokens: replaces " " by "▁", splits
+    the text into characters, then repeatedly merges the adjacent pair whose concatenation is a vocabulary token
+    with the highest score (ties: the leftmost pair), until no pair forms a token; a remaining character that is
+    not a token is emitted as its UTF-8 byte tokens <0xNN>. A BPE model does the same when its merges are every
+    split (a, b) of every token a+b into two tokens, ranked by the merged token's score (highest first): BPE also
+    merges the lowest-ranked adjacent pair, leftmost first, and only merged symbols or single characters can be
+    symbols in either algorithm. byte_fallback=True gives the <0xNN> tokens for characters outside the vocabulary.
+    What a rank list cannot express (never met on the tested Gemma 3 vocabulary, whose normal tokens have distinct
+    scores): llama.cpp breaks a tie between two *different* tokens of equal score by position, BPE by rank (here:
+    by token id); and llama.cpp can merge a character outside the vocabulary with a neighbour when the pair is a
+    token, which byte fallback has already turned into bytes (Gemma 3: only " " is such a character, and it
+    only appears in user-defined tokens that are split off before the BPE, so it never reaches it).
+
+    Around the model: user-defined tokens (type 4) are always split off the raw text first (llama.cpp's
+    `tokenizer_st_partition`), control and unknown tokens (types 3, 2) only when special=True (the matching
+    differs from llama.cpp's only for overlapping token texts: it takes the longest token first anywhere in the
+    text, `tokenizers` the leftmost-longest match). `tokenizer.ggml.add_space_prefix` (true unless the GGUF says
+    otherwise; Gemma says false) makes llama.cpp put a space before every text fragment (each one starts the
+    text or follows a special token), as the Prepend normalizer does here. Decoding: "▁" -> " ",
+    <0xNN> -> bytes, the pieces of llama.cpp's token_to_piece; llama.cpp's llama_detokenize also drops the
+    leading space of a text starting with a "▁" token on add_space_prefix models, which is not done here
+    (so that decoding a generated continuation keeps its first space).
+    """
+    from tokenizers import AddedToken, decoders, models, normalizers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    vocab = {tok: i for i, tok in enumerate(tokens)}      # a repeated text maps to its last id, as in llama.cpp
+    ranked = []
+    for tok, i in vocab.items():
+        for k in range(1, len(tok)):
+            left = tok[:k]
+            if left in vocab:
+                right = tok[k:]
+                if right in vocab:
+                    ranked.append((-scores[i], i, left, right))
+    ranked.sort(key=lambda m: (m[0], m[1]))
+    unk = tokens[unk_id] if unk_id is not None and 0 <= unk_id < len(tokens) else None
+    hf = HFTokenizer(models.BPE(vocab=vocab, merges=[(a, b) for _, _, a, b in ranked], unk_token=unk,
+                                fuse_unk=False, byte_fallback=True, ignore_merges=False))
+    escape = normalizers.Replace(" ", "▁")         # llama_escape_whitespace
+    hf.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), escape]) if add_space_prefix else escape
+    hf.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    special = [AddedToken(t, special=True, normalized=False)
+               for t, ty in zip(tokens, types) if ty in (TOKEN_CONTROL, TOKEN_UNKNOWN)]
+    user = [AddedToken(t, special=False, normalized=False)
+            for t, ty in zip(tokens, types) if ty == TOKEN_USER_DEFINED]
+    hf.add_special_tokens(special)
+    if user:
+        hf.add_tokens(user)
+    return hf
+
+
+# llama.cpp's built-in "gemma" chat format (llm_chat_apply_template, LLM_CHAT_TEMPLATE_GEMMA), used when a Gemma
+# GGUF has no tokenizer.chat_template: "assistant" is "model", system text goes before the first user turn.
+# No BOS here: chat prompts are tokenized with the GGUF's add_bos flag, which adds it.
+GEMMA_CHAT_TEMPLATE = (
+    "{%- set ns = namespace(system='') -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'system' -%}"
+    "{%- set ns.system = ns.system + (message['content'] | trim) -%}"
+    "{%- else -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\\n' }}"
+    "{%- if ns.system and role != 'model' -%}{{ ns.system + '\\n\\n' }}{%- set ns.system = '' -%}{%- endif -%}"
+    "{{ (message['content'] | trim) + '<end_of_turn>\\n' }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}"
+)
+
+
 class Tokenizer:
     """tokenize / detokenize with llama.cpp's conventions (special tokens parsed when special=True)."""
 
@@ -112,10 +201,11 @@ class Tokenizer:
         self._hf = hf
         self.info = info
         self._special_ids = {i for i, t in hf.get_added_tokens_decoder().items() if t.special}
+        self._vocab_size = hf.get_vocab_size(with_added_tokens=True)   # costs ~1 ms on a 262144-token vocabulary
 
     @property
     def vocab_size(self) -> int:
-        return self._hf.get_vocab_size(with_added_tokens=True)
+        return self._vocab_size
 
     def tokenize(self, text: str, add_bos: bool | None = None, special: bool = False) -> list[int]:
         """Text to ids. add_bos=None follows the GGUF's add_bos_token flag; special=True parses special tokens."""
@@ -143,7 +233,8 @@ class Tokenizer:
     def detokenize(self, ids, special: bool = True) -> str:
         """Ids to text; special=True renders special tokens as their text so tokenize/detokenize round-trip."""
         ids = [int(i) for i in ids]
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        size = self._vocab_size
+        bad = [i for i in ids if not 0 <= i < size]
         if bad:
             raise TokenizerError(f"Token id {bad[0]} is outside the vocabulary (size {self.vocab_size}).")
         return self._hf.decode(ids, skip_special_tokens=not special)

@@ -37,8 +37,9 @@ def tensor_type(shape, dtype):
 
 
 class LlamaBuilder:
-    def __init__(self, cfg: ModelConfig, weights: WeightTable, max_pages: int, page_size: int = ops.PAGE_SIZE):
-        self.cfg, self.weights = cfg, weights
+    def __init__(self, cfg: ModelConfig, weights: WeightTable, max_pages: int, page_size: int = ops.PAGE_SIZE,
+                 kv_dtype: str = "float32"):
+        self.cfg, self.weights, self.kv_dtype = cfg, weights, kv_dtype
         self.max_pages, self.page_size = max_pages, page_size
         self.bb = relax.BlockBuilder()
 
@@ -55,7 +56,7 @@ class LlamaBuilder:
         pages = tvm.tirx.Var("pages", "int64")
         ids = relax.Var("ids", tensor_type((n,), "int32"))
         pos = relax.Var("pos", tensor_type((n,), "int32"))
-        pool = relax.Var("pool", tensor_type((pages, 2, cfg.n_kv_heads, self.page_size, cfg.head_dim), "float32"))
+        pool = relax.Var("pool", tensor_type((pages, 2, cfg.n_kv_heads, self.page_size, cfg.head_dim), self.kv_dtype))
         page_table = relax.Var("page_table", tensor_type((cfg.n_layers, self.max_pages), "int32"))
         kv_lens = relax.Var("kv_lens", tensor_type((cfg.n_layers,), "int32"))
         params = relax.Var("params", relax.TupleType([tensor_type(a.shape, str(a.dtype))

@@ -6,10 +6,12 @@ import warnings
 import numpy as np
 
 from ..common.errors import UnsupportedTensorTypeError
-from ..common.quant_layout import BLOCK, EXPANDED_TYPE, NATIVE_TYPES
+from ..common.quant_layout import BLOCK, EXPANDED_TYPE, K_QUANTS, NATIVE_TYPES, SUPER_BLOCK
 from .gguf_file import GGUFTensor
 
-_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34}
+# bytes of one GGUF block (32 weights; 256 for the K-quants)
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176,
+                "Q6_K": 210}
 
 
 def layout_of(t: GGUFTensor) -> str:
@@ -35,10 +37,11 @@ def repack(t: GGUFTensor) -> dict[str, np.ndarray]:
     """GGUF tensor (2-D: [N, K]) -> the parts of its sharpi layout."""
     qtype = layout_of(t)
     n, k = t.shape
-    if qtype in ("q4_0", "q4_1", "q5_0", "q8_0"):
-        if k % BLOCK:
-            raise UnsupportedTensorTypeError(f"{t.name}: K={k} is not a multiple of {BLOCK}.")
-        blocks = np.asarray(t.data, dtype=np.uint8).reshape(n, k // BLOCK, _BLOCK_BYTES[t.type_name])
+    if qtype in _REPACKERS:
+        width = SUPER_BLOCK if qtype in K_QUANTS else BLOCK
+        if k % width:
+            raise UnsupportedTensorTypeError(f"{t.name}: K={k} is not a multiple of {width}.")
+        blocks = np.asarray(t.data, dtype=np.uint8).reshape(n, k // width, _BLOCK_BYTES[t.type_name])
         return _REPACKERS[qtype](blocks)
     if qtype == "f32":
         return {"w": np.ascontiguousarray(np.asarray(t.data, dtype=np.float32).reshape(n, k))}
@@ -87,13 +90,86 @@ def _repack_q5_0(b):
     return {"qs": _pack_nibbles(_nibbles(b[..., 6:22])), "s": _scales(_f16_scale(b, 0), qh.view(np.float32))}
 
 
+def _qh_field(b, offset):
+    """A block's 32 fifth bits (little-endian u32 at `offset`) as the bits of an f32 scale field."""
+    return np.ascontiguousarray(b[..., offset:offset + 4]).view("<u4")[..., 0].astype(np.uint32).view(np.float32)
+
+
+def _repack_q5_1(b):
+    return {"qs": _pack_nibbles(_nibbles(b[..., 8:24])),
+            "s": _scales(_f16_scale(b, 0), _f16_scale(b, 2), _qh_field(b, 4))}
+
+
 def _repack_q8_0(b):
     n, nb, _ = b.shape
     quants = np.ascontiguousarray(b[..., 2:34]).reshape(n, nb * BLOCK)   # int8 bytes, in element order
     return {"qs": quants.view("<u4"), "s": _scales(_f16_scale(b, 0))}
 
 
-_REPACKERS = {"q4_0": _repack_q4_0, "q4_1": _repack_q4_1, "q5_0": _repack_q5_0, "q8_0": _repack_q8_0}
+def _k_scale_min(scales12: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """ggml's 12 bytes of 6-bit scales and mins of a Q4_K/Q5_K super-block (get_scale_min_k4) -> [.., 8] each:
+    sub-blocks 0-3 in the low 6 bits of bytes 0-3 (scales) and 4-7 (mins); sub-blocks 4-7 in the nibbles of
+    bytes 8-11 with their top 2 bits in the top bits of bytes 0-3 (scales) and 4-7 (mins)."""
+    a, m, md = scales12[..., 0:4], scales12[..., 4:8], scales12[..., 8:12]
+    sc = np.concatenate([a & 0x3F, (md & 0x0F) | ((a >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def _k_scales(b) -> tuple[np.ndarray, np.ndarray]:
+    """Per-32-block (d, m) of Q4_K/Q5_K super-blocks [N, NS, bytes] -> [N, NS*8] each (products exact in f32)."""
+    n, ns, _ = b.shape
+    sc, mn = _k_scale_min(b[..., 4:16])
+    d = _f16_scale(b, 0)[..., None] * sc
+    m = -(_f16_scale(b, 2)[..., None] * mn)
+    return d.reshape(n, ns * 8), m.reshape(n, ns * 8)
+
+
+def _k_nibbles(qs128: np.ndarray) -> np.ndarray:
+    """Q4_K/Q5_K's 128 bytes of low nibbles [N, NS, 128] -> [N, NS*8, 32] values: sub-block 2j is the low nibbles
+    of bytes 32j..32j+31, sub-block 2j+1 their high nibbles."""
+    n, ns, _ = qs128.shape
+    q = qs128.reshape(n, ns, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)
+    return (q & 0x0F).reshape(n, ns * 8, BLOCK)
+
+
+def _bits_to_words(bits: np.ndarray, width: int) -> np.ndarray:
+    """[.., 32 / width] values of `width` bits -> uint32 [..], value i at bits width*i."""
+    shifts = (np.arange(bits.shape[-1], dtype=np.uint32) * width)
+    return np.bitwise_or.reduce(bits.astype(np.uint32) << shifts, axis=-1).astype(np.uint32)
+
+
+def _repack_q4_k(b):
+    d, m = _k_scales(b)
+    return {"qs": _pack_nibbles(_k_nibbles(b[..., 16:144])), "s": _scales(d, m)}
+
+
+def _repack_q5_k(b):
+    n, ns, _ = b.shape
+    d, m = _k_scales(b)
+    # fifth bit of element l of sub-block i: bit i of qh byte l
+    qh = b[..., 16:48].reshape(n, ns, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
+    qh = _bits_to_words(qh & 1, 1).reshape(n, ns * 8)
+    return {"qs": _pack_nibbles(_k_nibbles(b[..., 48:176])), "s": _scales(d, m, qh.view(np.float32))}
+
+
+def _repack_q6_k(b):
+    """Q6_K super-block: ql[128], qh[64], int8 scales[16], f16 d. Element 128h + 32t + l (half h, quarter t)
+    has low 4 bits in ql[64h + 32(t%2) + l] (nibble t//2) and high 2 bits in qh[32h + l] >> 2t; scale
+    scales[e // 16]."""
+    n, ns, _ = b.shape
+    lo = b[..., 0:128].reshape(n, ns, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)
+    lo = (lo & 0x0F).reshape(n, ns * 8, BLOCK)
+    hi = b[..., 128:192].reshape(n, ns, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 1, 4, 1)
+    hi = _bits_to_words((hi & 3).reshape(n, ns * 8, 2, 16), 2)                     # [N, K/32, 2]
+    sc = np.ascontiguousarray(b[..., 192:208]).view(np.int8).astype(np.float32)    # [N, NS, 16]
+    d = (_f16_scale(b, 208)[..., None] * sc).reshape(n, ns * 8, 2)
+    return {"qs": _pack_nibbles(lo),
+            "s": _scales(d[..., 0], d[..., 1], hi[..., 0].view(np.float32), hi[..., 1].view(np.float32))}
+
+
+_REPACKERS = {"q4_0": _repack_q4_0, "q4_1": _repack_q4_1, "q5_0": _repack_q5_0, "q5_1": _repack_q5_1,
+              "q8_0": _repack_q8_0, "q4_k": _repack_q4_k, "q5_k": _repack_q5_k, "q6_k": _repack_q6_k}
 
 
 def dequantize_layout(qtype: str, parts: dict[str, np.ndarray]) -> np.ndarray:
@@ -113,12 +189,23 @@ def dequantize_layout(qtype: str, parts: dict[str, np.ndarray]) -> np.ndarray:
     q = ((words[..., None] >> (np.arange(8, dtype=np.uint32) * 4)) & 0xF).reshape(n, -1, BLOCK).astype(np.float32)
     if qtype == "q4_0":
         w = (q - 8) * d
-    elif qtype == "q4_1":
+    elif qtype in ("q4_1", "q4_k"):
         w = q * d + s[1][..., None]
     elif qtype == "q5_0":
-        qh = np.ascontiguousarray(s[1]).view(np.uint32)
-        hi = ((qh[..., None] >> np.arange(BLOCK, dtype=np.uint32)) & 1).astype(np.float32)
-        w = (q + 16 * hi - 16) * d
+        w = (q + 16 * _bit_planes(s[1], 1) - 16) * d
+    elif qtype in ("q5_1", "q5_k"):
+        w = (q + 16 * _bit_planes(s[2], 1)) * d + s[1][..., None]
+    elif qtype == "q6_k":
+        hi = np.concatenate([_bit_planes(s[2], 2), _bit_planes(s[3], 2)], axis=-1)
+        d = np.repeat(np.stack([s[0], s[1]], axis=-1), 16, axis=-1)
+        w = (q + 16 * hi - 32) * d
     else:
         raise AssertionError(qtype)
     return w.reshape(n, -1)
+
+
+def _bit_planes(field: np.ndarray, width: int) -> np.ndarray:
+    """An f32 field holding packed bits [N, NB] -> its 32 / width values of `width` bits [N, NB, 32 / width]."""
+    words = np.ascontiguousarray(field).view(np.uint32)
+    shifts = np.arange(0, 32, width, dtype=np.uint32)
+    return ((words[..., None] >> shifts) & ((1 << width) - 1)).astype(np.float32)

@@ -82,7 +82,7 @@ def _select_and_compact(bb: relax.BlockBuilder, layers: int, kv_heads: int, slot
         with bb.dataflow():
             keep = bb.emit_output(relax.call_dps_packed(ops.SNAPKV_SELECT, [scores, params], keep_ty))
         bb.emit_func_output(keep)
-    pool_ty = relax.TensorType([tvm.tirx.Var("pages", "int64")] + list(pool_ty.shape)[1:], "float32")
+    pool_ty = relax.TensorType([tvm.tirx.Var("pages", "int64")] + list(pool_ty.shape)[1:], str(pool_ty.dtype))
     pool = relax.Var("pool", pool_ty)
     page_table = relax.Var("page_table", relax.TensorType((layers, slots // int(pool_ty.shape[3])), "int32"))
     keep = relax.Var("keep", keep_ty)

@@ -44,10 +44,10 @@ class Model:
         backend can hold in one buffer (Vulkan's storage-binding limit) if that is less."""
         cfg, m = self.config, self._manifest
         sequences = parse_positive_int(sequences, "pool_sequences")
-        page_bytes = 4 * 2 * cfg.n_kv_heads * m.page_size * cfg.head_dim
+        page_bytes = np.dtype(m.kv_dtype).itemsize * 2 * cfg.n_kv_heads * m.page_size * cfg.head_dim
         pages = sequences * cfg.n_layers * m.max_pages
         shape = (pages, 2, cfg.n_kv_heads, m.page_size, cfg.head_dim)
-        pages = self._backend.allocate_pool(shape)
+        pages = self._backend.allocate_pool(shape, m.kv_dtype)
         return PagePool(self._backend, pages, m.page_size, page_bytes)
 
     @property

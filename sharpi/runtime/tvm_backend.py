@@ -38,12 +38,12 @@ class TVMBackend:
         self._pool_view = None
 
     # -- the KV page pool -------------------------------------------------------------------------------------
-    def allocate_pool(self, shape: tuple) -> int:
+    def allocate_pool(self, shape: tuple, dtype: str = "float32") -> int:
         """Reserve the pool [pages, 2, kv_heads, page_size, head_dim]; returns the page count. Untouched pages
         cost no resident memory (the OS maps them when a kernel first writes them)."""
         import tvm
 
-        self.pool = tvm.runtime.empty(shape, "float32", self.device)
+        self.pool = tvm.runtime.empty(shape, dtype, self.device)
         return int(shape[0])
 
     def pool_view(self) -> np.ndarray:
@@ -54,8 +54,9 @@ class TVMBackend:
 
     def _page(self, page: int):
         """One page of the pool as a TVM view (no copy), for device-side page copies."""
-        shape = tuple(int(d) for d in self.pool.shape[1:])
-        return self.pool._create_view(shape, "float32", relative_byte_offset=page * 4 * int(np.prod(shape)))
+        shape, dtype = tuple(int(d) for d in self.pool.shape[1:]), str(self.pool.dtype)
+        size = np.dtype(dtype).itemsize * int(np.prod(shape))
+        return self.pool._create_view(shape, dtype, relative_byte_offset=page * size)
 
     def copy_pages(self, src: list[int], dst: list[int]) -> None:
         if not src:
@@ -77,7 +78,7 @@ class TVMBackend:
             self.pool_view()[pages] = data
             return
         for p, page in zip(pages, data):
-            self._page(p).copyfrom(np.ascontiguousarray(page, np.float32))
+            self._page(p).copyfrom(np.ascontiguousarray(page, str(self.pool.dtype)))
 
     # -- calls ------------------------------------------------------------------------------------------------
     def forward(self, function: str, ids, positions, page_table, kv_lens, extra: tuple = ()):

@@ -53,13 +53,13 @@ class VulkanBackend:
         return tensors
 
     # -- the KV page pool -------------------------------------------------------------------------------------
-    def allocate_pool(self, shape: tuple) -> int:
+    def allocate_pool(self, shape: tuple, dtype: str = "float32") -> int:
         """One buffer [pages, 2, kv_heads, page_size, head_dim], capped at the adapter's storage-binding limit
         (128 MiB on lavapipe); returns the page count it holds."""
-        page_bytes = 4 * int(np.prod(shape[1:]))
+        page_bytes = np.dtype(dtype).itemsize * int(np.prod(shape[1:]))
         pages = max(1, min(int(shape[0]), self.runner.max_binding_size // page_bytes))
         shape = (pages, *shape[1:])
-        self.pool = DeviceTensor(self.runner.buffer(pages * page_bytes), 0, shape, "float32")
+        self.pool = DeviceTensor(self.runner.buffer(pages * page_bytes), 0, shape, dtype)
         self._page_bytes = page_bytes
         return pages
 
@@ -79,12 +79,12 @@ class VulkanBackend:
     def read_pages(self, pages: list[int]) -> np.ndarray:
         queue, shape = self.runner.device.queue, self.pool.shape[1:]
         return np.stack([np.frombuffer(queue.read_buffer(self.pool.buffer, p * self._page_bytes, self._page_bytes),
-                                       np.float32).reshape(shape) for p in pages])
+                                       self.pool.dtype).reshape(shape) for p in pages])
 
     def write_pages(self, pages: list[int], data: np.ndarray) -> None:
         for p, page in zip(pages, data):
             self.runner.device.queue.write_buffer(self.pool.buffer, p * self._page_bytes,
-                                                  np.ascontiguousarray(page, np.float32))
+                                                  np.ascontiguousarray(page, self.pool.dtype))
 
     # -- calls ------------------------------------------------------------------------------------------------
     def forward(self, function: str, ids, positions, page_table, kv_lens, extra: tuple = ()):

@@ -27,7 +27,8 @@ def fast_exp(x):
     return y * pow2n
 
 
-def make_kv_append(kv_heads: int, head_dim: int, page_size: int, tokens: int | None = None):
+def make_kv_append(kv_heads: int, head_dim: int, page_size: int, tokens: int | None = None,
+                   kv_dtype: str = "float32"):
     """PrimFunc (pool, k [n, KVH, D], v [n, KVH, D], page_table, kv_lens, layer) writing the pool in place."""
     n = token_count(tokens)
     pages, layers, max_pages = T.int64(), T.int64(), T.int64()
@@ -36,7 +37,7 @@ def make_kv_append(kv_heads: int, head_dim: int, page_size: int, tokens: int | N
     def kv_append(var_pool: T.handle, var_k: T.handle, var_v: T.handle, var_pt: T.handle, var_lens: T.handle,
                   layer: T.int64):
         T.func_attr({"tirx.noalias": True, "op_pattern": 8})
-        pool = T.match_buffer(var_pool, (pages, 2, kv_heads, page_size, head_dim), "float32")
+        pool = T.match_buffer(var_pool, (pages, 2, kv_heads, page_size, head_dim), kv_dtype)
         k = T.match_buffer(var_k, (n, kv_heads, head_dim), "float32")
         v = T.match_buffer(var_v, (n, kv_heads, head_dim), "float32")
         page_table = T.match_buffer(var_pt, (layers, max_pages), "int32")
@@ -46,14 +47,14 @@ def make_kv_append(kv_heads: int, head_dim: int, page_size: int, tokens: int | N
             page = T.Cast("int64", page_table[layer, slot // page_size])
             for h in range(kv_heads):
                 for d in T.vectorized(head_dim):
-                    pool[page, 0, h, slot % page_size, d] = k[t, h, d]
-                    pool[page, 1, h, slot % page_size, d] = v[t, h, d]
+                    pool[page, 0, h, slot % page_size, d] = T.Cast(kv_dtype, k[t, h, d])
+                    pool[page, 1, h, slot % page_size, d] = T.Cast(kv_dtype, v[t, h, d])
 
     return kv_append
 
 
 def make_paged_attention(heads: int, kv_heads: int, head_dim: int, page_size: int, scale: float,
-                         tokens: int | None = None):
+                         tokens: int | None = None, kv_dtype: str = "float32"):
     """PrimFunc (q [n, H, D], pool, page_table, kv_lens, layer, out [n, H, D]): causal attention per query head."""
     n = token_count(tokens)
     pages, layers, max_pages = T.int64(), T.int64(), T.int64()
@@ -62,17 +63,17 @@ def make_paged_attention(heads: int, kv_heads: int, head_dim: int, page_size: in
 
     LANES = 8
     if head_dim % LANES:
-        return _paged_attention_scalar(heads, kv_heads, head_dim, page_size, scale, n, group, neg_inf)
+        return _paged_attention_scalar(heads, kv_heads, head_dim, page_size, scale, n, group, neg_inf, kv_dtype)
     DC = head_dim // LANES
     if tokens == 1:
-        return _paged_attention_decode(heads, kv_heads, head_dim, page_size, scale, group, neg_inf, LANES)
+        return _paged_attention_decode(heads, kv_heads, head_dim, page_size, scale, group, neg_inf, LANES, kv_dtype)
 
     @T.prim_func
     def paged_attention(var_q: T.handle, var_pool: T.handle, var_pt: T.handle, var_lens: T.handle,
                         layer: T.int64, var_out: T.handle):
         T.func_attr({"tirx.noalias": True, "op_pattern": 8})
         q = T.match_buffer(var_q, (n, heads, head_dim), "float32")
-        pool = T.match_buffer(var_pool, (pages, 2, kv_heads, page_size, head_dim), "float32")
+        pool = T.match_buffer(var_pool, (pages, 2, kv_heads, page_size, head_dim), kv_dtype)
         page_table = T.match_buffer(var_pt, (layers, max_pages), "int32")
         kv_lens = T.match_buffer(var_lens, (layers,), "int32")
         out = T.match_buffer(var_out, (n, heads, head_dim), "float32")
@@ -96,10 +97,10 @@ def make_paged_attention(heads: int, kv_heads: int, head_dim: int, page_size: in
                 # (their contents may be anything, but a select never propagates them).
                 for o in T.unroll(page_size):
                     for l in T.vectorized(LANES):
-                        dv[o, l] = q[t, h, l] * pool[page, 0, kvh, o, l]
+                        dv[o, l] = q[t, h, l] * T.Cast("float32", pool[page, 0, kvh, o, l])
                     for dc in T.unroll(DC - 1):
                         for l in T.vectorized(LANES):
-                            dv[o, l] = dv[o, l] + q[t, h, (dc + 1) * LANES + l] * pool[page, 0, kvh, o, (dc + 1) * LANES + l]
+                            dv[o, l] = dv[o, l] + q[t, h, (dc + 1) * LANES + l] * T.Cast("float32", pool[page, 0, kvh, o, (dc + 1) * LANES + l])
                 for o in T.unroll(page_size):
                     score[o] = T.if_then_else(
                         p * page_size + o < total,
@@ -118,7 +119,7 @@ def make_paged_attention(heads: int, kv_heads: int, head_dim: int, page_size: in
                     acc[d] = acc[d] * stats[4]
                 for o in range(T.min(T.Cast("int64", page_size), total - p * page_size)):
                     for d in T.vectorized(head_dim):
-                        acc[d] = acc[d] + score[o] * pool[page, 1, kvh, o, d]
+                        acc[d] = acc[d] + score[o] * T.Cast("float32", pool[page, 1, kvh, o, d])
                 stats[0] = stats[3]
             for d in T.vectorized(head_dim):
                 out[t, h, d] = acc[d] / stats[1]
@@ -126,7 +127,7 @@ def make_paged_attention(heads: int, kv_heads: int, head_dim: int, page_size: in
     return paged_attention
 
 
-def _paged_attention_decode(heads, kv_heads, head_dim, page_size, scale, group, neg_inf, LANES):
+def _paged_attention_decode(heads, kv_heads, head_dim, page_size, scale, group, neg_inf, LANES, kv_dtype):
     """One token: one task per (KV head, chunk of its query heads), so each K/V row is loaded once for the chunk.
     The chunk is the largest divisor of `group` whose accumulators stay under 1 KB (kept on the stack)."""
     pages, layers, max_pages = T.int64(), T.int64(), T.int64()
@@ -139,7 +140,7 @@ def _paged_attention_decode(heads, kv_heads, head_dim, page_size, scale, group, 
                         layer: T.int64, var_out: T.handle):
         T.func_attr({"tirx.noalias": True, "op_pattern": 8})
         q = T.match_buffer(var_q, (1, heads, head_dim), "float32")
-        pool = T.match_buffer(var_pool, (pages, 2, kv_heads, page_size, head_dim), "float32")
+        pool = T.match_buffer(var_pool, (pages, 2, kv_heads, page_size, head_dim), kv_dtype)
         page_table = T.match_buffer(var_pt, (layers, max_pages), "int32")
         kv_lens = T.match_buffer(var_lens, (layers,), "int32")
         out = T.match_buffer(var_out, (1, heads, head_dim), "float32")
@@ -164,11 +165,11 @@ def _paged_attention_decode(heads, kv_heads, head_dim, page_size, scale, group, 
                 for o in T.unroll(page_size):
                     for g in T.unroll(gs):
                         for l in T.vectorized(LANES):
-                            dv[g, l] = q[0, h0 + g, l] * pool[page, 0, kvh, o, l]
+                            dv[g, l] = q[0, h0 + g, l] * T.Cast("float32", pool[page, 0, kvh, o, l])
                         for dc in T.unroll(DC - 1):
                             for l in T.vectorized(LANES):
                                 dv[g, l] = dv[g, l] + q[0, h0 + g, (dc + 1) * LANES + l] \
-                                    * pool[page, 0, kvh, o, (dc + 1) * LANES + l]
+                                    * T.Cast("float32", pool[page, 0, kvh, o, (dc + 1) * LANES + l])
                         score[g, o] = T.if_then_else(
                             p * page_size + o < total,
                             (((dv[g, 0] + dv[g, 1]) + (dv[g, 2] + dv[g, 3]))
@@ -192,7 +193,7 @@ def _paged_attention_decode(heads, kv_heads, head_dim, page_size, scale, group, 
                 for o in range(T.min(T.Cast("int64", page_size), total - p * page_size)):
                     for g in T.unroll(gs):
                         for d in T.vectorized(head_dim):
-                            acc[g, d] = acc[g, d] + score[g, o] * pool[page, 1, kvh, o, d]
+                            acc[g, d] = acc[g, d] + score[g, o] * T.Cast("float32", pool[page, 1, kvh, o, d])
             for g in T.unroll(gs):
                 for d in T.vectorized(head_dim):
                     out[0, h0 + g, d] = acc[g, d] / stats[g, 1]
@@ -200,14 +201,14 @@ def _paged_attention_decode(heads, kv_heads, head_dim, page_size, scale, group, 
     return paged_attention
 
 
-def _paged_attention_scalar(heads, kv_heads, head_dim, page_size, scale, n, group, neg_inf):
+def _paged_attention_scalar(heads, kv_heads, head_dim, page_size, scale, n, group, neg_inf, kv_dtype):
     pages, layers, max_pages = T.int64(), T.int64(), T.int64()
     @T.prim_func
     def paged_attention(var_q: T.handle, var_pool: T.handle, var_pt: T.handle, var_lens: T.handle,
                         layer: T.int64, var_out: T.handle):
         T.func_attr({"tirx.noalias": True, "op_pattern": 8})
         q = T.match_buffer(var_q, (n, heads, head_dim), "float32")
-        pool = T.match_buffer(var_pool, (pages, 2, kv_heads, page_size, head_dim), "float32")
+        pool = T.match_buffer(var_pool, (pages, 2, kv_heads, page_size, head_dim), kv_dtype)
         page_table = T.match_buffer(var_pt, (layers, max_pages), "int32")
         kv_lens = T.match_buffer(var_lens, (layers,), "int32")
         out = T.match_buffer(var_out, (n, heads, head_dim), "float32")
@@ -232,7 +233,7 @@ def _paged_attention_scalar(heads, kv_heads, head_dim, page_size, scale, n, grou
                         dot = T.decl_buffer((1,), "float32", scope="global")
                         dot[0] = T.float32(0)
                         for d in range(head_dim):
-                            dot[0] = dot[0] + q[t, h, d] * pool[page, 0, kvh, o, d]
+                            dot[0] = dot[0] + q[t, h, d] * T.Cast("float32", pool[page, 0, kvh, o, d])
                         score[o] = dot[0] * T.float32(scale)
                         stats[2] = T.max(stats[2], score[o])
                 new_max = T.max(stats[0], stats[2])
@@ -246,7 +247,7 @@ def _paged_attention_scalar(heads, kv_heads, head_dim, page_size, scale, n, grou
                     acc[d] = acc[d] * correction
                 for o in range(T.min(T.Cast("int64", page_size), total - p * page_size)):
                     for d in T.vectorized(head_dim):
-                        acc[d] = acc[d] + score[o] * pool[page, 1, kvh, o, d]
+                        acc[d] = acc[d] + score[o] * T.Cast("float32", pool[page, 1, kvh, o, d])
                 stats[0] = new_max
             for d in T.vectorized(head_dim):
                 out[t, h, d] = acc[d] / stats[1]

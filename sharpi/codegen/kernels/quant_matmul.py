@@ -32,14 +32,26 @@ def dequant(qtype: str, qs, scale, row, b, e):
         u = (word >> T.Cast("uint32", (e % 4) * 8)) & T.uint32(255)
         byte = T.Cast("int32", u) - T.Cast("int32", u & T.uint32(128)) * 2
         return T.Cast("float32", byte) * scale(0, row, b)
-    nib = T.Cast("float32", (qs[row, b * 4 + e // 8] >> T.Cast("uint32", (e % 8) * 4)) & T.uint32(15))
+    low = (qs[row, b * 4 + e // 8] >> T.Cast("uint32", (e % 8) * 4)) & T.uint32(15)   # the low 4 bits, uint32
+    if qtype == "q6_k":
+        # high 2 bits from field 2 (elements 0-15) or 3 (16-31), scale from field 0 or 1: all unsigned until the
+        # 6-bit value is whole, then the offset in int32
+        first = e < 16
+        bits = T.Select(first, T.reinterpret("uint32", scale(2, row, b)), T.reinterpret("uint32", scale(3, row, b)))
+        hi = (bits >> T.Cast("uint32", (e % 16) * 2)) & T.uint32(3)
+        q = T.Cast("int32", low | (hi << T.uint32(4))) - 32
+        return T.Cast("float32", q) * T.Select(first, scale(0, row, b), scale(1, row, b))
+    nib = T.Cast("float32", low)
     if qtype == "q4_0":
         return (nib - T.float32(8)) * scale(0, row, b)
-    if qtype == "q4_1":
+    if qtype in ("q4_1", "q4_k"):   # q4_k's per-32 d and m are expanded at repack (m = -dmin * min)
         return nib * scale(0, row, b) + scale(1, row, b)
     if qtype == "q5_0":
         hi = T.Cast("float32", (T.reinterpret("uint32", scale(1, row, b)) >> T.Cast("uint32", e)) & T.uint32(1))
         return (nib + hi * T.float32(16) - T.float32(16)) * scale(0, row, b)
+    if qtype in ("q5_1", "q5_k"):
+        hi = T.Cast("float32", (T.reinterpret("uint32", scale(2, row, b)) >> T.Cast("uint32", e)) & T.uint32(1))
+        return (nib + hi * T.float32(16)) * scale(0, row, b) + scale(1, row, b)
     raise AssertionError(qtype)
 
 

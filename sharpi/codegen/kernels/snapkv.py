@@ -22,7 +22,8 @@ POOL_NONE, POOL_MAX, POOL_AVG = 0, 1, 2
 P_TOTAL, P_BUDGET, P_RECENCY, P_KERNEL, P_POOLING, P_SHARED = range(6)
 
 
-def make_snapkv_score(heads: int, kv_heads: int, head_dim: int, page_size: int, max_pages: int, scale: float):
+def make_snapkv_score(heads: int, kv_heads: int, head_dim: int, page_size: int, max_pages: int, scale: float,
+                      kv_dtype: str = "float32"):
     """PrimFunc (q [n, H, D], pool, page_table, kv_lens, layer, window [1] int32, out [KVH, max_pages*page])."""
     n = token_count(None)
     pages, layers = T.int64(), T.int64()
@@ -35,7 +36,7 @@ def make_snapkv_score(heads: int, kv_heads: int, head_dim: int, page_size: int, 
                      var_window: T.handle, var_out: T.handle):
         T.func_attr({"tirx.noalias": True, "op_pattern": 8})
         q = T.match_buffer(var_q, (n, heads, head_dim), "float32")
-        pool = T.match_buffer(var_pool, (pages, 2, kv_heads, page_size, head_dim), "float32")
+        pool = T.match_buffer(var_pool, (pages, 2, kv_heads, page_size, head_dim), kv_dtype)
         page_table = T.match_buffer(var_pt, (layers, max_pages), "int32")
         kv_lens = T.match_buffer(var_lens, (layers,), "int32")
         window = T.match_buffer(var_window, (1,), "int32")
@@ -53,16 +54,16 @@ def make_snapkv_score(heads: int, kv_heads: int, head_dim: int, page_size: int, 
                     for s in range(T.Cast("int64", kv_lens[layer]) + t + 1):
                         st[3] = T.float32(0)
                         for d in range(head_dim):
-                            st[3] = st[3] + q[t, h, d] * pool[T.Cast("int64", page_table[layer, s // page_size]),
-                                                              0, kvh, s % page_size, d]
+                            st[3] = st[3] + q[t, h, d] * T.Cast("float32", pool[T.Cast("int64", page_table[layer, s // page_size]),
+                                                              0, kvh, s % page_size, d])
                         st[2] = st[3] * T.float32(scale)
                         st[1] = st[1] * T.exp(st[0] - T.max(st[0], st[2])) + T.exp(st[2] - T.max(st[0], st[2]))
                         st[0] = T.max(st[0], st[2])
                     for s in range(T.Cast("int64", kv_lens[layer]) + t + 1):
                         st[3] = T.float32(0)
                         for d in range(head_dim):
-                            st[3] = st[3] + q[t, h, d] * pool[T.Cast("int64", page_table[layer, s // page_size]),
-                                                              0, kvh, s % page_size, d]
+                            st[3] = st[3] + q[t, h, d] * T.Cast("float32", pool[T.Cast("int64", page_table[layer, s // page_size]),
+                                                              0, kvh, s % page_size, d])
                         out[kvh, s] = out[kvh, s] + T.exp(st[3] * T.float32(scale) - st[0]) / st[1] / T.float32(group)
 
     return snapkv_score
@@ -145,7 +146,8 @@ def make_snapkv_select(layers: int, kv_heads: int, slots: int):
     return snapkv_select
 
 
-def make_kv_compact(layers: int, kv_heads: int, head_dim: int, page_size: int, max_pages: int):
+def make_kv_compact(layers: int, kv_heads: int, head_dim: int, page_size: int, max_pages: int,
+                    kv_dtype: str = "float32"):
     """PrimFunc (pool, page_table, keep [L, KVH, S] int32, count [1] int32) gathering kept slots, in place."""
     pages = T.int64()
     slots = max_pages * page_size
@@ -154,7 +156,7 @@ def make_kv_compact(layers: int, kv_heads: int, head_dim: int, page_size: int, m
     def kv_compact(var_pool: T.handle, page_table: T.Buffer((layers, max_pages), "int32"),
                    keep: T.Buffer((layers, kv_heads, slots), "int32"), count: T.Buffer((1,), "int32")):
         T.func_attr({"tirx.noalias": True, "op_pattern": 8})
-        pool = T.match_buffer(var_pool, (pages, 2, kv_heads, page_size, head_dim), "float32")
+        pool = T.match_buffer(var_pool, (pages, 2, kv_heads, page_size, head_dim), kv_dtype)
         for lh in T.parallel(layers * kv_heads):
             l = T.meta_var(lh // kv_heads)
             h = T.meta_var(lh % kv_heads)

@@ -49,7 +49,8 @@ def _threads(head_dim: int) -> tuple[int, int]:
     return tx, (head_dim + tx - 1) // tx
 
 
-def make_gpu_kv_append(kv_heads: int, head_dim: int, page_size: int, tokens: int | None = None) -> tirx.PrimFunc:
+def make_gpu_kv_append(kv_heads: int, head_dim: int, page_size: int, tokens: int | None = None,
+                       kv_dtype: str = "float32") -> tirx.PrimFunc:
     """PrimFunc (pool, k [n, KVH, D], v [n, KVH, D], page_table, kv_lens, layer) writing the pool in place."""
     n = token_count(tokens)
     pages, layers, max_pages = _pool_vars()
@@ -59,7 +60,7 @@ def make_gpu_kv_append(kv_heads: int, head_dim: int, page_size: int, tokens: int
     def gpu_kv_append(var_pool: T.handle, var_k: T.handle, var_v: T.handle, var_pt: T.handle, var_lens: T.handle,
                       layer: T.int64):
         T.func_attr(ATTRS)
-        pool = T.match_buffer(var_pool, (pages, 2, kv_heads, page_size, head_dim), "float32")
+        pool = T.match_buffer(var_pool, (pages, 2, kv_heads, page_size, head_dim), kv_dtype)
         k = T.match_buffer(var_k, (n, kv_heads, head_dim), "float32")
         v = T.match_buffer(var_v, (n, kv_heads, head_dim), "float32")
         page_table = T.match_buffer(var_pt, (layers, max_pages), "int32")
@@ -72,14 +73,14 @@ def make_gpu_kv_append(kv_heads: int, head_dim: int, page_size: int, tokens: int
                 page = T.meta_var(T.Cast("int64", page_table[layer, slot // page_size]))
                 for c in T.unroll(DPT):
                     if c * TX + tx < head_dim:
-                        pool[page, 0, h, slot % page_size, c * TX + tx] = k[t, h, c * TX + tx]
-                        pool[page, 1, h, slot % page_size, c * TX + tx] = v[t, h, c * TX + tx]
+                        pool[page, 0, h, slot % page_size, c * TX + tx] = T.Cast(kv_dtype, k[t, h, c * TX + tx])
+                        pool[page, 1, h, slot % page_size, c * TX + tx] = T.Cast(kv_dtype, v[t, h, c * TX + tx])
 
     return _named(gpu_kv_append, f"gpu_kv_append_{kv_heads}_{head_dim}_{page_size}", tokens)
 
 
 def make_gpu_paged_attention(heads: int, kv_heads: int, head_dim: int, page_size: int, scale: float,
-                             tokens: int | None = None) -> tirx.PrimFunc:
+                             tokens: int | None = None, kv_dtype: str = "float32") -> tirx.PrimFunc:
     """PrimFunc (q [n, H, D], pool, page_table, kv_lens, layer, out [n, H, D]): causal attention per query head.
     Workgroup memory: (D + 3 * TX) * 4 bytes, at most 4 KiB for D <= 256."""
     n = token_count(tokens)
@@ -92,7 +93,7 @@ def make_gpu_paged_attention(heads: int, kv_heads: int, head_dim: int, page_size
                             layer: T.int64, var_out: T.handle):
         T.func_attr(ATTRS)
         q = T.match_buffer(var_q, (n, heads, head_dim), "float32")
-        pool = T.match_buffer(var_pool, (pages, 2, kv_heads, page_size, head_dim), "float32")
+        pool = T.match_buffer(var_pool, (pages, 2, kv_heads, page_size, head_dim), kv_dtype)
         page_table = T.match_buffer(var_pt, (layers, max_pages), "int32")
         kv_lens = T.match_buffer(var_lens, (layers,), "int32")
         out = T.match_buffer(var_out, (n, heads, head_dim), "float32")
@@ -125,8 +126,8 @@ def make_gpu_paged_attention(heads: int, kv_heads: int, head_dim: int, page_size
                         page_sh[tx] = page_table[layer, (tile * TX + tx) // page_size]
                         dot[0] = T.float32(0)
                         for d in range(head_dim):
-                            dot[0] = dot[0] + q_sh[d] * pool[T.Cast("int64", page_sh[tx]), 0, kvh,
-                                                              (tile * TX + tx) % page_size, d]
+                            dot[0] = dot[0] + q_sh[d] * T.Cast("float32", pool[T.Cast("int64", page_sh[tx]), 0, kvh,
+                                                              (tile * TX + tx) % page_size, d])
                         score[tx] = dot[0]
                     else:
                         score[tx] = T.float32(NEG_INF)
@@ -147,8 +148,8 @@ def make_gpu_paged_attention(heads: int, kv_heads: int, head_dim: int, page_size
                         st[1] = st[1] + prob[j]
                         for c in T.unroll(DPT):
                             if c * TX + tx < head_dim:
-                                acc[c] = acc[c] + prob[j] * pool[T.Cast("int64", page_sh[j]), 1, kvh,
-                                                                 (tile * TX + j) % page_size, c * TX + tx]
+                                acc[c] = acc[c] + prob[j] * T.Cast("float32", pool[T.Cast("int64", page_sh[j]), 1, kvh,
+                                                                 (tile * TX + j) % page_size, c * TX + tx])
                     # the next tile overwrites score, prob and page_sh
                     T.tvm_storage_sync("shared")
                 for c in T.unroll(DPT):

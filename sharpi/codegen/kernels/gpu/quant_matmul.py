@@ -11,11 +11,11 @@ from ..quant_matmul import dense_value, dequant
 
 # Layouts this kernel builds for. bf16 needs its uint16 words packed in pairs first (WGSL has no 16-bit integer
 # storage types).
-GPU_LAYOUTS = ("q4_0", "q4_1", "q5_0", "q8_0", "f32", "f16")
+GPU_LAYOUTS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k", "f32", "f16")
 
 
 def make_gpu_matmul(qtype: str, n_out: int, k_in: int, tokens: int | None = None) -> tirx.PrimFunc:
-    """PrimFunc (x [n, K] f32, qs, scale field 0[, field 1] ([N, K/32] each), y [n, N] f32) for quantized types,
+    """PrimFunc (x [n, K] f32, qs, scale fields 0..S-1 ([N, K/32] each), y [n, N] f32) for quantized types,
     (x, w, y) for dense ones; unscheduled (dlight schedules it). The fields are the planes of the layout's
     [S, N, K/32] scale buffer, passed as zero-copy views."""
     if qtype not in GPU_LAYOUTS:

@@ -78,7 +78,7 @@ def _inclusive_scan(a, b, tmp, tx):
 
 # -- score ----------------------------------------------------------------------------------------------------
 def make_gpu_snapkv_row_stats(heads: int, kv_heads: int, head_dim: int, page_size: int, max_pages: int,
-                              scale: float):
+                              scale: float, kv_dtype: str = "float32"):
     """PrimFunc (q [n, H, D], pool, page_table, kv_lens, layer, window [1] int32, stats [n, H, 2] f32).
 
     stats[t, h] = (max logit, sum of exp(logit - max)) over the slots query t sees, for the last
@@ -92,7 +92,7 @@ def make_gpu_snapkv_row_stats(heads: int, kv_heads: int, head_dim: int, page_siz
                          layer: T.int64, var_window: T.handle, var_stats: T.handle):
         T.func_attr(ATTRS)
         q = T.match_buffer(var_q, (n, heads, head_dim), "float32")
-        pool = T.match_buffer(var_pool, (pages, 2, kv_heads, page_size, head_dim), "float32")
+        pool = T.match_buffer(var_pool, (pages, 2, kv_heads, page_size, head_dim), kv_dtype)
         page_table = T.match_buffer(var_pt, (layers, max_pages), "int32")
         kv_lens = T.match_buffer(var_lens, (layers,), "int32")
         window = T.match_buffer(var_window, (1,), "int32")
@@ -114,8 +114,8 @@ def make_gpu_snapkv_row_stats(heads: int, kv_heads: int, head_dim: int, page_siz
                             s = T.meta_var(i * THREADS + tx)
                             st[3] = T.float32(0)
                             for d in range(head_dim):
-                                st[3] = st[3] + q[t, h, d] * pool[T.Cast("int64", page_table[layer, s // page_size]),
-                                                                  0, h // group, s % page_size, d]
+                                st[3] = st[3] + q[t, h, d] * T.Cast("float32", pool[T.Cast("int64", page_table[layer, s // page_size]),
+                                                                  0, h // group, s % page_size, d])
                             st[2] = st[3] * T.float32(scale)
                             st[1] = st[1] * T.exp(st[0] - T.max(st[0], st[2])) + T.exp(st[2] - T.max(st[0], st[2]))
                             st[0] = T.max(st[0], st[2])
@@ -135,7 +135,8 @@ def make_gpu_snapkv_row_stats(heads: int, kv_heads: int, head_dim: int, page_siz
     return snapkv_row_stats
 
 
-def make_gpu_snapkv_score(heads: int, kv_heads: int, head_dim: int, page_size: int, max_pages: int, scale: float):
+def make_gpu_snapkv_score(heads: int, kv_heads: int, head_dim: int, page_size: int, max_pages: int, scale: float,
+                          kv_dtype: str = "float32"):
     """PrimFunc (q [n, H, D], pool, page_table, kv_lens, layer, window [1] int32, stats [n, H, 2],
     out [KVH, max_pages*page]); stats from make_gpu_snapkv_row_stats. One thread per (KV head, slot)."""
     n = token_count(None)
@@ -149,7 +150,7 @@ def make_gpu_snapkv_score(heads: int, kv_heads: int, head_dim: int, page_size: i
                          layer: T.int64, var_window: T.handle, var_stats: T.handle, var_out: T.handle):
         T.func_attr(ATTRS)
         q = T.match_buffer(var_q, (n, heads, head_dim), "float32")
-        pool = T.match_buffer(var_pool, (pages, 2, kv_heads, page_size, head_dim), "float32")
+        pool = T.match_buffer(var_pool, (pages, 2, kv_heads, page_size, head_dim), kv_dtype)
         page_table = T.match_buffer(var_pt, (layers, max_pages), "int32")
         kv_lens = T.match_buffer(var_lens, (layers,), "int32")
         window = T.match_buffer(var_window, (1,), "int32")
@@ -170,9 +171,9 @@ def make_gpu_snapkv_score(heads: int, kv_heads: int, head_dim: int, page_size: i
                             for g in range(group):
                                 acc[1] = T.float32(0)
                                 for d in range(head_dim):
-                                    acc[1] = acc[1] + q[t, kvh * group + g, d] * pool[
+                                    acc[1] = acc[1] + q[t, kvh * group + g, d] * T.Cast("float32", pool[
                                         T.Cast("int64", page_table[layer, s // page_size]), 0, kvh,
-                                        s % page_size, d]
+                                        s % page_size, d])
                                 acc[0] = acc[0] + T.exp(acc[1] * T.float32(scale) - stats[t, kvh * group + g, 0]) \
                                     / stats[t, kvh * group + g, 1] / T.float32(group)
                     out[kvh, s] = acc[0]
@@ -298,7 +299,8 @@ def make_gpu_snapkv_select(layers: int, kv_heads: int, slots: int):
 
 
 # -- compact --------------------------------------------------------------------------------------------------
-def make_gpu_kv_compact(layers: int, kv_heads: int, head_dim: int, page_size: int, max_pages: int):
+def make_gpu_kv_compact(layers: int, kv_heads: int, head_dim: int, page_size: int, max_pages: int,
+                        kv_dtype: str = "float32"):
     """PrimFunc (pool, page_table [L, max_pages], keep [L, KVH, S] int32, count [1] int32), pool written in place:
     slot keep[l, h, i] -> slot i for i < count[0]. One thread per (layer, KV head, K/V, d), i in order."""
     pages = T.int64()
@@ -310,7 +312,7 @@ def make_gpu_kv_compact(layers: int, kv_heads: int, head_dim: int, page_size: in
     def kv_compact_gpu(var_pool: T.handle, page_table: T.Buffer((layers, max_pages), "int32"),
                        keep: T.Buffer((layers, kv_heads, slots), "int32"), count: T.Buffer((1,), "int32")):
         T.func_attr(ATTRS)
-        pool = T.match_buffer(var_pool, (pages, 2, kv_heads, page_size, head_dim), "float32")
+        pool = T.match_buffer(var_pool, (pages, 2, kv_heads, page_size, head_dim), kv_dtype)
         for b in T.thread_binding(blocks, thread="blockIdx.x"):
             for tx in T.thread_binding(COMPACT_THREADS, thread="threadIdx.x"):
                 lane = T.meta_var(b * COMPACT_THREADS + tx)    # d fastest: neighbouring threads, neighbouring floats
