@@ -45,7 +45,7 @@ def _layer():
 
 # -- KV append + paged attention ---------------------------------------------------------------------------------
 
-def _attention_module(head_dim, pages, max_pages):
+def _attention_module(head_dim, pages, max_pages, window=0):
     """Relax functions append_{prefill,decode}(pool, k, v, page_table, kv_lens) -> pool (written in place) and
     attend_{prefill,decode}(q, pool, page_table, kv_lens) -> out; prefill has a symbolic token count."""
     bb = relax.BlockBuilder()
@@ -54,8 +54,8 @@ def _attention_module(head_dim, pages, max_pages):
     for name, tokens in (("prefill", None), ("decode", 1)):
         n = tvm.tirx.Var("n", "int64") if tokens is None else tokens
         append = bb.add_func(make_gpu_kv_append(KV_HEADS, head_dim, PAGE, tokens), f"kv_append_{name}")
-        attend = bb.add_func(make_gpu_paged_attention(HEADS, KV_HEADS, head_dim, PAGE, scale, tokens),
-                             f"attention_{name}")
+        attend = bb.add_func(make_gpu_paged_attention(HEADS, KV_HEADS, head_dim, PAGE, scale, tokens,
+                                                      window=window), f"attention_{name}")
         def cache_vars():
             return (relax.Var("pool", pool_ty), relax.Var("page_table", _tensor((LAYERS, max_pages), "int32")),
                     relax.Var("kv_lens", _tensor((LAYERS,), "int32")))
@@ -139,6 +139,24 @@ def test_kv_append_writes_the_new_slots(attention, rng):
     np.testing.assert_array_equal(got, _scatter(pool, table, lens[LAYER], k, v))
 
 
+def test_sliding_window_attention_on_vulkan(tmp_path, rng):
+    """A window of 37 slots (tiles of 64 and pages of 16 straddle it): queries ignore older slots, tiles wholly
+    before the window are skipped."""
+    from test_kernels import _attention_reference as windowed_reference
+    head_dim, pages, max_pages, window = 64, 17, 13, 37
+    runner = _plan_runner(_attention_module(head_dim, pages, max_pages, window), tmp_path)
+    for function, held, new in (("prefill", 0, 45), ("prefill", 150, 20), ("decode", 130, 1), ("decode", 10, 1)):
+        table = _page_table(rng, max_pages, pages)
+        lens = np.zeros(LAYERS, np.int32)
+        lens[LAYER] = held
+        k_all, v_all = rng.standard_normal((2, held + new, KV_HEADS, head_dim)).astype(np.float32)
+        pool = _scatter(np.zeros((pages, 2, KV_HEADS, PAGE, head_dim), np.float32), table, 0, k_all, v_all)
+        q = rng.standard_normal((new, HEADS, head_dim)).astype(np.float32)
+        out = runner.run(f"attend_{function}", q, pool, table, lens)
+        np.testing.assert_allclose(out, windowed_reference(q, k_all, v_all, held, window), rtol=1e-4, atol=2e-5,
+                                   err_msg=f"{function} held={held} new={new}")
+
+
 def test_attention_workgroups_fit_webgpu_limits():
     for head_dim in (64, 128, 320):
         plan = build_plan(_attention_module(head_dim, 4, 4))
@@ -148,11 +166,11 @@ def test_attention_workgroups_fit_webgpu_limits():
 
 # -- RoPE --------------------------------------------------------------------------------------------------------
 
-def _rope_module(heads, head_dim, theta):
+def _rope_module(heads, head_dim, theta, layout="norm"):
     bb = relax.BlockBuilder()
     for name, tokens in (("prefill", None), ("decode", 1)):
         n = tvm.tirx.Var("n", "int64") if tokens is None else tokens
-        gv = bb.add_func(make_gpu_rope(heads, head_dim, theta, tokens=tokens), f"rope_{name}")
+        gv = bb.add_func(make_gpu_rope(heads, head_dim, theta, layout=layout, tokens=tokens), f"rope_{name}")
         x = relax.Var("x", _tensor((n, heads, head_dim)))
         pos = relax.Var("pos", _tensor((n,), "int32"))
         with bb.function(name, [x, pos]):
@@ -173,6 +191,14 @@ def test_gpu_rope_on_vulkan(heads, head_dim, theta, tmp_path, rng):
         x = rng.standard_normal((len(pos), heads, head_dim)).astype(np.float32)
         got = runner.run(function, x, pos)
         np.testing.assert_allclose(got, rope_adjacent(x, pos, theta), rtol=0, atol=1e-4)
+
+
+def test_gpu_rope_neox_on_vulkan(tmp_path, rng):
+    from test_kernels import rope_halves
+    runner = _plan_runner(_rope_module(4, 256, 1e6, layout="neox"), tmp_path)
+    pos = np.array([0, 1, 511, 512, 8191], np.int32)
+    x = rng.standard_normal((len(pos), 4, 256)).astype(np.float32)
+    np.testing.assert_allclose(runner.run("prefill", x, pos), rope_halves(x, pos, 1e6), rtol=0, atol=1e-4)
 
 
 def test_rope_fixed_point_angles_stay_accurate_deep_in_context():

@@ -90,25 +90,50 @@ def test_rope_at_arbitrary_positions(rng):
     np.testing.assert_allclose(y.numpy(), rope_adjacent(x, pos, 10000.0), rtol=1e-5, atol=1e-5)
 
 
-def _attention_reference(q, k_all, v_all, held):
-    """Causal GQA attention: query t sees the `held` old slots and the new ones up to itself."""
+def rope_halves(x, pos, theta):
+    """NEOX RoPE in float64 numpy: pair i rotates elements i and i + D/2."""
+    half = x.shape[-1] // 2
+    angle = pos[:, None].astype(np.float64) * theta ** (-np.arange(half) * 2 / x.shape[-1])
+    c, s = np.cos(angle)[:, None, :], np.sin(angle)[:, None, :]
+    a, b = x[..., :half].astype(np.float64), x[..., half:].astype(np.float64)
+    return np.concatenate([a * c - b * s, a * s + b * c], axis=-1).astype(np.float32)
+
+
+def test_rope_neox_layout(rng):
+    x = rng.standard_normal((5, 2, 24)).astype(np.float32)
+    pos = np.array([0, 3, 511, 512, 20000], np.int32)
+    y = _t(np.zeros_like(x))
+    _build(make_rope(2, 24, 1e6, layout="neox"))(_t(x), _t(pos), y)
+    np.testing.assert_allclose(y.numpy(), rope_halves(x, pos, 1e6), rtol=1e-5, atol=1e-5)
+    with pytest.raises(NotImplementedError):
+        make_rope(2, 24, 1e6, layout="glm")
+
+
+def _attention_reference(q, k_all, v_all, held, window=0):
+    """Causal GQA attention: query t sees the `held` old slots and the new ones up to itself (with a window,
+    only the last `window` of them)."""
     n, heads, d = q.shape
     rep = heads // k_all.shape[1]
     k, v = np.repeat(k_all, rep, 1), np.repeat(v_all, rep, 1)
     s = np.einsum("thd,shd->hts", q, k) / np.sqrt(d)
-    visible = np.arange(len(k_all))[None, :] <= (held + np.arange(n))[:, None]
+    last = (held + np.arange(n))[:, None]
+    visible = np.arange(len(k_all))[None, :] <= last
+    if window:
+        visible &= np.arange(len(k_all))[None, :] > last - window
     s = np.where(visible[None], s, -np.inf)
     p = np.exp(s - s.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
     return np.einsum("hts,shd->thd", p, v)
 
 
-@pytest.mark.parametrize("held,new,static", [(0, 1, False), (0, 23, False), (15, 1, True), (16, 1, True),
-                                             (21, 17, False)])
-def test_paged_attention_and_append(held, new, static, rng):
+@pytest.mark.parametrize("held,new,static,window", [(0, 1, False, 0), (0, 23, False, 0), (15, 1, True, 0),
+                                                    (16, 1, True, 0), (21, 17, False, 0), (40, 1, True, 19),
+                                                    (30, 17, False, 19), (0, 23, False, 5), (9, 1, False, 64)])
+def test_paged_attention_and_append(held, new, static, window, rng):
     heads, kv_heads, d, page, layers, layer = 6, 2, 32, 16, 3, 1
     append = _build(make_kv_append(kv_heads, d, page, new if static else None))
-    attend = _build(make_paged_attention(heads, kv_heads, d, page, d ** -0.5, new if static else None))
+    attend = _build(make_paged_attention(heads, kv_heads, d, page, d ** -0.5, new if static else None,
+                                         window=window))
     pool = _t(np.zeros((12, 2, kv_heads, page, d), np.float32))
     table = np.zeros((layers, 4), np.int32)
     table[layer] = [7, 3, 11, 0]                        # pages out of order, as a pool hands them out
@@ -122,7 +147,8 @@ def test_paged_attention_and_append(held, new, static, rng):
     q = rng.standard_normal((new, heads, d)).astype(np.float32)
     out = _t(np.zeros((new, heads, d), np.float32))
     attend(_t(q), pool, _t(table), _t(lens), layer, out)
-    np.testing.assert_allclose(out.numpy(), _attention_reference(q, k_all, v_all, held), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(out.numpy(), _attention_reference(q, k_all, v_all, held, window), rtol=1e-4,
+                               atol=1e-5)
 
 
 def test_rms_norm_as_lowered_for_llvm(rng):

@@ -182,15 +182,16 @@ class KernelAttacher(relax.PyExprMutator):
         return relax.call_tir_inplace(gv, [pool, k, v, page_table, kv_lens, layer], [0], ty)
 
     def _attention(self, args, ty):
-        q, pool, page_table, kv_lens, layer, scale = args
+        q, pool, page_table, kv_lens, layer, scale, window = args
         tokens = _static_int(ty.shape[0])
+        window = int(_prim_constant(window))
         cfg = self.cfg
         scale = _prim_constant(scale)
         make = gpu_attention.make_gpu_paged_attention if self.gpu else make_paged_attention
         kv = _kv_dtype(pool)
-        gv = self.kernel(("paged_attention", tokens, _kv_key(kv)),
+        gv = self.kernel(("paged_attention", tokens, _kv_key(kv), f"w{window}" if window else None),
                          lambda: make(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, ops.PAGE_SIZE, scale, tokens,
-                                      kv_dtype=kv))
+                                      kv_dtype=kv, window=window))
         return relax.call_tir(gv, [q, pool, page_table, kv_lens, layer], ty)
 
 

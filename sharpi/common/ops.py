@@ -12,7 +12,8 @@ DEQUANTIZE = "sharpi.dequantize."
 ROPE = "sharpi.rope."
 # sharpi.kv_append(pool, k [n, KVH, D], v [n, KVH, D], page_table [L, MP], kv_lens [L], layer: i64) -> pool
 KV_APPEND = "sharpi.kv_append"
-# sharpi.paged_attention(q [n, H, D], pool, page_table, kv_lens, layer: i64, scale: f32) -> [n, H, D]
+# sharpi.paged_attention(q [n, H, D], pool, page_table, kv_lens, layer: i64, scale: f32, window: i64) -> [n, H, D]
+#   window > 0: a sliding window, query t sees only the last `window` of its slots (0: all of them)
 PAGED_ATTENTION = "sharpi.paged_attention"
 
 PAGE_SIZE = 16

@@ -109,7 +109,9 @@ class LlamaBuilder:
         pool = bb.emit(relax.call_dps_packed(ops.KV_APPEND, [pool, k, v, page_table, kv_lens, layer],
                                              pool.ty))
         scale = relax.prim_value(tvm.tirx.FloatImm("float32", 1.0 / math.sqrt(cfg.head_dim)))
-        attn = bb.emit(relax.call_dps_packed(ops.PAGED_ATTENTION, [q, pool, page_table, kv_lens, layer, scale],
+        no_window = relax.prim_value(tvm.tirx.IntImm("int64", 0))
+        attn = bb.emit(relax.call_dps_packed(ops.PAGED_ATTENTION, [q, pool, page_table, kv_lens, layer, scale,
+                                                                   no_window],
                                              tensor_type((n, cfg.n_heads, cfg.head_dim), "float32")))
         attn = bb.emit(R.reshape(attn, (n, cfg.q_dim)))
         x = bb.emit(R.add(x, self._linear(attn, p + "attn_output.weight")))

@@ -46,7 +46,7 @@ class _InsertScores(relax.PyExprMutator):
             self._emit_score(value)
 
     def _emit_score(self, attention) -> None:
-        q, pool, page_table, kv_lens, layer, scale = attention.args[1].fields
+        q, pool, page_table, kv_lens, layer, scale, _ = attention.args[1].fields
         kv_heads = pool.ty.shape[2]
         slots = page_table.ty.shape[1] * pool.ty.shape[3]
         score = relax.call_dps_packed(ops.SNAPKV_SCORE, [q, pool, page_table, kv_lens, layer, self.window, scale],

@@ -1,7 +1,9 @@
-"""The exact float32 numpy forward pass for the llama family: an independent reference for sharpi's kernels.
+"""The exact float32 numpy forward pass for the llama family and gemma3: an independent reference for sharpi's kernels.
 
 Weights come from `gguf.quants.dequantize` (not from sharpi's repacking), attention is materialized in full,
-so nothing here shares code with the compiled path except the GGUF reader.
+so nothing here shares code with the compiled path except the GGUF reader. The architecture is the GGUF's
+`general.architecture`: "gemma3" gets the Gemma 3 graph (see `_gemma3_config`), anything else goes through
+`config_from_gguf` and the llama graph.
 """
 from __future__ import annotations
 
@@ -10,50 +12,92 @@ from pathlib import Path
 import numpy as np
 
 from ..common.config import ModelConfig
+from ..common.errors import GGUFError
 from ..frontend.config import config_from_gguf
 from ..frontend.gguf_file import GGUFFile
 
+# Gemma 3 constants that llama.cpp hard-codes rather than reads from the GGUF (llama-model.cpp, LLM_ARCH_GEMMA3):
+GEMMA3_SWA_PATTERN = 6              # layers with index % 6 == 5 are global, the others sliding-window (local)
+GEMMA3_LOCAL_ROPE_BASE = 10000.0    # local layers' RoPE base; global layers use {arch}.rope.freq_base
+
 
 class NumpyReference:
+    """Exact float32 forward pass. For gemma3, `sliding_window` (from the GGUF) may be reassigned on an instance,
+    e.g. to a tiny value in a test: a query of a local layer at position p sees keys p - sliding_window + 1 .. p."""
+
     def __init__(self, gguf_path: str | Path):
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
         gguf = GGUFFile(gguf_path)
-        self.config: ModelConfig = config_from_gguf(gguf)
-        self.weights = {}
-        for name, t in gguf.tensors.items():
-            w = np.asarray(dequantize(t.data, GGMLQuantizationType(t.type_id)), dtype=np.float32)
-            self.weights[name] = w.reshape(t.shape)
+        self.arch = gguf.architecture
+        if self.arch == "gemma3":
+            self.config: ModelConfig = _gemma3_config(gguf)
+            md = gguf.metadata
+            self.sliding_window = int(gguf.require("gemma3.attention.sliding_window"))
+            self.local_rope_theta = GEMMA3_LOCAL_ROPE_BASE
+            self.embed_scale = np.float32(np.sqrt(np.float32(self.config.dim)))
+            # llama.cpp's f_attention_scale: 1/sqrt(head_dim), except Gemma 3 27B (62 layers): 1/sqrt(dim/heads).
+            cfg = self.config
+            self.attn_scale = (cfg.dim / cfg.n_heads if cfg.n_layers == 62 else cfg.head_dim) ** -0.5
+            # Linear RoPE scaling (the larger Gemma 3 models) applies to the global layers only; none on 270M.
+            factor = md.get("gemma3.rope.scaling.factor")
+            linear = md.get("gemma3.rope.scaling.type", "linear" if factor else "none") == "linear"
+            self.global_pos_scale = 1.0 / float(factor) if (factor and linear) else 1.0
+        else:
+            self.config = config_from_gguf(gguf)
+        self.weights = {name: _dequantize(t, GGMLQuantizationType(t.type_id), dequantize)
+                        for name, t in gguf.tensors.items()}
+
+    @property
+    def is_gemma3(self) -> bool:
+        return self.arch == "gemma3"
+
+    def is_local(self, l: int) -> bool:
+        """Whether layer l uses sliding-window attention (gemma3's local layers; never for llama)."""
+        return self.is_gemma3 and l % GEMMA3_SWA_PATTERN != GEMMA3_SWA_PATTERN - 1
 
     def forward(self, ids, positions=None, capture: list | None = None) -> np.ndarray:
-        """Logits [len(ids), vocab] for a fresh sequence (causal attention over ids).
+        """Logits [len(ids), vocab] for a fresh sequence (causal attention over ids; for gemma3's local layers
+        also within the sliding window).
 
-        With `capture` (a list), each layer's post-RoPE (q [T, H, D], k [T, KVH, D], v [T, KVH, D]) is appended."""
+        With `capture` (a list), each layer's post-RoPE (q [T, H, D], k [T, KVH, D], v [T, KVH, D]) is appended
+        (for gemma3: after the per-head q/k norms, before any query scaling)."""
         cfg = self.config
         ids = np.asarray(ids, dtype=np.int64)
         T = len(ids)
         pos = np.arange(T) if positions is None else np.asarray(positions)
-        x = self.weights["token_embd.weight"][ids]
+        x = self._embed(ids)
         visible = np.tril(np.ones((T, T), dtype=bool))
+        masks = {}
         for l in range(cfg.n_layers):
             q, k, v = self._qkv(l, x, pos)
             if capture is not None:
                 capture.append((q, k, v))
-            x = self._finish_layer(l, x, _attention(q, k, v, visible))
+            local = self.is_local(l)
+            if local not in masks:
+                masks[local] = visible & self._window(l, pos, pos)
+            x = self._finish_layer(l, x, _attention(q, k, v, masks[local], self._scale()))
         return self._logits(x)
+
+    def attend(self, l: int, q, k, v, q_pos, k_pos) -> np.ndarray:
+        """Layer l's attention of q [T, H, D] at q_pos over k/v [S, KVH, D] at k_pos, with its causal and (for
+        a local gemma3 layer) sliding-window masks -> [T, H, D]."""
+        q_pos, k_pos = np.asarray(q_pos), np.asarray(k_pos)
+        visible = (k_pos[None, :] <= q_pos[:, None]) & self._window(l, q_pos, k_pos)
+        return _attention(q, k, v, visible, self._scale())
 
     def decode_after_compaction(self, prompt_ids, kept_positions: list[np.ndarray], token: int,
                                 position: int | None = None) -> np.ndarray:
         """Logits [vocab] of `token` fed after prompt_ids whose cache kept, per layer and KV head, only the
         slots of kept_positions ([KVH, k] logical positions): the new token is at position len(prompt_ids)
         (or `position`, to model a wrong implementation) and attends over the kept keys/values (RoPE'd at their
-        original positions) and itself."""
+        original positions) and itself (and, on gemma3's local layers, only those inside the sliding window)."""
         cfg = self.config
         captured = []
         self.forward(prompt_ids, capture=captured)
         n = len(prompt_ids) if position is None else position
-        x = self.weights["token_embd.weight"][[token]]
+        x = self._embed(np.array([token]))
         rep = cfg.n_heads // cfg.n_kv_heads
         for l in range(cfg.n_layers):
             q, k, v = self._qkv(l, x, np.array([n]))
@@ -64,10 +108,26 @@ class NumpyReference:
                 keys = np.concatenate([pk[keep, kvh], k[:, kvh]])[:, None]
                 values = np.concatenate([pv[keep, kvh], v[:, kvh]])[:, None]
                 heads = slice(kvh * rep, (kvh + 1) * rep)
-                visible = np.ones((1, len(keys)), dtype=bool)
-                out[:, heads] = _attention(q[:, heads], keys, values, visible)
+                visible = self._window(l, np.array([n]), np.concatenate([np.asarray(keep), [n]]))
+                out[:, heads] = _attention(q[:, heads], keys, values, visible, self._scale())
             x = self._finish_layer(l, x, out)
         return self._logits(x)[0]
+
+    # -- the two graphs --------------------------------------------------------------------------------------
+
+    def _embed(self, ids):
+        x = self.weights["token_embd.weight"][ids]
+        return (x * self.embed_scale).astype(np.float32) if self.is_gemma3 else x
+
+    def _scale(self):
+        return self.attn_scale if self.is_gemma3 else None
+
+    def _window(self, l, q_pos, k_pos):
+        """[Tq, Tk] bool: True where the sliding window (if layer l has one) lets q_pos see k_pos."""
+        q_pos, k_pos = np.asarray(q_pos), np.asarray(k_pos)
+        if not self.is_local(l):
+            return np.ones((len(q_pos), len(k_pos)), dtype=bool)
+        return (q_pos[:, None] - k_pos[None, :]) < self.sliding_window
 
     def _qkv(self, l, x, pos):
         cfg, W, p = self.config, self.weights, f"blk.{l}."
@@ -76,10 +136,25 @@ class NumpyReference:
         q = (h @ W[p + "attn_q.weight"].T).reshape(T, cfg.n_heads, hd)
         k = (h @ W[p + "attn_k.weight"].T).reshape(T, cfg.n_kv_heads, hd)
         v = (h @ W[p + "attn_v.weight"].T).reshape(T, cfg.n_kv_heads, hd)
-        return rope_adjacent(q, pos, cfg.rope_theta), rope_adjacent(k, pos, cfg.rope_theta), v
+        if not self.is_gemma3:
+            return rope_adjacent(q, pos, cfg.rope_theta), rope_adjacent(k, pos, cfg.rope_theta), v
+        q = rms_norm(q, W[p + "attn_q_norm.weight"], cfg.rms_eps)
+        k = rms_norm(k, W[p + "attn_k_norm.weight"], cfg.rms_eps)
+        if self.is_local(l):
+            theta, rpos = self.local_rope_theta, np.asarray(pos)
+        else:
+            theta, rpos = cfg.rope_theta, np.asarray(pos) * self.global_pos_scale
+        return rope_neox(q, rpos, theta), rope_neox(k, rpos, theta), v
 
     def _finish_layer(self, l, x, attn):
         cfg, W, p = self.config, self.weights, f"blk.{l}."
+        if self.is_gemma3:
+            a = attn.reshape(x.shape[0], cfg.q_dim) @ W[p + "attn_output.weight"].T
+            x = x + rms_norm(a, W[p + "post_attention_norm.weight"], cfg.rms_eps)
+            h = rms_norm(x, W[p + "ffn_norm.weight"], cfg.rms_eps)
+            g, u = h @ W[p + "ffn_gate.weight"].T, h @ W[p + "ffn_up.weight"].T
+            f = (gelu_tanh(g) * u) @ W[p + "ffn_down.weight"].T
+            return x + rms_norm(f, W[p + "post_ffw_norm.weight"], cfg.rms_eps)
         x = x + attn.reshape(x.shape[0], cfg.q_dim) @ W[p + "attn_output.weight"].T
         h = rms_norm(x, W[p + "ffn_norm.weight"], cfg.rms_eps)
         g, u = h @ W[p + "ffn_gate.weight"].T, h @ W[p + "ffn_up.weight"].T
@@ -91,11 +166,56 @@ class NumpyReference:
         return (x @ W.get("output.weight", W["token_embd.weight"]).T).astype(np.float32)
 
 
-def _attention(q, k, v, visible):
-    """q [T, H, D], k/v [S, KVH, D] (KVH divides H), visible [T, S] -> [T, H, D]."""
+def _dequantize(t, qtype, dequantize, rows_per_chunk: int = 16384) -> np.ndarray:
+    """float32 array of t.shape; a large matrix (gemma3's 262144-row embedding) is dequantized a block of rows at
+    a time into one preallocated array, which keeps the peak memory near the result's own size (quant blocks
+    never span rows, so the values are those of one whole-tensor call)."""
+    if len(t.shape) < 2 or t.shape[0] <= rows_per_chunk or t.data.shape[0] != t.shape[0]:
+        return np.asarray(dequantize(t.data, qtype), dtype=np.float32).reshape(t.shape)
+    out = np.empty(t.shape, dtype=np.float32)
+    for i in range(0, t.shape[0], rows_per_chunk):
+        rows = out[i:i + rows_per_chunk]
+        rows[...] = np.asarray(dequantize(t.data[i:i + rows_per_chunk], qtype), dtype=np.float32).reshape(rows.shape)
+    return out
+
+
+def _gemma3_config(gguf: GGUFFile) -> ModelConfig:
+    """Gemma 3's shape from its GGUF metadata. RMSNorm weights are used as stored (the converter folds Gemma's
+    +1 into them); the output is tied to token_embd unless output.weight exists."""
+    def get(key, default=None):
+        full = f"gemma3.{key}"
+        if full in gguf.metadata:
+            return gguf.metadata[full]
+        if default is None:
+            raise GGUFError(f"{gguf.path.name} lacks the metadata field {full}.")
+        return default
+
+    n_heads = int(get("attention.head_count"))
+    dim = int(get("embedding_length"))
+    head_dim = int(get("attention.key_length"))
+    if int(get("attention.value_length", head_dim)) != head_dim:
+        raise GGUFError(f"{gguf.path.name}: key and value head sizes differ.")
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if f"gemma3.{key}" in gguf.metadata:
+            raise GGUFError(f"{gguf.path.name}: gemma3.{key} is set; the reference does no soft-capping.")
+    return ModelConfig(
+        arch="gemma3", n_layers=int(get("block_count")), n_heads=n_heads,
+        n_kv_heads=int(get("attention.head_count_kv", n_heads)), head_dim=head_dim, dim=dim,
+        ffn_dim=int(get("feed_forward_length")), vocab_size=int(gguf.tensor("token_embd.weight").shape[0]),
+        context_length=int(get("context_length")), rope_theta=float(get("rope.freq_base", 1000000.0)),
+        rms_eps=float(get("attention.layer_norm_rms_epsilon")), rope_layout="neox",
+        tied_embeddings="output.weight" not in gguf.tensors)
+
+
+def _attention(q, k, v, visible, scale=None):
+    """q [T, H, D], k/v [S, KVH, D] (KVH divides H), visible [T, S] -> [T, H, D]; scores times `scale`
+    (default 1/sqrt(D))."""
     rep = q.shape[1] // k.shape[1]
     k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
-    s = np.einsum("thd,shd->hts", q, k) / np.float32(np.sqrt(q.shape[-1]))
+    if scale is None:
+        s = np.einsum("thd,shd->hts", q, k) / np.float32(np.sqrt(q.shape[-1]))
+    else:
+        s = np.einsum("thd,shd->hts", q, k) * np.float32(scale)
     s = np.where(visible[None], s, -np.inf)
     s = np.exp(s - s.max(-1, keepdims=True))
     s /= s.sum(-1, keepdims=True)
@@ -110,16 +230,37 @@ def silu(x):
     return x / (1 + np.exp(-x))
 
 
-def rope_adjacent(x, pos, theta):
-    """RoPE with llama.cpp's NORM layout (rotate adjacent pairs); x: [T, H, D]."""
-    D = x.shape[-1]
+def gelu_tanh(x):
+    """GELU, tanh approximation (gemma's gelu_pytorch_tanh; llama.cpp's ggml_gelu)."""
+    x = np.asarray(x, dtype=np.float32)
+    c = np.float32(np.sqrt(2.0 / np.pi))
+    return (np.float32(0.5) * x * (1 + np.tanh(c * (x + np.float32(0.044715) * x * x * x)))).astype(np.float32)
+
+
+def _rope_angles(pos, D, theta):
     inv = theta ** (-np.arange(0, D, 2, dtype=np.float64) / D)
     ang = np.asarray(pos)[:, None].astype(np.float64) * inv[None, :]
-    c, s = np.cos(ang)[:, None, :].astype(np.float32), np.sin(ang)[:, None, :].astype(np.float32)
+    return np.cos(ang)[:, None, :].astype(np.float32), np.sin(ang)[:, None, :].astype(np.float32)
+
+
+def rope_adjacent(x, pos, theta):
+    """RoPE with llama.cpp's NORM layout (rotate adjacent pairs); x: [T, H, D]."""
+    c, s = _rope_angles(pos, x.shape[-1], theta)
     x0, x1 = x[..., 0::2], x[..., 1::2]
     out = np.empty_like(x)
     out[..., 0::2] = x0 * c - x1 * s
     out[..., 1::2] = x0 * s + x1 * c
+    return out
+
+
+def rope_neox(x, pos, theta):
+    """RoPE with llama.cpp's NEOX layout (rotate pairs (i, i + D/2)); x: [T, H, D]."""
+    D = x.shape[-1]
+    c, s = _rope_angles(pos, D, theta)
+    x0, x1 = x[..., : D // 2], x[..., D // 2:]
+    out = np.empty_like(x)
+    out[..., : D // 2] = x0 * c - x1 * s
+    out[..., D // 2:] = x0 * s + x1 * c
     return out
 
 

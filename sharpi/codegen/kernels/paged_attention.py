@@ -27,6 +27,21 @@ def fast_exp(x):
     return y * pow2n
 
 
+def visible(slot, total, window: int):
+    """Whether a query that sees slots [0, total) attends to `slot`: all of them, or with a sliding window the
+    last `window`."""
+    if not window:
+        return slot < total
+    return T.And(slot < total, slot + window >= total)
+
+
+def first_page(total, window: int, page_size: int):
+    """The first page holding a visible slot (0 without a window)."""
+    if not window:
+        return T.int64(0)
+    return T.max(total - window, T.int64(0)) // page_size
+
+
 def make_kv_append(kv_heads: int, head_dim: int, page_size: int, tokens: int | None = None,
                    kv_dtype: str = "float32"):
     """PrimFunc (pool, k [n, KVH, D], v [n, KVH, D], page_table, kv_lens, layer) writing the pool in place."""
@@ -54,8 +69,10 @@ def make_kv_append(kv_heads: int, head_dim: int, page_size: int, tokens: int | N
 
 
 def make_paged_attention(heads: int, kv_heads: int, head_dim: int, page_size: int, scale: float,
-                         tokens: int | None = None, kv_dtype: str = "float32"):
-    """PrimFunc (q [n, H, D], pool, page_table, kv_lens, layer, out [n, H, D]): causal attention per query head."""
+                         tokens: int | None = None, kv_dtype: str = "float32", window: int = 0):
+    """PrimFunc (q [n, H, D], pool, page_table, kv_lens, layer, out [n, H, D]): causal attention per query head;
+    with a sliding `window` (> 0), query t sees only the last `window` slots up to its own (slots are positions
+    while a layer's cache is contiguous, which is how sliding-window layers are kept)."""
     n = token_count(tokens)
     pages, layers, max_pages = T.int64(), T.int64(), T.int64()
     group = heads // kv_heads
@@ -63,10 +80,12 @@ def make_paged_attention(heads: int, kv_heads: int, head_dim: int, page_size: in
 
     LANES = 8
     if head_dim % LANES:
-        return _paged_attention_scalar(heads, kv_heads, head_dim, page_size, scale, n, group, neg_inf, kv_dtype)
+        return _paged_attention_scalar(heads, kv_heads, head_dim, page_size, scale, n, group, neg_inf, kv_dtype,
+                                       window)
     DC = head_dim // LANES
     if tokens == 1:
-        return _paged_attention_decode(heads, kv_heads, head_dim, page_size, scale, group, neg_inf, LANES, kv_dtype)
+        return _paged_attention_decode(heads, kv_heads, head_dim, page_size, scale, group, neg_inf, LANES, kv_dtype,
+                                       window)
 
     @T.prim_func
     def paged_attention(var_q: T.handle, var_pool: T.handle, var_pt: T.handle, var_lens: T.handle,
@@ -90,7 +109,7 @@ def make_paged_attention(heads: int, kv_heads: int, head_dim: int, page_size: in
             stats[1] = T.float32(0)
             for d in T.vectorized(head_dim):
                 acc[d] = T.float32(0)
-            for p in range((total + page_size - 1) // page_size):
+            for p in range(first_page(total, window, page_size), (total + page_size - 1) // page_size):
                 page = T.meta_var(T.Cast("int64", page_table[layer, p]))
                 stats[2] = T.float32(neg_inf)
                 # q . k for every slot of the page, 8 lanes at a time; slots past `total` are masked below
@@ -103,7 +122,7 @@ def make_paged_attention(heads: int, kv_heads: int, head_dim: int, page_size: in
                             dv[o, l] = dv[o, l] + q[t, h, (dc + 1) * LANES + l] * T.Cast("float32", pool[page, 0, kvh, o, (dc + 1) * LANES + l])
                 for o in T.unroll(page_size):
                     score[o] = T.if_then_else(
-                        p * page_size + o < total,
+                        visible(p * page_size + o, total, window),
                         (((dv[o, 0] + dv[o, 1]) + (dv[o, 2] + dv[o, 3])) + ((dv[o, 4] + dv[o, 5]) + (dv[o, 6] + dv[o, 7])))
                         * T.float32(scale),
                         T.float32(neg_inf))
@@ -111,7 +130,7 @@ def make_paged_attention(heads: int, kv_heads: int, head_dim: int, page_size: in
                 stats[3] = T.max(stats[0], stats[2])
                 stats[4] = T.exp(stats[0] - stats[3])
                 for o in T.vectorized(page_size):
-                    score[o] = T.if_then_else(p * page_size + o < total, fast_exp(score[o] - stats[3]), T.float32(0))
+                    score[o] = T.if_then_else(visible(p * page_size + o, total, window), fast_exp(score[o] - stats[3]), T.float32(0))
                 stats[1] = stats[1] * stats[4]
                 for o in range(page_size):
                     stats[1] = stats[1] + score[o]
@@ -127,7 +146,7 @@ def make_paged_attention(heads: int, kv_heads: int, head_dim: int, page_size: in
     return paged_attention
 
 
-def _paged_attention_decode(heads, kv_heads, head_dim, page_size, scale, group, neg_inf, LANES, kv_dtype):
+def _paged_attention_decode(heads, kv_heads, head_dim, page_size, scale, group, neg_inf, LANES, kv_dtype, window):
     """One token: one task per (KV head, chunk of its query heads), so each K/V row is loaded once for the chunk.
     The chunk is the largest divisor of `group` whose accumulators stay under 1 KB (kept on the stack)."""
     pages, layers, max_pages = T.int64(), T.int64(), T.int64()
@@ -158,7 +177,7 @@ def _paged_attention_decode(heads, kv_heads, head_dim, page_size, scale, group, 
                 stats[g, 1] = T.float32(0)
                 for d in T.vectorized(head_dim):
                     acc[g, d] = T.float32(0)
-            for p in range((total + page_size - 1) // page_size):
+            for p in range(first_page(total, window, page_size), (total + page_size - 1) // page_size):
                 page = T.meta_var(T.Cast("int64", page_table[layer, p]))
                 # q . k for every slot of the page and every query head of the chunk: each K row is loaded
                 # once; slots past `total` are masked (a select never propagates their contents).
@@ -171,7 +190,7 @@ def _paged_attention_decode(heads, kv_heads, head_dim, page_size, scale, group, 
                                 dv[g, l] = dv[g, l] + q[0, h0 + g, (dc + 1) * LANES + l] \
                                     * T.Cast("float32", pool[page, 0, kvh, o, (dc + 1) * LANES + l])
                         score[g, o] = T.if_then_else(
-                            p * page_size + o < total,
+                            visible(p * page_size + o, total, window),
                             (((dv[g, 0] + dv[g, 1]) + (dv[g, 2] + dv[g, 3]))
                              + ((dv[g, 4] + dv[g, 5]) + (dv[g, 6] + dv[g, 7]))) * T.float32(scale),
                             T.float32(neg_inf))
@@ -182,7 +201,7 @@ def _paged_attention_decode(heads, kv_heads, head_dim, page_size, scale, group, 
                     stats[g, 3] = T.max(stats[g, 0], stats[g, 2])
                     stats[g, 4] = T.exp(stats[g, 0] - stats[g, 3])
                     for o in T.vectorized(page_size):
-                        score[g, o] = T.if_then_else(p * page_size + o < total,
+                        score[g, o] = T.if_then_else(visible(p * page_size + o, total, window),
                                                      fast_exp(score[g, o] - stats[g, 3]), T.float32(0))
                     stats[g, 1] = stats[g, 1] * stats[g, 4]
                     for o in range(page_size):
@@ -201,7 +220,7 @@ def _paged_attention_decode(heads, kv_heads, head_dim, page_size, scale, group, 
     return paged_attention
 
 
-def _paged_attention_scalar(heads, kv_heads, head_dim, page_size, scale, n, group, neg_inf, kv_dtype):
+def _paged_attention_scalar(heads, kv_heads, head_dim, page_size, scale, n, group, neg_inf, kv_dtype, window):
     pages, layers, max_pages = T.int64(), T.int64(), T.int64()
     @T.prim_func
     def paged_attention(var_q: T.handle, var_pool: T.handle, var_pt: T.handle, var_lens: T.handle,
@@ -224,12 +243,12 @@ def _paged_attention_scalar(heads, kv_heads, head_dim, page_size, scale, n, grou
             stats[1] = T.float32(0)
             for d in T.vectorized(head_dim):
                 acc[d] = T.float32(0)
-            for p in range((total + page_size - 1) // page_size):
+            for p in range(first_page(total, window, page_size), (total + page_size - 1) // page_size):
                 page = T.Cast("int64", page_table[layer, p])
                 stats[2] = T.float32(neg_inf)
                 for o in range(page_size):
                     score[o] = T.float32(neg_inf)
-                    if p * page_size + o < total:
+                    if visible(p * page_size + o, total, window):
                         dot = T.decl_buffer((1,), "float32", scope="global")
                         dot[0] = T.float32(0)
                         for d in range(head_dim):
@@ -239,7 +258,7 @@ def _paged_attention_scalar(heads, kv_heads, head_dim, page_size, scale, n, grou
                 new_max = T.max(stats[0], stats[2])
                 correction = T.exp(stats[0] - new_max)
                 for o in T.vectorized(page_size):
-                    score[o] = T.if_then_else(p * page_size + o < total, fast_exp(score[o] - new_max), T.float32(0))
+                    score[o] = T.if_then_else(visible(p * page_size + o, total, window), fast_exp(score[o] - new_max), T.float32(0))
                 stats[1] = stats[1] * correction
                 for o in range(page_size):
                     stats[1] = stats[1] + score[o]

@@ -1,4 +1,4 @@
-"""Rotary position embedding at given logical positions (llama.cpp's NORM layout: adjacent pairs).
+"""Rotary position embedding at given logical positions (llama.cpp's NORM layout, adjacent pairs, or NEOX, halves).
 
 Angles are computed in float64, as the reference does, so positions deep in a 32k context keep their precision.
 """
@@ -9,10 +9,19 @@ from tvm.script import tirx as T
 from .quant_matmul import token_count
 
 
+def rope_pairs(layout: str, head_dim: int) -> tuple[int, int]:
+    """(step, partner): pair i rotates elements (step*i, step*i + partner). llama.cpp's NORM layout pairs
+    neighbours (2i, 2i+1); NEOX (GPT-NeoX, Gemma, Qwen) pairs the halves (i, i + D/2)."""
+    if layout == "norm":
+        return 2, 1
+    if layout == "neox":
+        return 1, head_dim // 2
+    raise NotImplementedError(f"RoPE layout {layout!r}")
+
+
 def make_rope(heads: int, head_dim: int, theta: float, layout: str = "norm", tokens: int | None = None):
-    """PrimFunc (x [n, H, D] f32, pos [n] int32, y [n, H, D] f32)."""
-    if layout != "norm":
-        raise NotImplementedError(f"RoPE layout {layout!r}")
+    """PrimFunc (x [n, H, D] f32, pos [n] int32, y [n, H, D] f32); layout "norm" or "neox" (rope_pairs)."""
+    step, partner = rope_pairs(layout, head_dim)
     half = head_dim // 2
     n = token_count(tokens)
 
@@ -31,7 +40,7 @@ def make_rope(heads: int, head_dim: int, theta: float, layout: str = "norm", tok
                 sn[i] = T.Cast("float32", T.sin(angle))
             for h in range(heads):
                 for i in range(half):
-                    y[t, h, 2 * i] = x[t, h, 2 * i] * cs[i] - x[t, h, 2 * i + 1] * sn[i]
-                    y[t, h, 2 * i + 1] = x[t, h, 2 * i] * sn[i] + x[t, h, 2 * i + 1] * cs[i]
+                    y[t, h, step * i] = x[t, h, step * i] * cs[i] - x[t, h, step * i + partner] * sn[i]
+                    y[t, h, step * i + partner] = x[t, h, step * i] * sn[i] + x[t, h, step * i + partner] * cs[i]
 
     return rope

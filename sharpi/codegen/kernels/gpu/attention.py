@@ -25,6 +25,7 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
+from ..paged_attention import visible
 from ..quant_matmul import token_count
 
 MAX_THREADS = 256           # WebGPU's maxComputeInvocationsPerWorkgroup default
@@ -41,6 +42,13 @@ def _named(func: tirx.PrimFunc, name: str, tokens: int | None) -> tirx.PrimFunc:
     """Give the kernel a global symbol of its own (TVMScript names it after the Python function, and a module
     holding the prefill and decode variants needs two)."""
     return func.with_attr("global_symbol", name + ("" if tokens is None else f"_{tokens}"))
+
+
+def first_tile(total, window: int, tx: int):
+    """The first tile of `tx` slots holding a slot the query sees (0 without a window)."""
+    if not window:
+        return T.int64(0)
+    return T.truncdiv(T.max(total - window, T.int64(0)), tx)
 
 
 def _threads(head_dim: int) -> tuple[int, int]:
@@ -80,9 +88,10 @@ def make_gpu_kv_append(kv_heads: int, head_dim: int, page_size: int, tokens: int
 
 
 def make_gpu_paged_attention(heads: int, kv_heads: int, head_dim: int, page_size: int, scale: float,
-                             tokens: int | None = None, kv_dtype: str = "float32") -> tirx.PrimFunc:
+                             tokens: int | None = None, kv_dtype: str = "float32", window: int = 0) -> tirx.PrimFunc:
     """PrimFunc (q [n, H, D], pool, page_table, kv_lens, layer, out [n, H, D]): causal attention per query head.
-    Workgroup memory: (D + 3 * TX) * 4 bytes, at most 4 KiB for D <= 256."""
+    Workgroup memory: (D + 3 * TX) * 4 bytes, at most 4 KiB for D <= 256. With a sliding `window` (> 0) query t
+    sees only the last `window` of its slots, and tiles wholly before them are skipped."""
     n = token_count(tokens)
     pages, layers, max_pages = _pool_vars()
     group = heads // kv_heads
@@ -120,10 +129,12 @@ def make_gpu_paged_attention(heads: int, kv_heads: int, head_dim: int, page_size
                 T.tvm_storage_sync("shared")
                 # truncdiv: total is positive, but TVM cannot know (it comes from kv_lens), and its floordiv by a
                 # divisor that is no power of two lowers with an offset of 2^31 that overflows WGSL's i32
-                for tile in range(T.truncdiv(total + TX - 1, TX)):
-                    # 1. this invocation's slot: its score and page
+                for tile in range(first_tile(total, window, TX), T.truncdiv(total + TX - 1, TX)):
+                    # 1. this invocation's slot: its page (read by every slot the query sees, so masked slots of
+                    # the tile still name a page the layer holds), and its score
                     if tile * TX + tx < total:
                         page_sh[tx] = page_table[layer, (tile * TX + tx) // page_size]
+                    if visible(tile * TX + tx, total, window):
                         dot[0] = T.float32(0)
                         for d in range(head_dim):
                             dot[0] = dot[0] + q_sh[d] * T.Cast("float32", pool[T.Cast("int64", page_sh[tx]), 0, kvh,

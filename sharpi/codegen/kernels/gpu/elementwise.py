@@ -22,6 +22,7 @@ from tvm.script import tirx as T
 from ....common.errors import CompileError
 from ....common.quant_layout import BLOCK, LAYOUTS, QUANTIZED
 from ..quant_matmul import dense_value, dequant, token_count
+from ..rope import rope_pairs
 from .quant_matmul import GPU_LAYOUTS
 
 ROPE_THREADS = 128
@@ -45,10 +46,10 @@ def _lookup(values: list[int], i, lo: int = 0, hi: int | None = None):
 
 def make_gpu_rope(heads: int, head_dim: int, theta: float, layout: str = "norm",
                   tokens: int | None = None) -> tirx.PrimFunc:
-    """PrimFunc (x [n, H, D] f32, pos [n] int32, y [n, H, D] f32)."""
-    if layout != "norm":
-        raise NotImplementedError(f"RoPE layout {layout!r}")
+    """PrimFunc (x [n, H, D] f32, pos [n] int32, y [n, H, D] f32). Layout "norm" rotates adjacent pairs
+    (2i, 2i+1), "neox" the halves (i, i + D/2)."""
     half = head_dim // 2
+    step, partner = rope_pairs(layout, head_dim)
     n = token_count(tokens)
     turns = rope_turns(head_dim, theta)
     rad_per_unit = 2 * math.pi / 2.0 ** 32
@@ -72,10 +73,10 @@ def make_gpu_rope(heads: int, head_dim: int, theta: float, layout: str = "norm",
                     cs[0] = T.Cast("float32", phase) * T.float32(rad_per_unit)
                     cs[1] = T.sin(cs[0])
                     cs[0] = T.cos(cs[0])
-                    y[t, h, 2 * i] = x[t, h, 2 * i] * cs[0] - x[t, h, 2 * i + 1] * cs[1]
-                    y[t, h, 2 * i + 1] = x[t, h, 2 * i] * cs[1] + x[t, h, 2 * i + 1] * cs[0]
+                    y[t, h, step * i] = x[t, h, step * i] * cs[0] - x[t, h, step * i + partner] * cs[1]
+                    y[t, h, step * i + partner] = x[t, h, step * i] * cs[1] + x[t, h, step * i + partner] * cs[0]
 
-    name = f"gpu_rope_{heads}_{head_dim}" + ("" if tokens is None else f"_{tokens}")
+    name = f"gpu_rope_{layout}_{heads}_{head_dim}" + ("" if tokens is None else f"_{tokens}")
     return gpu_rope.with_attr("global_symbol", name)
 
 
