@@ -33,6 +33,7 @@ class CompileOptions:
     kv_dtype: str = "float32"                # the KV page pool's element type
     max_context: int | None = None
     snapkv: str = "on"                       # whether the SnapKV ops are compiled in
+    snapkv_explicit: bool = False            # snapkv was asked for (not the default)
     snapkv_defaults: tuple = ()              # (name, value) pairs: the artifact's run-time defaults
 
     def snapkv_settings(self):
@@ -62,7 +63,7 @@ class CompileOptions:
 
 def compile(model: str | Path, target: str = "llvm", output: str | Path | None = None, *, mcpu: str | None = None,
             arch: str | None = None, kv_dtype: str | None = None, max_context: int | None = None,
-            snapkv: str | bool = "on", snapkv_budget=None, snapkv_window=None, snapkv_recency=None,
+            snapkv: str | bool | None = None, snapkv_budget=None, snapkv_window=None, snapkv_recency=None,
             snapkv_pooling=None, snapkv_kernel=None, snapkv_granularity=None, dump_ir: str | Path | None = None,
             use_cache: bool = True, show_progress: bool = False) -> Path:
     """Compile a GGUF (path or known model name) into an artifact directory; returns its path.
@@ -76,7 +77,8 @@ def compile(model: str | Path, target: str = "llvm", output: str | Path | None =
     from .frontend.fetch import resolve_model
     from .frontend.gguf_file import GGUFFile
 
-    snapkv = {True: "on", False: "off"}.get(snapkv, snapkv)
+    snapkv_explicit = snapkv is not None
+    snapkv = {True: "on", False: "off", None: "on"}.get(snapkv, snapkv)
     defaults = tuple((k, v) for k, v in (("budget", snapkv_budget), ("window", snapkv_window),
                                          ("recency", snapkv_recency), ("pooling", snapkv_pooling),
                                          ("kernel", snapkv_kernel), ("granularity", snapkv_granularity))
@@ -84,7 +86,8 @@ def compile(model: str | Path, target: str = "llvm", output: str | Path | None =
     if kv_dtype is None:                   # DESIGN.md: f32 on CPU; f16 on CUDA GPUs (Vulkan: f32 until measured)
         kv_dtype = "f16" if target == "cuda" else "f32"
     options = CompileOptions(target=target, mcpu=mcpu, arch=arch, kv_dtype=KV_DTYPES.get(kv_dtype, kv_dtype),
-                             max_context=max_context, snapkv=snapkv, snapkv_defaults=defaults)
+                             max_context=max_context, snapkv=snapkv, snapkv_explicit=snapkv_explicit,
+                             snapkv_defaults=defaults)
     options.validate()
     gguf_path = resolve_model(model, show_progress=show_progress)
     output = Path(output) if output is not None else Path(gguf_path.stem + f"-{target}")
@@ -117,7 +120,7 @@ def _compile_uncached(gguf, gguf_sha256: str, options: CompileOptions, output: P
     from .codegen import artifact
     from .common.tokenizer import build_from_gguf_metadata
     from .frontend.config import config_from_gguf
-    from .frontend.llama import LlamaBuilder, llama_weights
+    from .frontend.architectures import frontend_for
 
     started = time.perf_counter()
     cfg = config_from_gguf(gguf)
@@ -125,9 +128,17 @@ def _compile_uncached(gguf, gguf_sha256: str, options: CompileOptions, output: P
     if max_context > cfg.context_length:
         raise ConfigError(f"--max-context {max_context} exceeds the model's context of {cfg.context_length}.")
     tokenizer, tok_info = build_from_gguf_metadata(gguf.metadata)
-    weights = llama_weights(gguf, cfg, show_progress)
+    load_weights, builder = frontend_for(cfg)
+    if cfg.sliding_window and options.snapkv == "on":
+        if options.snapkv_explicit:
+            raise ConfigError(f"SnapKV on {cfg.arch} (sliding-window layers) is not implemented yet; compile with "
+                              f"--snapkv off.")
+        _log(show_progress, f"sharpi: {cfg.arch} has sliding-window layers, which SnapKV does not handle yet: "
+                            f"compiling without it")
+        options = replace(options, snapkv="off")
+    weights = load_weights(gguf, cfg, show_progress)
     max_pages = math.ceil(max_context / PAGE_SIZE)
-    mod = LlamaBuilder(cfg, weights, max_pages, kv_dtype=options.kv_dtype).build()
+    mod = builder(cfg, weights, max_pages, kv_dtype=options.kv_dtype).build()
     functions = ["prefill", "prefill_logits", "decode"]
     settings = options.snapkv_settings()
     if options.snapkv == "on":

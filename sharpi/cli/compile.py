@@ -18,7 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-context", type=int, default=None, help="context length (default: the GGUF's)")
     p.add_argument("--kv-dtype", default=None, help="the KV cache's element type: f32 or f16 (half the memory; "
                                                      "Vulkan needs shader-f16); default f16 for cuda, else f32")
-    p.add_argument("--snapkv", default="on", help="on (default) or off: whether the SnapKV ops are compiled in")
+    p.add_argument("--snapkv", default=None, help="on (default) or off: whether the SnapKV ops are compiled in")
     add_snapkv_flags(p)
     p.add_argument("--dump-ir", default=None, metavar="FILE", help="write the Relax IR after the passes to FILE")
     p.add_argument("--no-cache", action="store_true", help="compile even if the cache has this artifact")

@@ -19,6 +19,18 @@ class ModelConfig:
     rms_eps: float
     rope_layout: str = "norm"  # "norm": adjacent pairs (llama.cpp NORM); "neox": halves
     tied_embeddings: bool = True
+    # gemma3: layers whose index % swa_pattern != swa_pattern - 1 are local (sliding window, their own RoPE base)
+    sliding_window: int = 0
+    swa_pattern: int = 0
+    rope_theta_local: float = 0.0
+    attn_scale: float = 0.0    # query scale; 0 means 1/sqrt(head_dim)
+    embed_scale: float = 1.0   # embeddings are multiplied by this (gemma: sqrt(dim))
+
+    def is_local(self, layer: int) -> bool:
+        """Whether `layer` attends within a sliding window (gemma3's local layers)."""
+        if not self.sliding_window:
+            return False
+        return not self.swa_pattern or layer % self.swa_pattern != self.swa_pattern - 1
 
     @property
     def q_dim(self) -> int:

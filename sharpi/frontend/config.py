@@ -1,12 +1,18 @@
 """Model configuration from GGUF metadata."""
 from __future__ import annotations
 
+import math
+from dataclasses import replace
+
 from ..common.config import ModelConfig
 from ..common.errors import GGUFError, UnsupportedArchitectureError
 from .gguf_file import GGUFFile
 
 # Architectures with a frontend module, and the RoPE layout each uses.
-LLAMA_FAMILY = {"llama": "norm"}
+LLAMA_FAMILY = {"llama": "norm", "gemma3": "neox"}
+# gemma3 facts llama.cpp hard-codes rather than reading from the GGUF (src/llama-model.cpp)
+GEMMA3_SWA_PATTERN = 6             # every 6th layer (index % 6 == 5) is global, the others local
+GEMMA3_LOCAL_ROPE_BASE = 10000.0
 
 
 def config_from_gguf(gguf: GGUFFile) -> ModelConfig:
@@ -35,6 +41,14 @@ def config_from_gguf(gguf: GGUFFile) -> ModelConfig:
         context_length=int(get("context_length")), rope_theta=float(get("rope.freq_base", 10000.0)),
         rms_eps=float(get("attention.layer_norm_rms_epsilon")), rope_layout=LLAMA_FAMILY[arch],
         tied_embeddings="output.weight" not in gguf.tensors)
+    if arch == "gemma3":
+        for key in ("final_logit_softcapping", "attn_logit_softcapping", "rope.scaling.factor"):
+            if f"gemma3.{key}" in gguf.metadata:
+                raise UnsupportedArchitectureError(f"{gguf.path.name} sets gemma3.{key}, which sharpi does not "
+                                                   f"implement yet.")
+        cfg = replace(cfg, sliding_window=int(get("attention.sliding_window")), swa_pattern=GEMMA3_SWA_PATTERN,
+                      rope_theta_local=GEMMA3_LOCAL_ROPE_BASE, attn_scale=1.0 / math.sqrt(head_dim),
+                      embed_scale=math.sqrt(dim), rope_theta=float(get("rope.freq_base", 1000000.0)))
     _validate(cfg, gguf)
     return cfg
 

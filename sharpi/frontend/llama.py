@@ -105,15 +105,7 @@ class LlamaBuilder:
         k = bb.emit(R.reshape(self._linear(h, p + "attn_k.weight"), (n, cfg.n_kv_heads, cfg.head_dim)))
         v = bb.emit(R.reshape(self._linear(h, p + "attn_v.weight"), (n, cfg.n_kv_heads, cfg.head_dim)))
         q, k = self._rope(q, pos), self._rope(k, pos)
-        layer = relax.prim_value(tvm.tirx.IntImm("int64", l))
-        pool = bb.emit(relax.call_dps_packed(ops.KV_APPEND, [pool, k, v, page_table, kv_lens, layer],
-                                             pool.ty))
-        scale = relax.prim_value(tvm.tirx.FloatImm("float32", 1.0 / math.sqrt(cfg.head_dim)))
-        no_window = relax.prim_value(tvm.tirx.IntImm("int64", 0))
-        attn = bb.emit(relax.call_dps_packed(ops.PAGED_ATTENTION, [q, pool, page_table, kv_lens, layer, scale,
-                                                                   no_window],
-                                             tensor_type((n, cfg.n_heads, cfg.head_dim), "float32")))
-        attn = bb.emit(R.reshape(attn, (n, cfg.q_dim)))
+        attn, pool = self._attention(l, q, k, v, pool, page_table, kv_lens, n)
         x = bb.emit(R.add(x, self._linear(attn, p + "attn_output.weight")))
         h = bb.emit(R.nn.rms_norm(x, self._vector(p + "ffn_norm.weight"), axes=[-1], epsilon=cfg.rms_eps))
         gate, up = self._linear(h, p + "ffn_gate.weight"), self._linear(h, p + "ffn_up.weight")
@@ -121,7 +113,18 @@ class LlamaBuilder:
         x = bb.emit(R.add(x, self._linear(act, p + "ffn_down.weight")))
         return x, pool
 
-    def _rope(self, x, pos):
-        theta = relax.prim_value(tvm.tirx.FloatImm("float64", self.cfg.rope_theta))
+    def _attention(self, l, q, k, v, pool, page_table, kv_lens, n, scale: float | None = None, window: int = 0):
+        """Append k and v to layer l's cache, attend; returns (attention output [n, q_dim], the pool)."""
+        cfg, bb = self.cfg, self.bb
+        layer = relax.prim_value(tvm.tirx.IntImm("int64", l))
+        pool = bb.emit(relax.call_dps_packed(ops.KV_APPEND, [pool, k, v, page_table, kv_lens, layer], pool.ty))
+        scale = relax.prim_value(tvm.tirx.FloatImm("float32", scale or 1.0 / math.sqrt(cfg.head_dim)))
+        window = relax.prim_value(tvm.tirx.IntImm("int64", window))
+        attn = bb.emit(relax.call_dps_packed(ops.PAGED_ATTENTION, [q, pool, page_table, kv_lens, layer, scale, window],
+                                             tensor_type((n, cfg.n_heads, cfg.head_dim), "float32")))
+        return bb.emit(R.reshape(attn, (n, cfg.q_dim))), pool
+
+    def _rope(self, x, pos, theta: float | None = None):
+        theta = relax.prim_value(tvm.tirx.FloatImm("float64", theta or self.cfg.rope_theta))
         return self.bb.emit(relax.call_dps_packed(ops.rope_op(self.cfg.rope_layout), [x, pos, theta],
                                                   x.ty))

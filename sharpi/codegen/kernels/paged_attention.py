@@ -27,6 +27,11 @@ def fast_exp(x):
     return y * pow2n
 
 
+def f32(value):
+    """A pool element as float32 (the pool may hold float16)."""
+    return T.Cast("float32", value)
+
+
 def visible(slot, total, window: int):
     """Whether a query that sees slots [0, total) attends to `slot`: all of them, or with a sliding window the
     last `window`."""
@@ -116,10 +121,11 @@ def make_paged_attention(heads: int, kv_heads: int, head_dim: int, page_size: in
                 # (their contents may be anything, but a select never propagates them).
                 for o in T.unroll(page_size):
                     for l in T.vectorized(LANES):
-                        dv[o, l] = q[t, h, l] * T.Cast("float32", pool[page, 0, kvh, o, l])
+                        dv[o, l] = q[t, h, l] * f32(pool[page, 0, kvh, o, l])
                     for dc in T.unroll(DC - 1):
                         for l in T.vectorized(LANES):
-                            dv[o, l] = dv[o, l] + q[t, h, (dc + 1) * LANES + l] * T.Cast("float32", pool[page, 0, kvh, o, (dc + 1) * LANES + l])
+                            dv[o, l] = dv[o, l] + q[t, h, (dc + 1) * LANES + l] \
+                                * f32(pool[page, 0, kvh, o, (dc + 1) * LANES + l])
                 for o in T.unroll(page_size):
                     score[o] = T.if_then_else(
                         visible(p * page_size + o, total, window),
@@ -130,7 +136,8 @@ def make_paged_attention(heads: int, kv_heads: int, head_dim: int, page_size: in
                 stats[3] = T.max(stats[0], stats[2])
                 stats[4] = T.exp(stats[0] - stats[3])
                 for o in T.vectorized(page_size):
-                    score[o] = T.if_then_else(visible(p * page_size + o, total, window), fast_exp(score[o] - stats[3]), T.float32(0))
+                    score[o] = T.if_then_else(visible(p * page_size + o, total, window),
+                                              fast_exp(score[o] - stats[3]), T.float32(0))
                 stats[1] = stats[1] * stats[4]
                 for o in range(page_size):
                     stats[1] = stats[1] + score[o]
@@ -138,7 +145,7 @@ def make_paged_attention(heads: int, kv_heads: int, head_dim: int, page_size: in
                     acc[d] = acc[d] * stats[4]
                 for o in range(T.min(T.Cast("int64", page_size), total - p * page_size)):
                     for d in T.vectorized(head_dim):
-                        acc[d] = acc[d] + score[o] * T.Cast("float32", pool[page, 1, kvh, o, d])
+                        acc[d] = acc[d] + score[o] * f32(pool[page, 1, kvh, o, d])
                 stats[0] = stats[3]
             for d in T.vectorized(head_dim):
                 out[t, h, d] = acc[d] / stats[1]
@@ -184,11 +191,11 @@ def _paged_attention_decode(heads, kv_heads, head_dim, page_size, scale, group, 
                 for o in T.unroll(page_size):
                     for g in T.unroll(gs):
                         for l in T.vectorized(LANES):
-                            dv[g, l] = q[0, h0 + g, l] * T.Cast("float32", pool[page, 0, kvh, o, l])
+                            dv[g, l] = q[0, h0 + g, l] * f32(pool[page, 0, kvh, o, l])
                         for dc in T.unroll(DC - 1):
                             for l in T.vectorized(LANES):
                                 dv[g, l] = dv[g, l] + q[0, h0 + g, (dc + 1) * LANES + l] \
-                                    * T.Cast("float32", pool[page, 0, kvh, o, (dc + 1) * LANES + l])
+                                    * f32(pool[page, 0, kvh, o, (dc + 1) * LANES + l])
                         score[g, o] = T.if_then_else(
                             visible(p * page_size + o, total, window),
                             (((dv[g, 0] + dv[g, 1]) + (dv[g, 2] + dv[g, 3]))
@@ -212,7 +219,7 @@ def _paged_attention_decode(heads, kv_heads, head_dim, page_size, scale, group, 
                 for o in range(T.min(T.Cast("int64", page_size), total - p * page_size)):
                     for g in T.unroll(gs):
                         for d in T.vectorized(head_dim):
-                            acc[g, d] = acc[g, d] + score[g, o] * T.Cast("float32", pool[page, 1, kvh, o, d])
+                            acc[g, d] = acc[g, d] + score[g, o] * f32(pool[page, 1, kvh, o, d])
             for g in T.unroll(gs):
                 for d in T.vectorized(head_dim):
                     out[0, h0 + g, d] = acc[g, d] / stats[g, 1]
@@ -252,13 +259,14 @@ def _paged_attention_scalar(heads, kv_heads, head_dim, page_size, scale, n, grou
                         dot = T.decl_buffer((1,), "float32", scope="global")
                         dot[0] = T.float32(0)
                         for d in range(head_dim):
-                            dot[0] = dot[0] + q[t, h, d] * T.Cast("float32", pool[page, 0, kvh, o, d])
+                            dot[0] = dot[0] + q[t, h, d] * f32(pool[page, 0, kvh, o, d])
                         score[o] = dot[0] * T.float32(scale)
                         stats[2] = T.max(stats[2], score[o])
                 new_max = T.max(stats[0], stats[2])
                 correction = T.exp(stats[0] - new_max)
                 for o in T.vectorized(page_size):
-                    score[o] = T.if_then_else(visible(p * page_size + o, total, window), fast_exp(score[o] - new_max), T.float32(0))
+                    score[o] = T.if_then_else(visible(p * page_size + o, total, window),
+                                              fast_exp(score[o] - new_max), T.float32(0))
                 stats[1] = stats[1] * correction
                 for o in range(page_size):
                     stats[1] = stats[1] + score[o]
@@ -266,7 +274,7 @@ def _paged_attention_scalar(heads, kv_heads, head_dim, page_size, scale, n, grou
                     acc[d] = acc[d] * correction
                 for o in range(T.min(T.Cast("int64", page_size), total - p * page_size)):
                     for d in T.vectorized(head_dim):
-                        acc[d] = acc[d] + score[o] * T.Cast("float32", pool[page, 1, kvh, o, d])
+                        acc[d] = acc[d] + score[o] * f32(pool[page, 1, kvh, o, d])
                 stats[0] = new_max
             for d in T.vectorized(head_dim):
                 out[t, h, d] = acc[d] / stats[1]
