@@ -57,8 +57,3 @@ def test_gemma3_greedy_through_the_cache(gemma3, gemma3_golden):
     full = gemma3.score(g["prompt_ids"] + out.token_ids)          # the same tokens by full recomputation
     assert [int(t) for t in full[len(g["prompt_ids"]) - 1:-1].argmax(-1)] == out.token_ids
     assert g["output_text"].startswith(out.text)                  # and llama.cpp's continuation begins the same
-
-
-def test_gemma3_bad_snapkv_request(gemma3_gguf, tmp_path):
-    with pytest.raises(sharpi.ConfigError, match="sliding-window"):
-        sharpi.compile(str(gemma3_gguf), output=tmp_path / "x", snapkv="on", max_context=64)

@@ -84,12 +84,13 @@ def test_decode_through_the_cache_matches_cpu(vk, smollm2):
 
 def test_snapkv_on_vulkan_matches_cpu(vk, smollm2):
     """Eviction on Vulkan keeps what the CPU keeps: same lengths, kept positions overlapping >= 99%, and decode
-    steps that agree under the near-tie rule (a 320-token prompt, budget 96: lavapipe prefills ~2 tokens/s)."""
+    steps that agree under the near-tie rule (a 200-token prompt, budget 64: lavapipe prefills ~2 tokens/s;
+    benchmarks/vulkan_check.py runs the 1040-token, budget-256 case)."""
     from sharpi.cli.bench import prompt_ids
-    prompt = prompt_ids(smollm2, 320)
-    r = snapkv_agreement(vk, smollm2, prompt, budget=96, snapkv_window=32, snapkv_recency=16)
+    prompt = prompt_ids(smollm2, 200)
+    r = snapkv_agreement(vk, smollm2, prompt, budget=64, snapkv_window=32, snapkv_recency=16)
     assert r["evicted"] == (True, True)
-    assert r["kv_length"][0] == r["kv_length"][1] == [96] * vk.config.n_layers
+    assert r["kv_length"][0] == r["kv_length"][1] == [64] * vk.config.n_layers
     assert r["logical_length"] == (len(prompt), len(prompt))
     assert r["overlap"] >= 0.99, r["overlap"]
     assert r["decode_agrees"], f"decode after eviction differs at step {r['steps_compared']}"
