@@ -1,7 +1,6 @@
 """GPU twins of the KV-append, paged-attention, RoPE and embedding kernels, built to WGSL and run on Vulkan
 (lavapipe in CI) via the plan runner, against numpy on random data with awkward sizes."""
 import math
-import os
 
 import numpy as np
 import pytest
@@ -11,28 +10,16 @@ from tvm import relax
 import sharpi
 from sharpi.codegen.kernels.gpu.attention import make_gpu_kv_append, make_gpu_paged_attention
 from sharpi.codegen.kernels.gpu.elementwise import make_gpu_embedding, make_gpu_rope, rope_turns
-from sharpi.codegen.vulkan import build_plan, write_plan
+from sharpi.codegen.vulkan import build_plan
 from sharpi.frontend.quant import dequantize_layout
 from sharpi.testing.reference import rope_adjacent
 from test_gpu_kernels import _gpu_parts
 from test_kernels import _attention_reference, _weight
+from vulkan_device import plan_runner
 
 HEADS, KV_HEADS, PAGE, LAYERS, LAYER = 6, 2, 16, 3, 1
 
 
-def _runner(directory):
-    from sharpi.runtime.vulkan import VulkanPlanRunner, VulkanUnavailableError
-    try:
-        return VulkanPlanRunner(directory)
-    except VulkanUnavailableError as exc:
-        if os.environ.get("CI"):
-            raise
-        pytest.skip(f"no Vulkan device here: {exc}")
-
-
-def _plan_runner(mod, directory):
-    write_plan(build_plan(mod), directory)
-    return _runner(directory)
 
 
 def _tensor(shape, dtype="float32"):
@@ -99,7 +86,7 @@ def attention(request, tmp_path_factory):
     head_dim = request.param
     max_pages = 13                              # 208 slots
     pages = 17
-    runner = _plan_runner(_attention_module(head_dim, pages, max_pages), tmp_path_factory.mktemp("attn"))
+    runner = plan_runner(_attention_module(head_dim, pages, max_pages), tmp_path_factory.mktemp("attn"))
     return head_dim, pages, max_pages, runner
 
 
@@ -144,7 +131,7 @@ def test_sliding_window_attention_on_vulkan(tmp_path, rng):
     before the window are skipped."""
     from test_kernels import _attention_reference as windowed_reference
     head_dim, pages, max_pages, window = 64, 17, 13, 37
-    runner = _plan_runner(_attention_module(head_dim, pages, max_pages, window), tmp_path)
+    runner = plan_runner(_attention_module(head_dim, pages, max_pages, window), tmp_path)
     for function, held, new in (("prefill", 0, 45), ("prefill", 150, 20), ("decode", 130, 1), ("decode", 10, 1)):
         table = _page_table(rng, max_pages, pages)
         lens = np.zeros(LAYERS, np.int32)
@@ -184,7 +171,7 @@ def _rope_module(heads, head_dim, theta, layout="norm"):
 # (mostly the rounding of the u32 angle table: 6e-6 rad at 8191), 3.2e-4 at position 131071.
 @pytest.mark.parametrize("heads,head_dim,theta", [(6, 64, 10000.0), (5, 80, 500000.0)])
 def test_gpu_rope_on_vulkan(heads, head_dim, theta, tmp_path, rng):
-    runner = _plan_runner(_rope_module(heads, head_dim, theta), tmp_path)
+    runner = plan_runner(_rope_module(heads, head_dim, theta), tmp_path)
     for function, pos in (("prefill", [0, 1, 15, 16, 1000, 4097, 8191]), ("prefill", [8190]), ("decode", [8191]),
                           ("decode", [0])):
         pos = np.array(pos, np.int32)
@@ -195,7 +182,7 @@ def test_gpu_rope_on_vulkan(heads, head_dim, theta, tmp_path, rng):
 
 def test_gpu_rope_neox_on_vulkan(tmp_path, rng):
     from test_kernels import rope_halves
-    runner = _plan_runner(_rope_module(4, 256, 1e6, layout="neox"), tmp_path)
+    runner = plan_runner(_rope_module(4, 256, 1e6, layout="neox"), tmp_path)
     pos = np.array([0, 1, 511, 512, 8191], np.int32)
     x = rng.standard_normal((len(pos), 4, 256)).astype(np.float32)
     np.testing.assert_allclose(runner.run("prefill", x, pos), rope_halves(x, pos, 1e6), rtol=0, atol=1e-4)
@@ -235,7 +222,7 @@ def _embedding_module(qtype, parts):
 def test_gpu_embedding_on_vulkan(qtype_name, tmp_path, rng):
     qtype, parts = _weight(qtype_name, VOCAB, DIM, rng)
     gpu_parts = _gpu_parts(parts)
-    runner = _plan_runner(_embedding_module(qtype, gpu_parts), tmp_path)
+    runner = plan_runner(_embedding_module(qtype, gpu_parts), tmp_path)
     table = dequantize_layout(qtype, parts)
     for ids in ([VOCAB - 1], [0, 5, 99, 5, 42, 17, 63]):
         ids = np.array(ids, np.int32)

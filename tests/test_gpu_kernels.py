@@ -1,6 +1,5 @@
 """GPU kernels (written for dlight's GPU rules), built to WGSL and run on Vulkan (lavapipe in CI) via the plan
 runner, against numpy."""
-import os
 
 import numpy as np
 import pytest
@@ -9,34 +8,24 @@ from tvm import relax
 
 import sharpi
 from sharpi.codegen.kernels.gpu.quant_matmul import GPU_LAYOUTS, make_gpu_matmul
-from sharpi.codegen.vulkan import build_plan, write_plan
 from sharpi.frontend.quant import dequantize_layout
 from test_kernels import _weight
+from vulkan_device import plan_runner
 
 N, K = 96, 128
 
 
-def _runner(directory):
-    from sharpi.runtime.vulkan import VulkanPlanRunner, VulkanUnavailableError
-    try:
-        return VulkanPlanRunner(directory)
-    except VulkanUnavailableError as exc:
-        if os.environ.get("CI"):
-            raise
-        pytest.skip(f"no Vulkan device here: {exc}")
-
-
-def _matmul_module(qtype, parts):
+def _matmul_module(qtype, parts, n_out=N, k_in=K):
     """Relax functions `prefill` (symbolic tokens) and `decode` (one token) calling the GPU matmul."""
     bb = relax.BlockBuilder()
     for name, tokens in (("prefill", None), ("decode", 1)):
         n = tvm.tirx.Var("n", "int64") if tokens is None else tokens
-        x = relax.Var("x", relax.TensorType((n, K), "float32"))
+        x = relax.Var("x", relax.TensorType((n, k_in), "float32"))
         params = [relax.Var(f"w{i}", relax.TensorType(a.shape, str(a.dtype))) for i, a in enumerate(parts)]
-        gv = bb.add_func(make_gpu_matmul(qtype, N, K, tokens), f"matmul_{name}")
+        gv = bb.add_func(make_gpu_matmul(qtype, n_out, k_in, tokens), f"matmul_{name}")
         with bb.function(name, [x, *params]):
             with bb.dataflow():
-                out = bb.emit_output(relax.call_tir(gv, [x, *params], relax.TensorType((n, N), "float32")))
+                out = bb.emit_output(relax.call_tir(gv, [x, *params], relax.TensorType((n, n_out), "float32")))
             bb.emit_func_output(out)
     return bb.get()
 
@@ -52,8 +41,7 @@ def _gpu_parts(parts):
 def test_gpu_matmul_on_vulkan(qtype_name, tmp_path, rng):
     qtype, parts = _weight(qtype_name, N, K, rng)
     gpu_parts = _gpu_parts(parts)
-    write_plan(build_plan(_matmul_module(qtype, gpu_parts)), tmp_path)
-    runner = _runner(tmp_path)
+    runner = plan_runner(_matmul_module(qtype, gpu_parts), tmp_path)
     w = dequantize_layout(qtype, parts)
     for function, tokens in (("decode", 1), ("prefill", 1), ("prefill", 19)):
         x = rng.standard_normal((tokens, K)).astype(np.float32)

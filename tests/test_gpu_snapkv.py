@@ -1,6 +1,5 @@
 """SnapKV's GPU kernels (sharpi.codegen.kernels.gpu.snapkv), built to WGSL and run on Vulkan (lavapipe in CI)
 through the plan runner, against numpy and the CPU kernels. Sizes stay small: lavapipe runs shaders at CPU speed."""
-import os
 
 import numpy as np
 import pytest
@@ -11,21 +10,11 @@ from sharpi.codegen.kernels.gpu.snapkv import (make_gpu_kv_compact, make_gpu_sna
                                                make_gpu_snapkv_score, make_gpu_snapkv_select)
 from sharpi.codegen.kernels.snapkv import make_snapkv_select
 from sharpi.codegen.llvm import make_target
-from sharpi.codegen.vulkan import build_plan, write_plan
 from sharpi.common import ops
 from sharpi.testing.snapkv import score_reference, select_reference
+from vulkan_device import plan_runner
 
 D, PAGE, MAX_PAGES, LAYERS, LAYER, POOL_PAGES = 16, 16, 5, 2, 1, 12
-
-
-def _runner(directory):
-    from sharpi.runtime.vulkan import VulkanPlanRunner, VulkanUnavailableError
-    try:
-        return VulkanPlanRunner(directory)
-    except VulkanUnavailableError as exc:
-        if os.environ.get("CI"):
-            raise
-        pytest.skip(f"no Vulkan device here: {exc}")
 
 
 def _tensor(shape, dtype="float32"):
@@ -71,8 +60,7 @@ def score_runners(tmp_path_factory):
     def get(heads, kv_heads):
         if (heads, kv_heads) not in cache:
             directory = tmp_path_factory.mktemp(f"score{heads}_{kv_heads}")
-            write_plan(build_plan(_score_module(heads, kv_heads)), directory)
-            cache[heads, kv_heads] = _runner(directory)
+            cache[heads, kv_heads] = plan_runner(_score_module(heads, kv_heads), directory)
         return cache[heads, kv_heads]
     return get
 
@@ -139,10 +127,10 @@ def select_runners(tmp_path_factory):
     def get(slots):
         if slots not in cache:
             directory = tmp_path_factory.mktemp(f"select{slots}")
-            write_plan(build_plan(_select_module(slots)), directory)
+            runner = plan_runner(_select_module(slots), directory)
             cpu = tvm.compile(tvm.IRModule({"main": make_snapkv_select(SELECT_LAYERS, SELECT_KV_HEADS, slots)}),
                               target=make_target(None))
-            cache[slots] = (_runner(directory), cpu)
+            cache[slots] = (runner, cpu)
         return cache[slots]
     return get
 
@@ -208,8 +196,7 @@ def _compact_module():
 
 @pytest.mark.parametrize("total,count", [(80, 33), (57, 57), (80, 1)])
 def test_compact_gathers_kept_slots_in_place(tmp_path, total, count, rng):
-    write_plan(build_plan(_compact_module()), tmp_path)
-    runner = _runner(tmp_path)
+    runner = plan_runner(_compact_module(), tmp_path)
     slots = MAX_PAGES * PAGE
     pool = rng.standard_normal((COMPACT_PAGES * LAYERS, 2, COMPACT_KV_HEADS, PAGE, D)).astype(np.float32)
     table = rng.permutation(COMPACT_PAGES * LAYERS)[:LAYERS * MAX_PAGES].reshape(LAYERS, MAX_PAGES).astype(np.int32)

@@ -87,36 +87,15 @@ def test_embedding(name, rng):
     np.testing.assert_array_equal(y.numpy(), w[ids])
 
 
-def _gpu_matmul_module(qtype, parts, n_out, k_in):
-    """Relax functions `prefill` (symbolic tokens) and `decode` (one token) calling the GPU matmul (as
-    test_gpu_kernels._matmul_module, at K-quant sizes)."""
-    import tvm
-    from tvm import relax
-    from sharpi.codegen.kernels.gpu.quant_matmul import make_gpu_matmul
-
-    bb = relax.BlockBuilder()
-    for name, tokens in (("prefill", None), ("decode", 1)):
-        n = tvm.tirx.Var("n", "int64") if tokens is None else tokens
-        x = relax.Var("x", relax.TensorType((n, k_in), "float32"))
-        params = [relax.Var(f"w{i}", relax.TensorType(a.shape, str(a.dtype))) for i, a in enumerate(parts)]
-        gv = bb.add_func(make_gpu_matmul(qtype, n_out, k_in, tokens), f"matmul_{name}")
-        with bb.function(name, [x, *params]):
-            with bb.dataflow():
-                out = bb.emit_output(relax.call_tir(gv, [x, *params], relax.TensorType((n, n_out), "float32")))
-            bb.emit_func_output(out)
-    return bb.get()
-
-
 @pytest.mark.parametrize("name", [t for t in TYPES if t.lower() in GPU_LAYOUTS])
 def test_gpu_matmul_on_vulkan(name, tmp_path, rng):
-    from sharpi.codegen.vulkan import build_plan, write_plan
-    from test_gpu_kernels import _gpu_parts, _runner
+    from test_gpu_kernels import _gpu_parts, _matmul_module
+    from vulkan_device import plan_runner
 
     n_out, k_in = 96, 256
     qtype, parts = _weight(name, n_out, k_in, rng)
     gpu_parts = _gpu_parts(parts)
-    write_plan(build_plan(_gpu_matmul_module(qtype, gpu_parts, n_out, k_in)), tmp_path)
-    runner = _runner(tmp_path)
+    runner = plan_runner(_matmul_module(qtype, gpu_parts, n_out, k_in), tmp_path)
     w = dequantize_layout(qtype, parts)
     for function, tokens in (("decode", 1), ("prefill", 1), ("prefill", 19)):
         x = rng.standard_normal((tokens, k_in)).astype(np.float32)
@@ -129,8 +108,8 @@ def test_gpu_embedding_on_vulkan(name, tmp_path, rng):
     import tvm
     from tvm import relax
     from sharpi.codegen.kernels.gpu.elementwise import make_gpu_embedding
-    from sharpi.codegen.vulkan import build_plan, write_plan
-    from test_gpu_kernels import _gpu_parts, _runner
+    from test_gpu_kernels import _gpu_parts
+    from vulkan_device import plan_runner
 
     vocab, dim = 100, 256
     qtype, parts = _weight(name, vocab, dim, rng)
@@ -144,8 +123,7 @@ def test_gpu_embedding_on_vulkan(name, tmp_path, rng):
         with bb.dataflow():
             out = bb.emit_output(relax.call_tir(gv, [ids, *params], relax.TensorType((n, dim), "float32")))
         bb.emit_func_output(out)
-    write_plan(build_plan(bb.get()), tmp_path)
-    runner = _runner(tmp_path)
+    runner = plan_runner(bb.get(), tmp_path)
     table = dequantize_layout(qtype, parts)
     for chosen in ([vocab - 1], [0, 5, 99, 5, 42, 17, 63]):
         chosen = np.array(chosen, np.int32)

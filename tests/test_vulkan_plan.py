@@ -1,6 +1,5 @@
 """The Vulkan path's foundation: a Relax module built to WGSL, its plan recorded, replayed through wgpu on Vulkan
 (lavapipe in CI), against numpy."""
-import os
 
 import numpy as np
 import pytest
@@ -8,8 +7,9 @@ from tvm import relax
 from tvm.relax import op as R
 
 import sharpi
-from sharpi.codegen.vulkan import build_plan, write_plan
+from sharpi.codegen.vulkan import build_plan
 from sharpi.common.shape_expr import evaluate
+from vulkan_device import plan_runner
 
 
 def _small_module():
@@ -31,15 +31,7 @@ def _small_module():
 
 @pytest.fixture(scope="module")
 def runner(tmp_path_factory):
-    from sharpi.runtime.vulkan import VulkanPlanRunner, VulkanUnavailableError
-    directory = tmp_path_factory.mktemp("vk")
-    write_plan(build_plan(_small_module()), directory)
-    try:
-        return VulkanPlanRunner(directory)
-    except VulkanUnavailableError as exc:
-        if os.environ.get("CI"):
-            raise                      # CI installs lavapipe: a missing device there is a failure
-        pytest.skip(f"no Vulkan device here: {exc}")
+    return plan_runner(_small_module(), tmp_path_factory.mktemp("vk"))
 
 
 def test_shape_expressions_are_arithmetic_only():
@@ -92,14 +84,7 @@ def _norm_module(dim):
 @pytest.mark.parametrize("dim", [576, 1000])
 def test_rms_norm_on_vulkan_matches_numpy(tmp_path, dim):
     """The model's norm as the GPU pipeline schedules it (legalized, dlight's reduction rule), at awkward sizes."""
-    from sharpi.runtime.vulkan import VulkanPlanRunner, VulkanUnavailableError
-    write_plan(build_plan(_norm_module(dim)), tmp_path)
-    try:
-        runner = VulkanPlanRunner(tmp_path)
-    except VulkanUnavailableError as exc:
-        if os.environ.get("CI"):
-            raise
-        pytest.skip(f"no Vulkan device here: {exc}")
+    runner = plan_runner(_norm_module(dim), tmp_path)
     rng = np.random.default_rng(dim)
     g = rng.standard_normal(dim).astype(np.float32)
     for n in (1, 37):

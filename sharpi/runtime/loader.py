@@ -45,22 +45,25 @@ def check_artifact(directory: Path, manifest: Manifest, verify_hashes: bool = Tr
                             f"{', '.join(missing)}, which this CPU lacks; compile it here or with a portable --mcpu.")
 
 
-def load_weights(directory: Path, manifest: Manifest, device) -> list:
-    """Weights as TVM tensors on `device`, in parameter order; the file is mapped, copied once, released."""
-    import tvm
-
+def weight_arrays(directory: Path, manifest: Manifest):
+    """(param entry, numpy view into the mapped weights file) for every parameter, in order; a parameter that ends
+    past the file is an ArtifactError. Views are valid only while iterating: callers copy each one (to a device)."""
     size = (directory / WEIGHTS).stat().st_size
     mapped = np.memmap(directory / WEIGHTS, dtype=np.uint8, mode="r", shape=(size,))
-    tensors = []
     try:
         for p in manifest.params:
             if p.offset + p.nbytes > size:
                 raise ArtifactError(f"{directory}/{WEIGHTS} is truncated ({p.name} ends past the file).")
-            array = mapped[p.offset:p.offset + p.nbytes].view(np.dtype(p.dtype)).reshape(p.shape)
-            tensors.append(tvm.runtime.tensor(array, device))
+            yield p, mapped[p.offset:p.offset + p.nbytes].view(np.dtype(p.dtype)).reshape(p.shape)
     finally:
         del mapped
-    return tensors
+
+
+def load_weights(directory: Path, manifest: Manifest, device) -> list:
+    """Weights as TVM tensors on `device`, in parameter order; the file is mapped, copied once, released."""
+    import tvm
+
+    return [tvm.runtime.tensor(array, device) for _, array in weight_arrays(directory, manifest)]
 
 
 def load_vm(directory: Path, device):

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import numpy as np
 
-from ..common.errors import ArtifactError
 from .plan_runner import DeviceTensor, VulkanPlanRunner
 from .wgpu_device import VulkanUnavailableError, list_adapters, open_device
 
@@ -32,24 +31,15 @@ class VulkanBackend:
         self.pool: DeviceTensor | None = None
 
     def _upload_weights(self, directory: Path, manifest) -> list[DeviceTensor]:
-        from ..common.manifest import WEIGHTS
+        from .loader import weight_arrays
 
         limit = self.runner.max_binding_size
-        size = (directory / WEIGHTS).stat().st_size
-        mapped = np.memmap(directory / WEIGHTS, dtype=np.uint8, mode="r", shape=(size,))
         tensors = []
-        try:
-            for p in manifest.params:
-                if p.offset + p.nbytes > size:
-                    raise ArtifactError(f"{directory}/{WEIGHTS} is truncated ({p.name} ends past the file).")
-                if p.nbytes > limit:
-                    raise VulkanUnavailableError(f"{p.name} takes {p.nbytes >> 20} MiB, more than the "
-                                                 f"{limit >> 20} MiB a storage buffer of {self.runner.adapter_name} "
-                                                 f"may bind.")
-                array = mapped[p.offset:p.offset + p.nbytes].view(np.dtype(p.dtype)).reshape(p.shape)
-                tensors.append(self.runner.upload(array, persistent=True))
-        finally:
-            del mapped
+        for p, array in weight_arrays(directory, manifest):
+            if p.nbytes > limit:
+                raise VulkanUnavailableError(f"{p.name} takes {p.nbytes >> 20} MiB, more than the {limit >> 20} "
+                                             f"MiB a storage buffer of {self.runner.adapter_name} may bind.")
+            tensors.append(self.runner.upload(array, persistent=True))
         return tensors
 
     # -- the KV page pool -------------------------------------------------------------------------------------
