@@ -13,12 +13,9 @@ import numpy as np
 
 from ..common.config import ModelConfig
 from ..common.errors import GGUFError
-from ..frontend.config import config_from_gguf
+# Gemma 3's layer pattern and local RoPE base are constants llama.cpp hard-codes rather than reads from the GGUF
+from ..frontend.config import GEMMA3_LOCAL_ROPE_BASE, GEMMA3_SWA_PATTERN, config_from_gguf
 from ..frontend.gguf_file import GGUFFile
-
-# Gemma 3 constants that llama.cpp hard-codes rather than reads from the GGUF (llama-model.cpp, LLM_ARCH_GEMMA3):
-GEMMA3_SWA_PATTERN = 6              # layers with index % 6 == 5 are global, the others sliding-window (local)
-GEMMA3_LOCAL_ROPE_BASE = 10000.0    # local layers' RoPE base; global layers use {arch}.rope.freq_base
 
 
 class NumpyReference:
