@@ -30,6 +30,7 @@ class CompileOptions:
     target: str = "llvm"
     mcpu: str | None = None
     arch: str | None = None                  # cuda: sm_XY
+    cuda_graph: bool = False                 # cuda: decode replays one captured CUDA graph
     kv_dtype: str = "float32"                # the KV page pool's element type
     max_context: int | None = None
     snapkv: str = "on"                       # whether the SnapKV ops are compiled in
@@ -55,6 +56,8 @@ class CompileOptions:
                 raise ConfigError("--arch applies to the cuda target only.")
             from .codegen.cuda import check_arch
             check_arch(self.arch)
+        if self.cuda_graph and self.target != "cuda":
+            raise ConfigError("--cuda-graph applies to the cuda target only.")
         if self.kv_dtype not in KV_DTYPES.values():
             raise ConfigError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}.")
         if self.max_context is not None:
@@ -62,14 +65,16 @@ class CompileOptions:
 
 
 def compile(model: str | Path, target: str = "llvm", output: str | Path | None = None, *, mcpu: str | None = None,
-            arch: str | None = None, kv_dtype: str | None = None, max_context: int | None = None,
+            arch: str | None = None, cuda_graph: bool = False, kv_dtype: str | None = None,
+            max_context: int | None = None,
             snapkv: str | bool | None = None, snapkv_budget=None, snapkv_window=None, snapkv_recency=None,
             snapkv_pooling=None, snapkv_kernel=None, snapkv_granularity=None, dump_ir: str | Path | None = None,
             use_cache: bool = True, show_progress: bool = False) -> Path:
     """Compile a GGUF (path or known model name) into an artifact directory; returns its path.
 
-    target: llvm (mcpu: the CPU, default this one), vulkan, or cuda (arch: sm_XY, default sm_80); kv_dtype: the
-    KV cache's element type, "f32" or "f16" (default f16 for cuda, else f32).
+    target: llvm (mcpu: the CPU, default this one), vulkan, or cuda (arch: sm_XY, default sm_80; cuda_graph: decode
+    as one captured CUDA graph); kv_dtype: the KV cache's element type, "f32" or "f16" (default f16 for cuda, else
+    f32).
 
     snapkv decides whether the SnapKV ops exist; snapkv_window is also the largest window allowed at run time;
     the other snapkv_* values become the artifact's run-time defaults. dump_ir writes the Relax IR after the
@@ -85,7 +90,7 @@ def compile(model: str | Path, target: str = "llvm", output: str | Path | None =
                      if v is not None)
     if kv_dtype is None:                   # DESIGN.md: f32 on CPU; f16 on CUDA GPUs (Vulkan: f32 until measured)
         kv_dtype = "f16" if target == "cuda" else "f32"
-    options = CompileOptions(target=target, mcpu=mcpu, arch=arch, kv_dtype=KV_DTYPES.get(kv_dtype, kv_dtype),
+    options = CompileOptions(target=target, mcpu=mcpu, arch=arch, cuda_graph=bool(cuda_graph), kv_dtype=KV_DTYPES.get(kv_dtype, kv_dtype),
                              max_context=max_context, snapkv=snapkv, snapkv_explicit=snapkv_explicit,
                              snapkv_defaults=defaults)
     options.validate()
@@ -129,12 +134,12 @@ def _compile_uncached(gguf, gguf_sha256: str, options: CompileOptions, output: P
         raise ConfigError(f"--max-context {max_context} exceeds the model's context of {cfg.context_length}.")
     tokenizer, tok_info = build_from_gguf_metadata(gguf.metadata)
     load_weights, builder = frontend_for(cfg)
-    if cfg.sliding_window and options.snapkv == "on":
+    if options.snapkv == "on" and all(cfg.is_local(l) for l in range(cfg.n_layers)):
+        message = (f"every layer of this {cfg.arch} model attends within a sliding window of {cfg.sliding_window} "
+                   f"and so holds only that window: SnapKV has nothing to evict")
         if options.snapkv_explicit:
-            raise ConfigError(f"SnapKV on {cfg.arch} (sliding-window layers) is not implemented yet; compile with "
-                              f"--snapkv off.")
-        _log(show_progress, f"sharpi: {cfg.arch} has sliding-window layers, which SnapKV does not handle yet: "
-                            f"compiling without it")
+            raise ConfigError(f"{message[0].upper()}{message[1:]}; compile with --snapkv off.")
+        _log(show_progress, f"sharpi: {message}; compiling without it")
         options = replace(options, snapkv="off")
     weights = load_weights(gguf, cfg, show_progress)
     max_pages = math.ceil(max_context / PAGE_SIZE)
@@ -200,13 +205,14 @@ def _build_cuda(mod, cfg, options: CompileOptions, staging: Path, bar) -> tuple[
 
     target = cuda.make_target(options.arch)
     bar.set_postfix_str("attach GPU kernels")
-    lowered = cuda.lower(mod, cfg)
+    lowered = cuda.lower(mod, cfg, cuda_graph=options.cuda_graph)
     bar.update(1)
     bar.set_postfix_str("dlight schedules, CUDA codegen, nvcc")
-    cuda.build(lowered, target, staging / artifact.LIBRARY)
+    cuda.build(lowered, target, staging / artifact.LIBRARY, cuda_graph=options.cuda_graph)
     bar.update(1)
     images = cuda.fatbin_entries((staging / artifact.LIBRARY).read_bytes())
-    info = {"kind": "cuda", "arch": options.arch, "images": [f"{kind}:{arch}" for kind, arch in images]}
+    info = {"kind": "cuda", "arch": options.arch, "images": [f"{kind}:{arch}" for kind, arch in images],
+            "cuda_graph": options.cuda_graph}
     return info, kernel_names(lowered)
 
 

@@ -57,3 +57,17 @@ def reference_logprobs(reference, golden):
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)
+
+
+@pytest.fixture(scope="session")
+def gemma3(gemma3_gguf, tmp_path_factory):
+    """Gemma 3 270M compiled for this CPU (SnapKV ops included), once per test session."""
+    import sharpi
+    return sharpi.load(sharpi.compile(str(gemma3_gguf), output=tmp_path_factory.mktemp("g3") / "gemma3"))
+
+
+@pytest.fixture(scope="session")
+def gemma3_reference(gemma3_gguf):
+    """The exact float32 numpy reference of Gemma 3 (opening and dequantizing the GGUF takes ~20 s: once)."""
+    from sharpi.testing.reference import NumpyReference
+    return NumpyReference(gemma3_gguf)

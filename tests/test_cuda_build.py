@@ -65,3 +65,16 @@ def test_cuda_logits_match_cpu(smollm2_cuda_artifact, smollm2, golden):
         same = sum(np.intersect1d(x, y).size for pa, pb in zip(a.kept_positions, b.kept_positions)
                    for x, y in zip(pa, pb))
         assert same / sum(p.size for p in b.kept_positions) >= 0.99
+
+
+def test_cuda_graph_captures_the_whole_decode_step(tmp_path):
+    """--cuda-graph: TVM's RewriteCUDAGraph lifts decode into one captured region (all but the lm_head, whose
+    output is the result); without it, per-layer regions at most."""
+    from sharpi.common.manifest import Manifest
+    path = write_tiny_llama(tmp_path / "tiny.gguf")
+    artifact = sharpi.compile(str(path), target="cuda", arch="sm_90", cuda_graph=True, output=tmp_path / "graph")
+    library = (artifact / "model.so").read_bytes()
+    assert b"decode_cuda_graph_capture" in library and b"decode_cuda_graph_capture1" not in library
+    assert Manifest.read(artifact).target["cuda_graph"] is True
+    with pytest.raises(sharpi.ConfigError, match="--cuda-graph applies to the cuda target only"):
+        sharpi.compile(str(path), target="llvm", cuda_graph=True, output=tmp_path / "bad")

@@ -18,25 +18,19 @@ def gemma3_golden():
 
 
 @pytest.fixture(scope="module")
-def gemma3(gemma3_gguf, tmp_path_factory):
-    return sharpi.load(sharpi.compile(str(gemma3_gguf), output=tmp_path_factory.mktemp("g3") / "gemma3"))
-
-
-@pytest.fixture(scope="module")
-def gemma3_reference_logprobs(gemma3_gguf, gemma3_golden):
-    from sharpi.testing.reference import NumpyReference
-    return log_softmax(NumpyReference(gemma3_gguf).forward(gemma3_golden["teacher_forced"]["ids"]))
+def gemma3_reference_logprobs(gemma3_reference, gemma3_golden):
+    return log_softmax(gemma3_reference.forward(gemma3_golden["teacher_forced"]["ids"]))
 
 
 def _next(lp, ids):
     return lp[np.arange(len(ids) - 1), ids[1:]]
 
 
-def test_gemma3_config_and_snapkv_left_out(gemma3):
+def test_gemma3_config(gemma3):
     cfg = gemma3.config
     assert (cfg.arch, cfg.n_layers, cfg.head_dim, cfg.n_kv_heads, cfg.sliding_window) == ("gemma3", 18, 256, 1, 512)
     assert [l for l in range(cfg.n_layers) if not cfg.is_local(l)] == [5, 11, 17]
-    assert not gemma3.manifest.snapkv["enabled"]          # sliding-window layers: SnapKV is not applied yet
+    assert gemma3.manifest.snapkv["enabled"]              # the global layers evict; see test_sliding_window.py
 
 
 def test_gemma3_logits_match_reference_and_llama_cpp(gemma3, gemma3_golden, gemma3_reference_logprobs):

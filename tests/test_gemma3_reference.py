@@ -14,12 +14,6 @@ def gemma3_golden():
     return json.loads((DATA / "gemma3-270m-q4_k_m.json").read_text())["teacher_forced"]
 
 
-@pytest.fixture(scope="module")
-def gemma3_reference(gemma3_gguf):
-    from sharpi.testing.reference import NumpyReference
-    return NumpyReference(gemma3_gguf)
-
-
 def _top1_and_next_token_logprobs(logits, ids, rows=64):
     """argmax per position and log p(ids[i + 1] | ids[:i + 1]), in float64, a block of rows at a time."""
     top1, nll = logits.argmax(-1), []

@@ -187,7 +187,7 @@ def _compact_module():
     pool = relax.Var("pool", pool_ty)
     table = relax.Var("table", _tensor((LAYERS, MAX_PAGES), "int32"))
     keep = relax.Var("keep", _tensor((LAYERS, COMPACT_KV_HEADS, slots), "int32"))
-    count = relax.Var("count", _tensor((1,), "int32"))
+    count = relax.Var("count", _tensor((LAYERS,), "int32"))
     with bb.function("compact", [pool, table, keep, count], pure=False):
         out = bb.emit(relax.call_tir_inplace(gv, [pool, table, keep, count], [0], pool_ty))
         bb.emit_func_output(out)
@@ -196,19 +196,24 @@ def _compact_module():
 
 @pytest.mark.parametrize("total,count", [(80, 33), (57, 57), (80, 1)])
 def test_compact_gathers_kept_slots_in_place(tmp_path, total, count, rng):
+    """Per-layer counts: the last layer keeps 0 slots (a sliding-window layer SnapKV leaves alone) and must be
+    untouched."""
     runner = plan_runner(_compact_module(), tmp_path)
     slots = MAX_PAGES * PAGE
     pool = rng.standard_normal((COMPACT_PAGES * LAYERS, 2, COMPACT_KV_HEADS, PAGE, D)).astype(np.float32)
     table = rng.permutation(COMPACT_PAGES * LAYERS)[:LAYERS * MAX_PAGES].reshape(LAYERS, MAX_PAGES).astype(np.int32)
+    counts = np.full(LAYERS, count, np.int32)
+    counts[-1] = 0
     keep = np.zeros((LAYERS, COMPACT_KV_HEADS, slots), np.int32)
     for l in range(LAYERS):
         for h in range(COMPACT_KV_HEADS):
             keep[l, h, :count] = np.sort(rng.choice(total, count, replace=False))
-    got = runner.run("compact", pool, table, keep, np.array([count], np.int32))
+    got = runner.run("compact", pool, table, keep, counts)
     expected = pool.copy()
     for l in range(LAYERS):
+        n = counts[l]
         for h in range(COMPACT_KV_HEADS):
-            src = keep[l, h, :count]
-            expected[table[l, np.arange(count) // PAGE], :, h, np.arange(count) % PAGE] = \
+            src = keep[l, h, :n]
+            expected[table[l, np.arange(n) // PAGE], :, h, np.arange(n) % PAGE] = \
                 pool[table[l, src // PAGE], :, h, src % PAGE]
     np.testing.assert_array_equal(got, expected)

@@ -21,7 +21,13 @@ def byte_level_vocab() -> list[str]:
 
 def write_tiny_llama(path: Path, *, arch: str = "llama", layers: int = 2, dim: int = 64, heads: int = 4,
                      kv_heads: int = 2, ffn: int = 128, context: int = 256, seed: int = 0,
-                     matrix_type: str = "F32", override_raw: dict | None = None) -> Path:
+                     matrix_type: str = "F32", override_raw: dict | None = None, head_dim: int | None = None,
+                     qkv_bias: bool = False, qk_norm: bool = False, sliding_window: int = 0,
+                     rope_base: float = 10000.0) -> Path:
+    """A tiny llama-family GGUF. head_dim (written as {arch}.attention.key_length/value_length) defaults to
+    dim // heads; qkv_bias adds blk.N.attn_{q,k,v}.bias (qwen2), qk_norm blk.N.attn_{q,k}_norm.weight (qwen3),
+    sliding_window sets {arch}.attention.sliding_window (a mistral-style llama). With none of them the file is
+    the same as before they existed."""
     import gguf
 
     rng = np.random.default_rng(seed)
@@ -34,7 +40,12 @@ def write_tiny_llama(path: Path, *, arch: str = "llama", layers: int = 2, dim: i
     w.add_feed_forward_length(ffn)
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
-    w.add_rope_freq_base(10000.0)
+    w.add_rope_freq_base(rope_base)
+    if head_dim is not None:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    if sliding_window:
+        w.add_sliding_window(sliding_window)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("gpt2")
@@ -43,7 +54,7 @@ def write_tiny_llama(path: Path, *, arch: str = "llama", layers: int = 2, dim: i
     w.add_token_merges([])
     w.add_eos_token_id(vocab - 1)
     w.add_bool("tokenizer.ggml.add_bos_token", False)
-    head_dim = dim // heads
+    head_dim = head_dim or dim // heads
     shapes = {"token_embd.weight": (vocab, dim), "output_norm.weight": (dim,)}
     for l in range(layers):
         p = f"blk.{l}."
@@ -52,11 +63,19 @@ def write_tiny_llama(path: Path, *, arch: str = "llama", layers: int = 2, dim: i
                        p + "attn_v.weight": (kv_heads * head_dim, dim), p + "attn_output.weight": (dim, heads * head_dim),
                        p + "ffn_gate.weight": (ffn, dim), p + "ffn_up.weight": (ffn, dim),
                        p + "ffn_down.weight": (dim, ffn)})
+        if qkv_bias:
+            shapes.update({p + "attn_q.bias": (heads * head_dim,), p + "attn_k.bias": (kv_heads * head_dim,),
+                           p + "attn_v.bias": (kv_heads * head_dim,)})
+        if qk_norm:
+            shapes.update({p + "attn_q_norm.weight": (head_dim,), p + "attn_k_norm.weight": (head_dim,)})
     override_raw = override_raw or {}
     for name, shape in shapes.items():
         if name in override_raw:
             raw, qtype = override_raw[name]
             w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=qtype)
+            continue
+        if name.endswith(".bias"):
+            w.add_tensor(name, (0.5 * rng.standard_normal(shape)).astype(np.float32))
             continue
         if len(shape) == 1:
             w.add_tensor(name, (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32))

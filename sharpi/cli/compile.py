@@ -13,6 +13,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default="llvm",
                    help="llvm (default, this CPU), vulkan (WGSL run through wgpu) or cuda (NVIDIA GPUs; needs nvcc)")
     p.add_argument("--arch", default=None, help="cuda: the GPU architecture, sm_XY (default sm_80; PTX included)")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="cuda: run each decode step as one captured CUDA graph (fewer launches)")
     p.add_argument("-o", "--output", default=None, help="artifact directory (default: <gguf name>-<target>)")
     p.add_argument("--mcpu", default=None, help="CPU to compile for (default: this machine's, e.g. znver3)")
     p.add_argument("--max-context", type=int, default=None, help="context length (default: the GGUF's)")
@@ -31,7 +33,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from ..compiler import compile as compile_model
     out = compile_model(args.model, target=args.target, output=args.output, mcpu=args.mcpu, arch=args.arch,
-                        kv_dtype=args.kv_dtype,
+                        cuda_graph=args.cuda_graph, kv_dtype=args.kv_dtype,
                         max_context=args.max_context, snapkv=args.snapkv, dump_ir=args.dump_ir,
                         use_cache=not args.no_cache, show_progress=not args.quiet, **snapkv_kwargs(args))
     print(out)

@@ -12,6 +12,8 @@ probabilities), since a workgroup cannot wait for the others.
 """
 from __future__ import annotations
 
+import re
+
 import tvm
 from tvm import relax, s_tir
 
@@ -54,7 +56,8 @@ class KernelAttacher(relax.PyExprMutator):
 
     def kernel(self, key: tuple, make) -> tvm.ir.GlobalVar:
         if key not in self.kernels:
-            name = "_".join(str(k) for k in key if k is not None)
+            # a C identifier: CUDA C and WGSL declare kernels by this name (a RoPE base prints as "1e+06")
+            name = re.sub(r"\W", "_", "_".join(str(k) for k in key if k is not None).replace("+", "p"))
             prim = make()
             if not self.gpu:
                 prim = prim.with_attr("tirx.is_scheduled", True)

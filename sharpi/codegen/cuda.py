@@ -6,7 +6,6 @@ machine; compiling needs nvcc, not a GPU.
 """
 from __future__ import annotations
 
-import ctypes
 import re
 import shutil
 import struct
@@ -17,6 +16,7 @@ import tvm
 
 from ..common.config import ModelConfig
 from ..common.errors import CompileError, ConfigError
+from ..common.tvm_cuda import load_tvm_cuda_runtime
 from .attach_kernels import attach_kernels
 
 DEFAULT_ARCH = "sm_80"
@@ -76,23 +76,18 @@ def _driver_stub(directory: Path) -> Path:
 
 
 def ensure_cuda_runtime_library() -> None:
-    """Load TVM's CUDA runtime library (libtvm_runtime_cuda), which registers the CUDA module type the codegen
-    needs to embed compiled kernels: without it TVM keeps only the CUDA source and calls no compiler. The library
-    links against the driver (libcuda.so.1); on a machine with no NVIDIA driver a stub stands in, which is never
-    called, since nothing runs on a GPU here."""
-    from tvm.base import _LOADED_LIBS
-    from tvm_ffi.libinfo import load_lib_ctypes
-
-    if "tvm_runtime_cuda" in _LOADED_LIBS:
-        return
+    """Load TVM's CUDA runtime library, which registers the CUDA module type the codegen needs to embed compiled
+    kernels: without it TVM keeps only the CUDA source and calls no compiler. The library links against the
+    driver (libcuda.so.1); on a machine with no NVIDIA driver a stub stands in, which is never called, since
+    nothing runs on a GPU here."""
     try:
-        ctypes.CDLL("libcuda.so.1", mode=ctypes.RTLD_GLOBAL)
+        load_tvm_cuda_runtime()
     except OSError:
         from ..common.settings import sharpi_home
-        ctypes.CDLL(str(_driver_stub(sharpi_home() / "cuda-stub")), mode=ctypes.RTLD_GLOBAL)
-    runtime_dir = Path(_LOADED_LIBS["tvm_runtime"]._name).resolve().parent
-    _LOADED_LIBS["tvm_runtime_cuda"] = load_lib_ctypes(package="tvm", target_name="tvm_runtime_cuda",
-                                                       extra_lib_paths=[runtime_dir], mode="RTLD_LOCAL")
+        try:
+            load_tvm_cuda_runtime(driver=_driver_stub(sharpi_home() / "cuda-stub"))
+        except OSError as exc:
+            raise CompileError(f"Compiling for cuda needs TVM's CUDA runtime library: {exc}") from None
 
 
 FATBIN_MAGIC = 0xBA55ED50
@@ -115,13 +110,28 @@ def fatbin_entries(blob: bytes) -> list[tuple[str, int]]:
     return entries
 
 
-def lower(mod: tvm.IRModule, cfg: ModelConfig) -> tvm.IRModule:
-    return attach_kernels(mod, cfg, gpu=True)
+def lower(mod: tvm.IRModule, cfg: ModelConfig, cuda_graph: bool = False) -> tvm.IRModule:
+    mod = attach_kernels(mod, cfg, gpu=True)
+    if cuda_graph:
+        mod = mark_decode_inputs_static(mod)
+    return mod
 
 
-def build(mod: tvm.IRModule, target: tvm.target.Target, library_path: Path) -> None:
+def mark_decode_inputs_static(mod: tvm.IRModule) -> tvm.IRModule:
+    """Let TVM's RewriteCUDAGraph capture the whole decode step as one CUDA graph. It captures only kernels whose
+    inputs are "static" (the same device buffers at every call): by default just the weights after `num_input`.
+    With num_input = 0 every parameter counts as static, so the runtime must pass the same tensors at every decode
+    call (it does: TVMBackend keeps persistent ids/positions/page-table/length buffers and copies each step's
+    values into them). Only the lm_head, whose output is the function's result, stays outside the graph."""
+    decode = mod.get_global_var("decode")
+    mod.update_func(decode, mod[decode].with_attr("num_input", 0))
+    return mod
+
+
+def build(mod: tvm.IRModule, target: tvm.target.Target, library_path: Path, cuda_graph: bool = False) -> None:
     """Compile the Relax module for CUDA and export the VM library; CUDA sources go through nvcc (our callback,
-    for the SASS + PTX fatbin) rather than NVRTC (which needs the cuda-bindings package)."""
+    for the SASS + PTX fatbin) rather than NVRTC (which needs the cuda-bindings package). With cuda_graph, TVM's
+    RewriteCUDAGraph lifts static regions (with mark_decode_inputs_static: all of decode) into captured graphs."""
     import tvm_ffi
     from tvm.support import nvcc
 
@@ -135,7 +145,7 @@ def build(mod: tvm.IRModule, target: tvm.target.Target, library_path: Path) -> N
 
     tvm_ffi.register_global_func("tvm_callback_cuda_compile", compile_fatbin, override=True)
     try:
-        with target, tvm.transform.PassContext(opt_level=3):
+        with target, tvm.transform.PassContext(opt_level=3, config={"relax.backend.use_cuda_graph": cuda_graph}):
             executable = tvm.compile(mod, target=target)
         executable.export_library(str(library_path))
     finally:

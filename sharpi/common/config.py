@@ -19,7 +19,10 @@ class ModelConfig:
     rms_eps: float
     rope_layout: str = "norm"  # "norm": adjacent pairs (llama.cpp NORM); "neox": halves
     tied_embeddings: bool = True
-    # gemma3: layers whose index % swa_pattern != swa_pattern - 1 are local (sliding window, their own RoPE base)
+    qkv_bias: bool = False     # qwen2: q, k and v projections add a bias (blk.N.attn_{q,k,v}.bias)
+    qk_norm: bool = False      # qwen3, gemma3: q and k RMS-normed per head (attn_{q,k}_norm.weight) before RoPE
+    # Sliding-window layers: with swa_pattern 0 every layer is local (a mistral-style llama); gemma3: layers whose
+    # index % swa_pattern != swa_pattern - 1 are local (sliding window, their own RoPE base)
     sliding_window: int = 0
     swa_pattern: int = 0
     rope_theta_local: float = 0.0
@@ -27,7 +30,8 @@ class ModelConfig:
     embed_scale: float = 1.0   # embeddings are multiplied by this (gemma: sqrt(dim))
 
     def is_local(self, layer: int) -> bool:
-        """Whether `layer` attends within a sliding window (gemma3's local layers)."""
+        """Whether `layer` attends within a sliding window (every layer of a mistral-style llama, gemma3's local
+        ones)."""
         if not self.sliding_window:
             return False
         return not self.swa_pattern or layer % self.swa_pattern != self.swa_pattern - 1

@@ -35,6 +35,6 @@ SNAPKV_SCORE = "sharpi.snapkv.score"
 #   params: total, budget, recency, pooling kernel, pooling (0 none, 1 max, 2 avg), shared (0/1);
 #   keep[l, h, :budget] is the ascending keep set.
 SNAPKV_SELECT = "sharpi.snapkv.select"
-# sharpi.kv_compact(pool, page_table, keep int32 [L, KVH, slots], count [1] int32) -> pool (written in place)
+# sharpi.kv_compact(pool, page_table, keep int32 [L, KVH, slots], count [L] int32) -> pool (written in place)
 KV_COMPACT = "sharpi.kv_compact"
 SNAPKV_POOLING_CODES = {"none": 0, "max": 1, "avg": 2}

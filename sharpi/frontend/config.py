@@ -8,8 +8,8 @@ from ..common.config import ModelConfig
 from ..common.errors import GGUFError, UnsupportedArchitectureError
 from .gguf_file import GGUFFile
 
-# Architectures with a frontend module, and the RoPE layout each uses.
-LLAMA_FAMILY = {"llama": "norm", "gemma3": "neox"}
+# Architectures with a frontend module, and the RoPE layout each uses (llama.cpp's llama_model_rope_type).
+LLAMA_FAMILY = {"llama": "norm", "gemma3": "neox", "qwen2": "neox", "qwen3": "neox"}
 # gemma3 facts llama.cpp hard-codes rather than reading from the GGUF (src/llama-model.cpp)
 GEMMA3_SWA_PATTERN = 6             # every 6th layer (index % 6 == 5) is global, the others local
 GEMMA3_LOCAL_ROPE_BASE = 10000.0
@@ -41,13 +41,31 @@ def config_from_gguf(gguf: GGUFFile) -> ModelConfig:
         context_length=int(get("context_length")), rope_theta=float(get("rope.freq_base", 10000.0)),
         rms_eps=float(get("attention.layer_norm_rms_epsilon")), rope_layout=LLAMA_FAMILY[arch],
         tied_embeddings="output.weight" not in gguf.tensors)
-    if arch == "gemma3":
+    if int(get("attention.value_length", head_dim)) != head_dim:
+        raise UnsupportedArchitectureError(f"{gguf.path.name}: key and value head sizes differ, which sharpi does "
+                                           f"not implement.")
+    for tname in ("output.bias", "blk.0.attn_output.bias"):
+        if tname in gguf.tensors:
+            raise UnsupportedArchitectureError(f"{gguf.path.name} has a {tname} tensor, which sharpi does not "
+                                               f"implement yet.")
+    if arch == "llama":
+        # Mistral GGUFs are llama ones; llama.cpp reads no window for them, but a GGUF that sets one (Mistral 7B
+        # v0.1's 4096) gets it on every layer: a query at position p sees keys p - window + 1 .. p.
+        window = int(get("attention.sliding_window", 0))
+        if window < 0:
+            raise GGUFError(f"{gguf.path.name}: llama.attention.sliding_window is negative.")
+        cfg = replace(cfg, sliding_window=window)
+    elif arch == "qwen2":          # llama.cpp's qwen2 graph: llama plus biases on q, k and v
+        cfg = replace(cfg, qkv_bias=True)
+    elif arch == "qwen3":          # llama.cpp's qwen3 graph: llama plus per-head RMSNorm of q and k before RoPE
+        cfg = replace(cfg, qk_norm=True)
+    elif arch == "gemma3":
         for key in ("final_logit_softcapping", "attn_logit_softcapping", "rope.scaling.factor"):
             if f"gemma3.{key}" in gguf.metadata:
                 raise UnsupportedArchitectureError(f"{gguf.path.name} sets gemma3.{key}, which sharpi does not "
                                                    f"implement yet.")
         cfg = replace(cfg, sliding_window=int(get("attention.sliding_window")), swa_pattern=GEMMA3_SWA_PATTERN,
-                      rope_theta_local=GEMMA3_LOCAL_ROPE_BASE, attn_scale=1.0 / math.sqrt(head_dim),
+                      qk_norm=True, rope_theta_local=GEMMA3_LOCAL_ROPE_BASE, attn_scale=1.0 / math.sqrt(head_dim),
                       embed_scale=math.sqrt(dim), rope_theta=float(get("rope.freq_base", 1000000.0)))
     _validate(cfg, gguf)
     return cfg
@@ -71,6 +89,11 @@ def _validate(cfg: ModelConfig, gguf: GGUFFile) -> None:
                          p + "ffn_gate.weight": (cfg.ffn_dim, cfg.dim), p + "ffn_up.weight": (cfg.ffn_dim, cfg.dim),
                          p + "ffn_down.weight": (cfg.dim, cfg.ffn_dim), p + "attn_norm.weight": (cfg.dim,),
                          p + "ffn_norm.weight": (cfg.dim,)})
+        if cfg.qkv_bias:
+            expected.update({p + "attn_q.bias": (cfg.q_dim,), p + "attn_k.bias": (cfg.kv_dim,),
+                             p + "attn_v.bias": (cfg.kv_dim,)})
+        if cfg.qk_norm:
+            expected.update({p + "attn_q_norm.weight": (cfg.head_dim,), p + "attn_k_norm.weight": (cfg.head_dim,)})
     expected["output_norm.weight"] = (cfg.dim,)
     if not cfg.tied_embeddings:
         expected["output.weight"] = (cfg.vocab_size, cfg.dim)

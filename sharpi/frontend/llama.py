@@ -24,11 +24,15 @@ LAYER_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_
 LAYER_VECTORS = ("attn_norm", "ffn_norm")
 
 
-def llama_weights(gguf: GGUFFile, cfg: ModelConfig, show_progress: bool) -> WeightTable:
+def llama_weights(gguf: GGUFFile, cfg: ModelConfig, show_progress: bool,
+                  extra_layer_vectors: tuple[str, ...] = ()) -> WeightTable:
+    """The llama weights; extra_layer_vectors are further per-layer f32 tensors by their name after `blk.N.`
+    (e.g. "attn_q.bias")."""
     matrices = ["token_embd.weight"] + [f"blk.{l}.{m}.weight" for l in range(cfg.n_layers) for m in LAYER_MATRICES]
     if not cfg.tied_embeddings:
         matrices.append("output.weight")
     vectors = [f"blk.{l}.{v}.weight" for l in range(cfg.n_layers) for v in LAYER_VECTORS] + ["output_norm.weight"]
+    vectors += [f"blk.{l}.{v}" for l in range(cfg.n_layers) for v in extra_layer_vectors]
     return load_weights(gguf, matrices, vectors, show_progress)
 
 
@@ -101,17 +105,24 @@ class LlamaBuilder:
     def _layer(self, l, x, pos, pool, page_table, kv_lens, n):
         cfg, bb, p = self.cfg, self.bb, f"blk.{l}."
         h = bb.emit(R.nn.rms_norm(x, self._vector(p + "attn_norm.weight"), axes=[-1], epsilon=cfg.rms_eps))
-        q = bb.emit(R.reshape(self._linear(h, p + "attn_q.weight"), (n, cfg.n_heads, cfg.head_dim)))
-        k = bb.emit(R.reshape(self._linear(h, p + "attn_k.weight"), (n, cfg.n_kv_heads, cfg.head_dim)))
-        v = bb.emit(R.reshape(self._linear(h, p + "attn_v.weight"), (n, cfg.n_kv_heads, cfg.head_dim)))
+        q, k, v = self._qkv(p, h, n)
         q, k = self._rope(q, pos), self._rope(k, pos)
-        attn, pool = self._attention(l, q, k, v, pool, page_table, kv_lens, n)
+        attn, pool = self._attention(l, q, k, v, pool, page_table, kv_lens, n,
+                                     window=cfg.sliding_window if cfg.is_local(l) else 0)
         x = bb.emit(R.add(x, self._linear(attn, p + "attn_output.weight")))
         h = bb.emit(R.nn.rms_norm(x, self._vector(p + "ffn_norm.weight"), axes=[-1], epsilon=cfg.rms_eps))
         gate, up = self._linear(h, p + "ffn_gate.weight"), self._linear(h, p + "ffn_up.weight")
         act = bb.emit(R.multiply(R.nn.silu(gate), up))
         x = bb.emit(R.add(x, self._linear(act, p + "ffn_down.weight")))
         return x, pool
+
+    def _qkv(self, p: str, h, n):
+        """Layer `p`'s ("blk.N.") q [n, H, D], k and v [n, KVH, D] from the normed input h, before RoPE."""
+        cfg, bb = self.cfg, self.bb
+        q = bb.emit(R.reshape(self._linear(h, p + "attn_q.weight"), (n, cfg.n_heads, cfg.head_dim)))
+        k = bb.emit(R.reshape(self._linear(h, p + "attn_k.weight"), (n, cfg.n_kv_heads, cfg.head_dim)))
+        v = bb.emit(R.reshape(self._linear(h, p + "attn_v.weight"), (n, cfg.n_kv_heads, cfg.head_dim)))
+        return q, k, v
 
     def _attention(self, l, q, k, v, pool, page_table, kv_lens, n, scale: float | None = None, window: int = 0):
         """Append k and v to layer l's cache, attend; returns (attention output [n, q_dim], the pool)."""

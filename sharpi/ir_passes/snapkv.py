@@ -3,7 +3,7 @@ last `window` queries of each attention layer, and add `snapkv_select` and `snap
 
     prefill_snapkv(ids, pos, pool, page_table, kv_lens, params, window) -> (logits, scores [L, KVH, slots])
     snapkv_select(scores, select_params [6]) -> keep [L, KVH, slots]
-    snapkv_compact(pool, page_table, keep, count [1]) -> pool (in place)
+    snapkv_compact(pool, page_table, keep, count [L]) -> pool (in place; layer l keeps count[l] slots)
 
 The score op is inserted right after each attention call, reading the same post-RoPE queries the attention
 read, so no query capture buffer is needed: the layer's keys are final once its attention ran. Plain `prefill`
@@ -86,7 +86,7 @@ def _select_and_compact(bb: relax.BlockBuilder, layers: int, kv_heads: int, slot
     pool = relax.Var("pool", pool_ty)
     page_table = relax.Var("page_table", relax.TensorType((layers, slots // int(pool_ty.shape[3])), "int32"))
     keep = relax.Var("keep", keep_ty)
-    count = relax.Var("count", relax.TensorType((1,), "int32"))
+    count = relax.Var("count", relax.TensorType((layers,), "int32"))
     with bb.function("snapkv_compact", [pool, page_table, keep, count], attrs={"num_input": 4}, pure=False):
         with bb.dataflow():
             out = bb.emit_output(relax.call_dps_packed(ops.KV_COMPACT, [pool, page_table, keep, count], pool_ty))

@@ -2,7 +2,14 @@
 
 Pool layout [pages, 2 (k, v), kv_heads, page_size, head_dim] (see codegen's paged-attention kernels).
 `length[l]` is the slots layer l holds; `logical_length` the tokens the sequence has seen. New tokens are
-written at slot length[l] and RoPE'd at logical_length, so both stay right after an eviction.
+written after the held slots and RoPE'd at logical_length, so both stay right after an eviction.
+
+Sliding-window layers (window w > 0) hold at most w slots: after every forward, the slots no later query can see
+(all but the last w - 1) are dropped from the front, and pages that only held dropped slots go back to the pool
+at once. `start[l]` is the first held slot's offset in the layer's first page, so the kernels' slot count for the
+layer (`kv_lens`) is start + length. The attention kernels' window counts slots back from the query, which is
+the same as counting positions while a layer is never compacted: SnapKV leaves these layers alone (they already
+keep their last window).
 """
 from __future__ import annotations
 
@@ -51,13 +58,16 @@ class PagePool:
 class SequenceCache:
     """One sequence's page tables and lengths."""
 
-    def __init__(self, pool: PagePool, n_layers: int, kv_heads: int, max_pages: int):
+    def __init__(self, pool: PagePool, n_layers: int, kv_heads: int, max_pages: int,
+                 windows: list[int] | None = None):
         self.pool = pool
         self.n_layers = n_layers
         self.kv_heads = kv_heads
         self.max_pages = max_pages
+        self.windows = list(windows or [0] * n_layers)     # per layer: sliding window, 0 = sees everything
         self.pages: list[list[int]] = [[] for _ in range(n_layers)]
         self.length = [0] * n_layers
+        self.start = [0] * n_layers                         # offset of the first held slot in pages[l][0]
         self.logical_length = 0
         # per layer [kv_heads, length]: the logical position each held slot came from
         self.positions: list[np.ndarray] = [self._no_positions() for _ in range(n_layers)]
@@ -70,10 +80,14 @@ class SequenceCache:
     def capacity(self) -> int:
         return self.max_pages * self.pool.page_size
 
+    def is_local(self, layer: int) -> bool:
+        return self.windows[layer] > 0
+
     def reserve(self, n_new: int) -> None:
         """Make room for n_new more slots in every layer (allocating pages)."""
         size = self.pool.page_size
-        need_per_layer = [math.ceil((self.length[l] + n_new) / size) - len(self.pages[l]) for l in range(self.n_layers)]
+        need_per_layer = [math.ceil((self.start[l] + self.length[l] + n_new) / size) - len(self.pages[l])
+                          for l in range(self.n_layers)]
         if max(self.length) + n_new > self.capacity:
             raise ContextLengthError(f"The sequence would hold {max(self.length) + n_new} tokens, more than the "
                                      f"context of {self.capacity}.")
@@ -92,13 +106,34 @@ class SequenceCache:
         for l in range(self.n_layers):
             self.length[l] += n_new
             self.positions[l] = np.concatenate([self.positions[l], new], axis=1)
+            if self.windows[l]:
+                self._slide(l)
         self.logical_length += n_new
+
+    def _slide(self, layer: int) -> None:
+        """Drop the slots of a sliding-window layer that no later query sees (it sees its own slot and the w - 1
+        before it), and give back the pages holding only dropped slots."""
+        dead = self.length[layer] - (self.windows[layer] - 1)
+        if dead <= 0:
+            return
+        self.length[layer] -= dead
+        self.start[layer] += dead
+        self.positions[layer] = self.positions[layer][:, dead:]
+        gone = self.start[layer] // self.pool.page_size
+        if gone:
+            self.pool.release(self.pages[layer][:gone])
+            self.pages[layer] = self.pages[layer][gone:]
+            self.start[layer] -= gone * self.pool.page_size
+            held = len(self.pages[layer])
+            self._table[layer, :held] = self.pages[layer]
+            self._table[layer, held:] = 0
 
     def page_table(self) -> np.ndarray:
         return self._table
 
     def kv_lens(self) -> np.ndarray:
-        return np.asarray(self.length, dtype=np.int32)
+        """Per layer, the slots the kernels count from the start of the layer's page table."""
+        return np.asarray([s + n for s, n in zip(self.start, self.length)], dtype=np.int32)
 
     @property
     def kv_bytes(self) -> int:
@@ -109,13 +144,14 @@ class SequenceCache:
             self.pool.release(self.pages[l])
             self.pages[l] = []
             self.length[l] = 0
+            self.start[l] = 0
             self.positions[l] = self._no_positions()
         self._table[:] = 0
         self.logical_length = 0
 
     def fork(self) -> "SequenceCache":
         """A copy with its own pages (contents copied), so both sequences can go on independently."""
-        other = SequenceCache(self.pool, self.n_layers, self.kv_heads, self.max_pages)
+        other = SequenceCache(self.pool, self.n_layers, self.kv_heads, self.max_pages, self.windows)
         count = sum(len(p) for p in self.pages)
         fresh = self.pool.allocate(count)
         for l in range(self.n_layers):
@@ -125,18 +161,22 @@ class SequenceCache:
             other.pages[l] = theirs
             other._table[l, :len(theirs)] = theirs
         other.length = list(self.length)
+        other.start = list(self.start)
         other.positions = [p.copy() for p in self.positions]
         other.logical_length = self.logical_length
         return other
 
-    def keep_rows(self, keep) -> list[np.ndarray]:
+    def keep_rows(self, keep) -> list[np.ndarray | None]:
         """Validate a keep set for compact(): one list for every layer and head, or per layer either one list
         (all heads) or an array [kv_heads, k] (one list per KV head; every head keeps the same count so the
-        cache stays rectangular). Slot indices, strictly increasing, within the layer's length. Returns one
-        [kv_heads, k] array per layer; raises KeepSetError before anything is changed."""
+        cache stays rectangular). Slot indices, strictly increasing, within the layer's length. Sliding-window
+        layers keep their window: one list for all layers applies to the others, and a per-layer entry for a
+        window layer must be None. Returns one [kv_heads, k] array per layer (None: left alone); raises
+        KeepSetError before anything is changed."""
         rows = self._keep_per_layer(keep)
         for layer, layer_rows in enumerate(rows):
-            self._validate_keep(layer, layer_rows)
+            if layer_rows is not None:
+                self._validate_keep(layer, layer_rows)
         return rows
 
     def move_slots(self, rows: list[np.ndarray]) -> None:
@@ -144,7 +184,7 @@ class SequenceCache:
         snapkv_compact kernel does the same on the device when every layer keeps the same count)."""
         size = self.pool.page_size
         for layer, layer_rows in enumerate(rows):
-            if not self.pages[layer]:
+            if not self.pages[layer] or layer_rows is None:
                 continue
             data = self.pool.read_pages(self.pages[layer])          # [pages, 2, kv_heads, page_size, head_dim]
             slots = data.transpose(0, 3, 1, 2, 4).reshape(-1, *data.shape[1:3], data.shape[4])  # [slot, 2, kvh, d]
@@ -160,6 +200,8 @@ class SequenceCache:
         """Bookkeeping after the slots moved: lengths, kept positions, trailing pages back to the pool at once.
         logical_length is unchanged, so later tokens are still RoPE'd at their true positions."""
         for layer, layer_rows in enumerate(rows):
+            if layer_rows is None:
+                continue
             k = layer_rows.shape[1]
             used = math.ceil(k / self.pool.page_size)
             self.pool.release(self.pages[layer][used:])
@@ -171,11 +213,19 @@ class SequenceCache:
     def _keep_per_layer(self, keep) -> list[np.ndarray]:
         if isinstance(keep, np.ndarray) and keep.ndim == 1 or (isinstance(keep, (list, tuple)) and
                                                                  (len(keep) == 0 or np.isscalar(keep[0]))):
-            keep = [keep] * self.n_layers
+            keep = [None if self.is_local(l) else keep for l in range(self.n_layers)]
         if len(keep) != self.n_layers:
             raise KeepSetError(f"compact() needs one keep list, or one per layer ({self.n_layers}); got {len(keep)}.")
         rows = []
-        for layer_keep in keep:
+        for layer, layer_keep in enumerate(keep):
+            if self.is_local(layer) and layer_keep is not None:
+                raise KeepSetError(f"Layer {layer} is a sliding-window layer: it keeps its last window; pass None "
+                                   f"for it.")
+            if layer_keep is None:
+                if not self.is_local(layer):
+                    raise KeepSetError(f"Layer {layer} needs a keep list (None is for sliding-window layers).")
+                rows.append(None)
+                continue
             a = np.asarray(layer_keep)
             if a.size and not np.issubdtype(a.dtype, np.integer):
                 raise KeepSetError("Keep lists hold integer slot indices.")

@@ -18,8 +18,9 @@ class Session:
 
     def __init__(self, model, snapkv: SnapKVSettings | None = None, budget: int = 0):
         self._model = model
-        self._cache = SequenceCache(model._pool, model.config.n_layers, model.config.n_kv_heads,
-                                    model._manifest.max_pages)
+        cfg = model.config
+        windows = [cfg.sliding_window if cfg.is_local(l) else 0 for l in range(cfg.n_layers)]
+        self._cache = SequenceCache(model._pool, cfg.n_layers, cfg.n_kv_heads, model._manifest.max_pages, windows)
         self.snapkv = snapkv or SnapKVSettings()
         self.snapkv_budget = budget
         self.evicted = False
@@ -100,14 +101,20 @@ class Session:
             settings, budget = self.snapkv, self.snapkv_budget
         else:
             settings, budget = self._model.snapkv_settings(budget=budget, **knobs)
-        total = self._cache.logical_length
-        if self.evicted or not self._should_evict(total, budget) or self._cache.length != [total] * self._cache.n_layers:
+        cache = self._cache
+        total = cache.logical_length
+        full = all(cache.length[l] == total for l in range(cache.n_layers) if not cache.is_local(l))
+        if self.evicted or not self._should_evict(total, budget) or not full:
             return False
         params = np.array([total, budget, settings.recency, settings.kernel,
                            ops.SNAPKV_POOLING_CODES[settings.pooling], int(settings.granularity == "shared")],
                           np.int32)
         keep, keep_numpy = self._model._backend.select(scores, params)
-        self._compact_on_device(keep, budget, list(keep_numpy[:, :, :budget].astype(np.int64)))
+        # The rule for sliding-window layers: they keep their last window (they hold nothing else), so only the
+        # global layers get keep sets; the local layers' scores are not used.
+        rows = [None if cache.is_local(l) else keep_numpy[l, :, :budget].astype(np.int64)
+                for l in range(cache.n_layers)]
+        self._compact_on_device(keep, rows)
         self.evicted = True
         return True
 
@@ -127,20 +134,22 @@ class Session:
         strictly increasing."""
         self._check_open()
         rows = self._cache.keep_rows(keep)
-        counts = {r.shape[1] for r in rows}
-        if "snapkv_compact" in self._model._backend.functions and len(counts) == 1:
+        if "snapkv_compact" in self._model._backend.functions:
             cache = self._cache
             keep_table = np.zeros((cache.n_layers, cache.kv_heads, cache.capacity), np.int32)
             for layer, r in enumerate(rows):
-                keep_table[layer, :, :r.shape[1]] = r
-            self._compact_on_device(keep_table, counts.pop(), rows)
-        else:                 # layers keeping different counts: moved through host memory
+                if r is not None:
+                    keep_table[layer, :, :r.shape[1]] = r
+            self._compact_on_device(keep_table, rows)
+        else:                 # an artifact without the SnapKV ops: moved through host memory
             self._cache.move_slots(rows)
             self._cache.record_compaction(rows)
 
-    def _compact_on_device(self, keep, count: int, rows: list[np.ndarray]) -> None:
-        """Gather keep[l, h, :count] to the front with the compiled snapkv_compact, then the bookkeeping."""
-        self._model._backend.compact(self._cache.page_table(), keep, count)
+    def _compact_on_device(self, keep, rows: list[np.ndarray | None]) -> None:
+        """Gather keep[l, h, :count[l]] to the front with the compiled snapkv_compact (count 0 for layers left
+        alone: rows[l] None), then the bookkeeping."""
+        counts = np.array([0 if r is None else r.shape[1] for r in rows], np.int32)
+        self._model._backend.compact(self._cache.page_table(), keep, counts)
         self._cache.record_compaction(rows)
 
     def fork(self) -> "Session":

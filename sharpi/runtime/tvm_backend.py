@@ -22,10 +22,7 @@ class TVMBackend:
         check_artifact(directory, manifest, verify_hashes=verify)
         self.kind = manifest.target.get("kind")
         if self.kind == "cuda":
-            self.device = tvm.cuda(0)
-            if not self.device.exist:
-                raise CudaUnavailableError(f"{directory} is a cuda artifact and this machine has no CUDA device (an "
-                                           f"NVIDIA GPU with its driver); compile for llvm or vulkan to run here.")
+            self.device = _cuda_device(directory)
             self.description = f"CUDA: {self.device.device_name} (artifact for {manifest.target.get('arch')})"
         else:
             configure_threads(threads)
@@ -36,6 +33,7 @@ class TVMBackend:
         self.functions = {name: self._vm[name] for name in manifest.functions}
         self.pool = None
         self._pool_view = None
+        self._decode_buffers = None
 
     # -- the KV page pool -------------------------------------------------------------------------------------
     def allocate_pool(self, shape: tuple, dtype: str = "float32") -> int:
@@ -86,12 +84,28 @@ class TVMBackend:
         import tvm
 
         dev = self.device
-        out = self.functions[function](tvm.runtime.tensor(ids, dev), tvm.runtime.tensor(positions, dev), self.pool,
-                                       tvm.runtime.tensor(page_table, dev), tvm.runtime.tensor(kv_lens, dev),
-                                       self.weights, *[tvm.runtime.tensor(e, dev) for e in extra])
+        if function == "decode" and self.kind == "cuda":
+            ids, positions, page_table, kv_lens = self._decode_inputs(ids, positions, page_table, kv_lens)
+        else:
+            ids, positions, page_table, kv_lens = (tvm.runtime.tensor(a, dev)
+                                                   for a in (ids, positions, page_table, kv_lens))
+        out = self.functions[function](ids, positions, self.pool, page_table, kv_lens, self.weights,
+                                       *[tvm.runtime.tensor(e, dev) for e in extra])
         if function == "prefill_snapkv":
             return out[0].numpy(), out[1]
         return out.numpy()
+
+    def _decode_inputs(self, *arrays: np.ndarray) -> list:
+        """decode's inputs in the same device buffers at every call, this step's values copied in: an artifact
+        compiled with --cuda-graph replays a graph captured with these buffers' addresses. (Decode's input
+        shapes are fixed: one token, the full page table.)"""
+        import tvm
+
+        if self._decode_buffers is None:
+            self._decode_buffers = [tvm.runtime.empty(a.shape, str(a.dtype), self.device) for a in arrays]
+        for buffer, array in zip(self._decode_buffers, arrays):
+            buffer.copyfrom(np.ascontiguousarray(array))
+        return self._decode_buffers
 
     def select(self, scores, params: np.ndarray):
         """snapkv_select: (keep on the device, keep as numpy [L, KVH, slots])."""
@@ -100,11 +114,29 @@ class TVMBackend:
         keep = self.functions["snapkv_select"](scores, tvm.runtime.tensor(params, self.device))
         return keep, keep.numpy()
 
-    def compact(self, page_table: np.ndarray, keep, count: int) -> None:
-        """snapkv_compact: slot keep[l, h, i] -> slot i for i < count, in place in the pool."""
+    def compact(self, page_table: np.ndarray, keep, counts: np.ndarray) -> None:
+        """snapkv_compact: slot keep[l, h, i] -> slot i for i < counts[l], in place in the pool."""
         import tvm
 
         dev = self.device
         keep = tvm.runtime.tensor(keep, dev) if isinstance(keep, np.ndarray) else keep
         self.functions["snapkv_compact"](self.pool, tvm.runtime.tensor(page_table, dev), keep,
-                                         tvm.runtime.tensor(np.array([count], np.int32), dev))
+                                         tvm.runtime.tensor(np.asarray(counts, np.int32), dev))
+
+
+def _cuda_device(directory: Path):
+    """CUDA device 0, or CudaUnavailableError saying why there is none."""
+    import tvm
+
+    from ..common.tvm_cuda import load_tvm_cuda_runtime
+
+    reason = "no CUDA device (an NVIDIA GPU with its driver)"
+    try:
+        load_tvm_cuda_runtime()
+    except OSError as exc:
+        reason = f"no usable CUDA runtime ({exc})"
+    device = tvm.cuda(0)
+    if not device.exist:
+        raise CudaUnavailableError(f"{directory} is a cuda artifact and this machine has {reason}; compile for llvm "
+                                   f"or vulkan to run here.")
+    return device

@@ -90,5 +90,5 @@ class VulkanBackend:
         keep = self.runner.run_on_device("snapkv_select", scores, params)
         return keep, self.runner.download(keep)
 
-    def compact(self, page_table: np.ndarray, keep, count: int) -> None:
-        self.runner.run_on_device("snapkv_compact", self.pool, page_table, keep, np.array([count], np.int32))
+    def compact(self, page_table: np.ndarray, keep, counts: np.ndarray) -> None:
+        self.runner.run_on_device("snapkv_compact", self.pool, page_table, keep, np.asarray(counts, np.int32))

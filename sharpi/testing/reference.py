@@ -3,7 +3,8 @@
 Weights come from `gguf.quants.dequantize` (not from sharpi's repacking), attention is materialized in full,
 so nothing here shares code with the compiled path except the GGUF reader. The architecture is the GGUF's
 `general.architecture`: "gemma3" gets the Gemma 3 graph (see `_gemma3_config`), anything else goes through
-`config_from_gguf` and the llama graph.
+`config_from_gguf` and the llama graph, whose variants are the config's flags: `qkv_bias` (qwen2), `qk_norm`
+(qwen3), `rope_layout` (NEOX for qwen2/qwen3) and `sliding_window` (a mistral-style llama: every layer).
 """
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ from ..frontend.gguf_file import GGUFFile
 
 
 class NumpyReference:
-    """Exact float32 forward pass. For gemma3, `sliding_window` (from the GGUF) may be reassigned on an instance,
-    e.g. to a tiny value in a test: a query of a local layer at position p sees keys p - sliding_window + 1 .. p."""
+    """Exact float32 forward pass. `sliding_window` (from the GGUF; 0: none) may be reassigned on an instance, e.g.
+    to a tiny value in a test: a query of a local layer at position p sees keys p - sliding_window + 1 .. p. So
+    may `config` (e.g. `dataclasses.replace(ref.config, qkv_bias=False)`, to see what a flag changes)."""
 
     def __init__(self, gguf_path: str | Path):
         from gguf import GGMLQuantizationType
@@ -43,6 +45,10 @@ class NumpyReference:
             self.global_pos_scale = 1.0 / float(factor) if (factor and linear) else 1.0
         else:
             self.config = config_from_gguf(gguf)
+            self.sliding_window = self.config.sliding_window
+            self.local_rope_theta = self.config.rope_theta_local   # 0: local layers keep the model's RoPE base
+            self.embed_scale, self.attn_scale, self.global_pos_scale = 1.0, None, 1.0
+        self.swa_pattern = GEMMA3_SWA_PATTERN if self.arch == "gemma3" else self.config.swa_pattern
         self.weights = {name: _dequantize(t, GGMLQuantizationType(t.type_id), dequantize)
                         for name, t in gguf.tensors.items()}
 
@@ -51,15 +57,18 @@ class NumpyReference:
         return self.arch == "gemma3"
 
     def is_local(self, l: int) -> bool:
-        """Whether layer l uses sliding-window attention (gemma3's local layers; never for llama)."""
-        return self.is_gemma3 and l % GEMMA3_SWA_PATTERN != GEMMA3_SWA_PATTERN - 1
+        """Whether layer l uses sliding-window attention (gemma3's local layers; every layer of a llama with a
+        window; none without one)."""
+        if not self.sliding_window:
+            return False
+        return not self.swa_pattern or l % self.swa_pattern != self.swa_pattern - 1
 
     def forward(self, ids, positions=None, capture: list | None = None) -> np.ndarray:
-        """Logits [len(ids), vocab] for a fresh sequence (causal attention over ids; for gemma3's local layers
-        also within the sliding window).
+        """Logits [len(ids), vocab] for a fresh sequence (causal attention over ids; for local layers also within
+        the sliding window).
 
         With `capture` (a list), each layer's post-RoPE (q [T, H, D], k [T, KVH, D], v [T, KVH, D]) is appended
-        (for gemma3: after the per-head q/k norms, before any query scaling)."""
+        (after any biases and per-head q/k norms, before any query scaling)."""
         cfg = self.config
         ids = np.asarray(ids, dtype=np.int64)
         T = len(ids)
@@ -79,7 +88,7 @@ class NumpyReference:
 
     def attend(self, l: int, q, k, v, q_pos, k_pos) -> np.ndarray:
         """Layer l's attention of q [T, H, D] at q_pos over k/v [S, KVH, D] at k_pos, with its causal and (for
-        a local gemma3 layer) sliding-window masks -> [T, H, D]."""
+        a local layer) sliding-window masks -> [T, H, D]."""
         q_pos, k_pos = np.asarray(q_pos), np.asarray(k_pos)
         visible = (k_pos[None, :] <= q_pos[:, None]) & self._window(l, q_pos, k_pos)
         return _attention(q, k, v, visible, self._scale())
@@ -89,7 +98,7 @@ class NumpyReference:
         """Logits [vocab] of `token` fed after prompt_ids whose cache kept, per layer and KV head, only the
         slots of kept_positions ([KVH, k] logical positions): the new token is at position len(prompt_ids)
         (or `position`, to model a wrong implementation) and attends over the kept keys/values (RoPE'd at their
-        original positions) and itself (and, on gemma3's local layers, only those inside the sliding window)."""
+        original positions) and itself (and, on local layers, only those inside the sliding window)."""
         cfg = self.config
         captured = []
         self.forward(prompt_ids, capture=captured)
@@ -117,7 +126,7 @@ class NumpyReference:
         return (x * self.embed_scale).astype(np.float32) if self.is_gemma3 else x
 
     def _scale(self):
-        return self.attn_scale if self.is_gemma3 else None
+        return self.attn_scale
 
     def _window(self, l, q_pos, k_pos):
         """[Tq, Tk] bool: True where the sliding window (if layer l has one) lets q_pos see k_pos."""
@@ -130,18 +139,20 @@ class NumpyReference:
         cfg, W, p = self.config, self.weights, f"blk.{l}."
         T, hd = x.shape[0], cfg.head_dim
         h = rms_norm(x, W[p + "attn_norm.weight"], cfg.rms_eps)
-        q = (h @ W[p + "attn_q.weight"].T).reshape(T, cfg.n_heads, hd)
-        k = (h @ W[p + "attn_k.weight"].T).reshape(T, cfg.n_kv_heads, hd)
-        v = (h @ W[p + "attn_v.weight"].T).reshape(T, cfg.n_kv_heads, hd)
-        if not self.is_gemma3:
-            return rope_adjacent(q, pos, cfg.rope_theta), rope_adjacent(k, pos, cfg.rope_theta), v
-        q = rms_norm(q, W[p + "attn_q_norm.weight"], cfg.rms_eps)
-        k = rms_norm(k, W[p + "attn_k_norm.weight"], cfg.rms_eps)
+        q, k, v = (h @ W[p + "attn_q.weight"].T, h @ W[p + "attn_k.weight"].T, h @ W[p + "attn_v.weight"].T)
+        if cfg.qkv_bias:                                   # qwen2
+            q, k, v = q + W[p + "attn_q.bias"], k + W[p + "attn_k.bias"], v + W[p + "attn_v.bias"]
+        q = q.reshape(T, cfg.n_heads, hd)
+        k, v = k.reshape(T, cfg.n_kv_heads, hd), v.reshape(T, cfg.n_kv_heads, hd)
+        if cfg.qk_norm:                                    # qwen3, gemma3: per head, before RoPE
+            q = rms_norm(q, W[p + "attn_q_norm.weight"], cfg.rms_eps)
+            k = rms_norm(k, W[p + "attn_k_norm.weight"], cfg.rms_eps)
         if self.is_local(l):
-            theta, rpos = self.local_rope_theta, np.asarray(pos)
+            theta, rpos = self.local_rope_theta or cfg.rope_theta, np.asarray(pos)
         else:
             theta, rpos = cfg.rope_theta, np.asarray(pos) * self.global_pos_scale
-        return rope_neox(q, rpos, theta), rope_neox(k, rpos, theta), v
+        rope = rope_neox if cfg.rope_layout == "neox" else rope_adjacent
+        return rope(q, rpos, theta), rope(k, rpos, theta), v
 
     def _finish_layer(self, l, x, attn):
         cfg, W, p = self.config, self.weights, f"blk.{l}."
@@ -200,7 +211,7 @@ def _gemma3_config(gguf: GGUFFile) -> ModelConfig:
         n_kv_heads=int(get("attention.head_count_kv", n_heads)), head_dim=head_dim, dim=dim,
         ffn_dim=int(get("feed_forward_length")), vocab_size=int(gguf.tensor("token_embd.weight").shape[0]),
         context_length=int(get("context_length")), rope_theta=float(get("rope.freq_base", 1000000.0)),
-        rms_eps=float(get("attention.layer_norm_rms_epsilon")), rope_layout="neox",
+        rms_eps=float(get("attention.layer_norm_rms_epsilon")), rope_layout="neox", qk_norm=True,
         tied_embeddings="output.weight" not in gguf.tensors)
 
 

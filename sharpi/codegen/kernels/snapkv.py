@@ -148,19 +148,20 @@ def make_snapkv_select(layers: int, kv_heads: int, slots: int):
 
 def make_kv_compact(layers: int, kv_heads: int, head_dim: int, page_size: int, max_pages: int,
                     kv_dtype: str = "float32"):
-    """PrimFunc (pool, page_table, keep [L, KVH, S] int32, count [1] int32) gathering kept slots, in place."""
+    """PrimFunc (pool, page_table, keep [L, KVH, S] int32, count [L] int32) gathering kept slots, in place:
+    slot keep[l, h, i] -> slot i for i < count[l] (a layer with count 0 is left alone)."""
     pages = T.int64()
     slots = max_pages * page_size
 
     @T.prim_func
     def kv_compact(var_pool: T.handle, page_table: T.Buffer((layers, max_pages), "int32"),
-                   keep: T.Buffer((layers, kv_heads, slots), "int32"), count: T.Buffer((1,), "int32")):
+                   keep: T.Buffer((layers, kv_heads, slots), "int32"), count: T.Buffer((layers,), "int32")):
         T.func_attr({"tirx.noalias": True, "op_pattern": 8})
         pool = T.match_buffer(var_pool, (pages, 2, kv_heads, page_size, head_dim), kv_dtype)
         for lh in T.parallel(layers * kv_heads):
             l = T.meta_var(lh // kv_heads)
             h = T.meta_var(lh % kv_heads)
-            for i in range(count[0]):
+            for i in range(count[l]):
                 for kv in range(2):
                     for d in T.vectorized(head_dim):
                         pool[T.Cast("int64", page_table[l, i // page_size]), kv, h, i % page_size, d] = pool[

@@ -301,8 +301,8 @@ def make_gpu_snapkv_select(layers: int, kv_heads: int, slots: int):
 # -- compact --------------------------------------------------------------------------------------------------
 def make_gpu_kv_compact(layers: int, kv_heads: int, head_dim: int, page_size: int, max_pages: int,
                         kv_dtype: str = "float32"):
-    """PrimFunc (pool, page_table [L, max_pages], keep [L, KVH, S] int32, count [1] int32), pool written in place:
-    slot keep[l, h, i] -> slot i for i < count[0]. One thread per (layer, KV head, K/V, d), i in order."""
+    """PrimFunc (pool, page_table [L, max_pages], keep [L, KVH, S] int32, count [L] int32), pool written in place:
+    slot keep[l, h, i] -> slot i for i < count[l]. One thread per (layer, KV head, K/V, d), i in order."""
     pages = T.int64()
     slots = max_pages * page_size
     lanes = layers * kv_heads * 2 * head_dim
@@ -310,7 +310,7 @@ def make_gpu_kv_compact(layers: int, kv_heads: int, head_dim: int, page_size: in
 
     @T.prim_func
     def kv_compact_gpu(var_pool: T.handle, page_table: T.Buffer((layers, max_pages), "int32"),
-                       keep: T.Buffer((layers, kv_heads, slots), "int32"), count: T.Buffer((1,), "int32")):
+                       keep: T.Buffer((layers, kv_heads, slots), "int32"), count: T.Buffer((layers,), "int32")):
         T.func_attr(ATTRS)
         pool = T.match_buffer(var_pool, (pages, 2, kv_heads, page_size, head_dim), kv_dtype)
         for b in T.thread_binding(blocks, thread="blockIdx.x"):
@@ -321,7 +321,7 @@ def make_gpu_kv_compact(layers: int, kv_heads: int, head_dim: int, page_size: in
                 h = T.meta_var(lane // (2 * head_dim) % kv_heads)
                 l = T.meta_var(lane // (2 * head_dim * kv_heads))
                 if lane < lanes:
-                    for i in range(count[0]):
+                    for i in range(count[l]):
                         pool[T.Cast("int64", page_table[l, i // page_size]), kv, h, i % page_size, d] = pool[
                             T.Cast("int64", page_table[l, keep[l, h, i] // page_size]), kv, h,
                             keep[l, h, i] % page_size, d]
