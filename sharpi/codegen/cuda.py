@@ -35,7 +35,9 @@ def check_arch(arch: str) -> str:
 def make_target(arch: str) -> tvm.target.Target:
     # the host code only launches kernels: a generic x86-64 host runs on any GPU machine's CPU
     host = {"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "x86-64"}
-    return tvm.target.Target({"kind": "cuda", "arch": check_arch(arch)}, host=host)
+    # every CUDA GPU since sm_50 has these limits; said here, TVM does not warn (and assume) them per kernel
+    limits = {"max_shared_memory_per_block": 49152, "max_threads_per_block": 1024, "thread_warp_size": 32}
+    return tvm.target.Target({"kind": "cuda", "arch": check_arch(arch), **limits}, host=host)
 
 
 def nvcc_path() -> str:

@@ -1,0 +1,443 @@
+"""The CUDA backend issue's device check: run CUDA artifacts compiled here on a GPU machine that has Python 3.12,
+numpy, tokenizers and jinja2 but neither TVM nor gguf nor a network, and receives at most 64 MiB per call.
+
+Here (this machine, with sharpi, nvcc and network; `prepare --cpu` builds llvm artifacts instead, to try the whole
+script here first, e.g. under a Python 3.12 venv with numpy, tokenizers and jinja2 but no TVM):
+
+    python benchmarks/gpu_check.py prepare [--model smollm2-135m] [--arch sm_90] [--dir .gpu]
+
+compiles the model for cuda twice (plain, and with --cuda-graph; the weights are the same), and the speed model
+(gemma3-270m) likewise, whose weights do not travel (the machine fills random ones of the same shapes: its run
+measures speed only); computes the reference
+figures (the float32 numpy reference's top-1 over the golden text; the CPU artifact's greedy tokens and SnapKV keep
+sets), packs TVM's runtime without its compiler (libtvm_compiler.so is 250 MB; the runtime a few MB) with a cp312
+build of apache-tvm-ffi, and splits it all into parts of at most --part-mib, one per device call. It prints the
+calls: each carries one part (`carry: [".gpu/pN"]`); earlier parts stay on the warm machine, so the calls must
+follow each other within its idle time (30 s). The last call runs
+
+    python3 benchmarks/gpu_check.py run --dir .gpu --out $OUT
+
+which assembles the artifacts, runs TVM's runtime alone (TVM_USE_RUNTIME_LIB=1: never tvm.relax), and checks:
+teacher-forced top-1 agreement with the float32 reference >= 99% (f16 KV); greedy 32 tokens equal to the CPU
+artifact's under the near-tie rule; SnapKV keep sets overlapping the CPU's on >= 99% of slots; and decode speed,
+for both variants; and the speed model's decode speed. It prints a table and writes $OUT/gpu_check.json; exit status 0 when every check passed.
+The earlier calls run `receive`, which reports the parts present and, once the runtime part is there, whether the
+runtime imports and sees the GPU (the first, cheapest check of this plan's assumptions).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+GOLDEN = ROOT / "tests" / "data" / "smollm2-135m-instruct-q4_1.json"
+VARIANTS = ("plain", "graph")               # the cuda artifact without and with --cuda-graph
+SPEED_VARIANTS = ("speed-plain", "speed-graph")   # the speed model's, weights generated on the GPU machine
+WORK = Path("/tmp/sharpi-gpu-check")        # where `run` assembles things on the GPU machine
+NEAR_TIE = 1e-3                             # as sharpi.testing.backends.NEAR_TIE (not importable before setup)
+SNAPKV_PROMPT, SNAPKV_BUDGET, SNAPKV_STEPS = 1040, 256, 16
+GREEDY_TOKENS = 32
+SPEED_PROMPT, SPEED_TOKENS, SPEED_REPEATS = 512, 256, 3
+
+
+# -- here: prepare ----------------------------------------------------------------------------------------------
+def prepare(args) -> int:
+    import numpy as np
+
+    import sharpi
+    from sharpi.cli.bench import prompt_ids
+    from sharpi.frontend.fetch import fetch
+    from sharpi.testing.reference import NumpyReference
+
+    bundle = Path(args.dir)
+    shutil.rmtree(bundle, ignore_errors=True)
+    stage = bundle / "stage"
+    stage.mkdir(parents=True)
+    target = {"target": "llvm"} if args.cpu else {"target": "cuda", "arch": args.arch}
+    for variant in VARIANTS:
+        print(f"compiling {args.model} for {target} ({variant})", flush=True)
+        art = sharpi.compile(args.model, **target, cuda_graph=variant == "graph" and not args.cpu,
+                             output=stage / variant)
+        assert (art / "weights.bin").read_bytes() == (stage / "plain" / "weights.bin").read_bytes()
+    for variant in SPEED_VARIANTS:
+        print(f"compiling {args.speed_model} for {target} ({variant})", flush=True)
+        sharpi.compile(args.speed_model, **target, cuda_graph=variant == "speed-graph" and not args.cpu,
+                       output=stage / variant)
+    golden = json.loads(GOLDEN.read_text())
+    cpu = sharpi.load(sharpi.compile(args.model, target="llvm", output=stage / "cpu"))
+    reference = {"model": args.model, "speed_model": args.speed_model, "arch": args.arch,
+                 "cpu_backend": cpu.backend}
+
+    print("reference: float32 numpy forward over the golden text", flush=True)
+    ids = golden["teacher_forced"]["ids"]
+    logits = NumpyReference(fetch(args.model, show_progress=False)).forward(ids)
+    top2 = np.sort(logits, axis=-1)[:, -2:]
+    reference["teacher_forced"] = {"ids": ids, "top1": logits.argmax(-1).tolist(),
+                                   "margin": (top2[:, 1] - top2[:, 0]).tolist()}
+    print("reference: CPU greedy generation", flush=True)
+    reference["greedy"] = []
+    for g in golden["greedy"]:
+        gen = cpu.generate(g["prompt_ids"], max_tokens=GREEDY_TOKENS)
+        scored = cpu.score(g["prompt_ids"] + gen.token_ids)[len(g["prompt_ids"]) - 1:]
+        reference["greedy"].append({"prompt_ids": g["prompt_ids"], "tokens": gen.token_ids,
+                                    "margin": _margins(scored[:len(gen.token_ids)])})
+    print("reference: CPU SnapKV keep sets", flush=True)
+    prompt = prompt_ids(cpu, SNAPKV_PROMPT)
+    with cpu.session(snapkv_budget=SNAPKV_BUDGET) as s:
+        last = s.prefill(prompt)
+        kept = [p.tolist() for p in s.kept_positions]
+        tokens, margins = [], []
+        for _ in range(SNAPKV_STEPS):
+            tokens.append(int(np.argmax(last)))
+            margins.extend(_margins(last[None]))
+            last = s.decode(tokens[-1])
+    reference["snapkv"] = {"prompt_ids": prompt, "budget": SNAPKV_BUDGET, "kept": kept, "tokens": tokens,
+                           "margin": margins}
+    reference["speed_prompt_ids"] = prompt_ids(cpu, SPEED_PROMPT)
+    (stage / "reference.json").write_text(json.dumps(reference))
+    shutil.rmtree(stage / "cpu")
+    _pack(bundle, stage, args)
+    shutil.rmtree(stage)
+    return 0
+
+
+def _margins(logits) -> list[float]:
+    import numpy as np
+    top2 = np.sort(logits, axis=-1)[:, -2:]
+    return (top2[:, 1] - top2[:, 0]).tolist()
+
+
+def _runtime_tree(stage: Path, python_version: str) -> Path:
+    """TVM's Python package without its compiler library, plus apache-tvm-ffi built for the GPU machine's Python
+    (downloaded as a wheel: the one installed here is built for this Python)."""
+    import tvm
+    import tvm_ffi
+
+    site = stage / "site"
+    ignore = shutil.ignore_patterns("libtvm_compiler.so", "3rdparty", "__pycache__", "include", "*.pyc")
+    shutil.copytree(Path(tvm.__file__).parent, site / "tvm", ignore=ignore)
+    wheels = stage / "wheels"
+    subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+                    "--python-version", python_version, "--implementation", "cp",
+                    "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_24_x86_64",
+                    "--platform", "manylinux_2_17_x86_64", "-d", str(wheels),
+                    f"apache-tvm-ffi=={tvm_ffi.__version__}"], check=True)
+    import zipfile
+    for wheel in wheels.glob("*.whl"):
+        zipfile.ZipFile(wheel).extractall(site)
+    shutil.rmtree(wheels)
+    for sub in ("include", "src", "3rdparty", "cython"):      # sources and headers: not needed to run
+        shutil.rmtree(site / "tvm_ffi" / sub, ignore_errors=True)
+    return site
+
+
+def _pack(bundle: Path, stage: Path, args) -> None:
+    site = _runtime_tree(stage, args.python)
+    first = bundle / "p1"
+    first.mkdir()
+    with tarfile.open(first / "runtime.tar.gz", "w:gz") as tar:
+        tar.add(site, arcname="site")
+    with tarfile.open(first / "meta.tar.gz", "w:gz") as tar:
+        for variant in VARIANTS + SPEED_VARIANTS:
+            for name in ("manifest.json", "model.so", "tokenizer.json"):
+                tar.add(stage / variant / name, arcname=f"{variant}/{name}")
+    shutil.copy(stage / "reference.json", first / "reference.json")
+    weights = (stage / "plain" / "weights.bin").read_bytes()
+    limit = args.part_mib << 20
+    room = limit - sum(f.stat().st_size for f in first.iterdir())
+    chunks, offset = [], 0
+    while offset < len(weights):
+        size = room if not chunks else limit
+        chunks.append(weights[offset:offset + size])
+        offset += size
+    for i, chunk in enumerate(chunks):
+        part = bundle / f"p{i + 1}"
+        part.mkdir(exist_ok=True)
+        (part / f"weights.{i:03d}").write_bytes(chunk)
+    index = {"parts": len(chunks), "weights_bytes": len(weights),
+             "weights_sha256": hashlib.sha256(weights).hexdigest()}
+    (first / "index.json").write_text(json.dumps(index))
+    print(f"\n{bundle}: {len(chunks)} parts ({', '.join(_size(bundle / f'p{i + 1}') for i in range(len(chunks)))})."
+          f" Device calls, back to back (the machine goes back after 30 s idle):")
+    for i in range(len(chunks)):
+        verb = "run --out $OUT" if i == len(chunks) - 1 else "receive"
+        print(f"  {i + 1}. carry [\"{bundle}/p{i + 1}\"]  command: python3 benchmarks/gpu_check.py {verb} "
+              f"--dir {bundle}")
+
+
+def _size(path: Path) -> str:
+    return f"{sum(f.stat().st_size for f in path.iterdir()) / 2**20:.1f} MiB"
+
+
+# -- there: receive and run -------------------------------------------------------------------------------------
+def receive(args) -> int:
+    bundle = Path(args.dir)
+    index = json.loads((bundle / "p1" / "index.json").read_text()) if (bundle / "p1" / "index.json").is_file() \
+        else None
+    present = sorted(p.name for p in bundle.glob("p*") if p.is_dir())
+    print(f"parts present: {present} of {index['parts'] if index else '?'}")
+    print(f"python {sys.version.split()[0]}; disk free {shutil.disk_usage('/tmp').free / 2**30:.0f} GiB")
+    for module in ("numpy", "tokenizers", "jinja2", "tqdm"):
+        try:
+            print(f"  {module} {__import__(module).__version__}")
+        except Exception as exc:       # noqa: BLE001 - a report, not a failure
+            print(f"  {module}: MISSING ({exc})")
+    if (bundle / "p1").is_dir():
+        _setup_runtime(bundle)
+        import tvm
+        print(f"tvm runtime only: {tvm.base._RUNTIME_ONLY}; libraries {sorted(tvm.base._LOADED_LIBS)}")
+        from sharpi.common.tvm_cuda import load_tvm_cuda_runtime
+        try:
+            load_tvm_cuda_runtime()
+        except OSError as exc:
+            print(f"TVM's CUDA runtime library: NOT LOADED ({exc})")
+        dev = tvm.cuda(0)
+        print(f"cuda device: exist={dev.exist} name={dev.device_name if dev.exist else None} "
+              f"compute={dev.compute_version if dev.exist else None}")
+    return 0
+
+
+def _setup_runtime(bundle: Path) -> None:
+    """Unpack the runtime, point Python at it and at the repo's sharpi, and preload CUDA's runtime library."""
+    site = WORK / "site"
+    if not site.is_dir():
+        WORK.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(bundle / "p1" / "runtime.tar.gz") as tar:
+            tar.extractall(WORK)
+    os.environ["TVM_USE_RUNTIME_LIB"] = "1"
+    sys.path[:0] = [str(site), str(ROOT)]
+    _preload_cudart()
+
+
+def _preload_cudart() -> str | None:
+    """libtvm_runtime_cuda needs libcudart.so.13, which may live only inside a pip package (PyTorch's) here."""
+    import ctypes
+    import glob
+    candidates = ["libcudart.so.13"] + sorted(
+        glob.glob("/usr/local/cuda*/lib*/libcudart.so.13*") + glob.glob("/usr/local/cuda*/targets/*/lib/libcudart.so.13*")
+        + glob.glob(f"{sys.prefix}/lib/python3*/site-packages/nvidia/*/lib/libcudart.so.13*")
+        + glob.glob("/opt/*/.venv/lib/python3*/site-packages/nvidia/*/lib/libcudart.so.13*"))
+    for path in candidates:
+        try:
+            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            return path
+        except OSError:
+            continue
+    return None
+
+
+def _assemble(bundle: Path) -> dict:
+    index = json.loads((bundle / "p1" / "index.json").read_text())
+    missing = [f"p{i + 1}" for i in range(index["parts"]) if not (bundle / f"p{i + 1}").is_dir()]
+    if missing:
+        raise SystemExit(f"parts missing on this machine: {missing} (the machine was given back between calls?)")
+    with tarfile.open(bundle / "p1" / "meta.tar.gz") as tar:
+        tar.extractall(WORK)
+    weights = WORK / "plain" / "weights.bin"
+    with open(weights, "wb") as out:
+        for i in range(index["parts"]):
+            out.write((bundle / f"p{i + 1}" / f"weights.{i:03d}").read_bytes())
+    for variant in VARIANTS[1:]:
+        shutil.copy(weights, WORK / variant / "weights.bin")
+    _random_weights(WORK / SPEED_VARIANTS[0])
+    for variant in SPEED_VARIANTS[1:]:
+        shutil.copy(WORK / SPEED_VARIANTS[0] / "weights.bin", WORK / variant / "weights.bin")
+    return json.loads((bundle / "p1" / "reference.json").read_text())
+
+
+def _random_weights(directory: Path) -> None:
+    """weights.bin for the artifact's parameter table: random quant bits, small random floats (norms, scales).
+    The logits mean nothing; the kernels and their memory traffic are the real model's."""
+    import numpy as np
+    params = json.loads((directory / "manifest.json").read_text())["params"]
+    rng = np.random.default_rng(0)
+    size = max(p["offset"] + p["nbytes"] for p in params)
+    data = np.zeros(size, np.uint8)
+    for p in params:
+        dtype = np.dtype(p["dtype"])
+        view = data[p["offset"]:p["offset"] + p["nbytes"]].view(dtype)
+        if dtype.kind == "f":
+            view[:] = rng.normal(0, 0.02, view.size).astype(dtype)
+        else:
+            view[:] = rng.integers(0, 256, p["nbytes"], dtype=np.uint8).view(dtype)
+    data.tofile(directory / "weights.bin")
+
+
+def run(args) -> int:
+    bundle = Path(args.dir)
+    _setup_runtime(bundle)
+    reference = _assemble(bundle)
+    import numpy as np
+    import sharpi
+
+    results = {"python": sys.version.split()[0], "model": reference["model"], "arch": reference["arch"],
+               "cpu_reference": reference["cpu_backend"], "variants": {}}
+    for variant in VARIANTS:
+        row = results["variants"][variant] = {}
+        for name, check in (("load", None), ("teacher_forced", _teacher_forced), ("greedy", _greedy),
+                            ("snapkv", _snapkv), ("speed", _speed)):
+            t = time.perf_counter()
+            try:
+                if check is None:
+                    model = sharpi.load(WORK / variant)
+                    row["load"] = {"backend": model.backend}
+                else:
+                    row[name] = check(model, reference, np)
+            except Exception as exc:        # noqa: BLE001 - record it and go on: one call must report everything
+                row[name] = {"error": f"{type(exc).__name__}: {exc}"}
+                if check is None:
+                    break
+            row[name]["seconds"] = round(time.perf_counter() - t, 2)
+            print(f"{variant:5} {name:14} {json.dumps(row[name])[:300]}", flush=True)
+        model = None
+    results["speed_model"] = {"model": reference["speed_model"], "weights": "random, same shapes"}
+    for variant in SPEED_VARIANTS:
+        t = time.perf_counter()
+        try:
+            model = sharpi.load(WORK / variant, verify=False)
+            from sharpi.cli.bench import prompt_ids
+            speed = _speed(model, {"speed_prompt_ids": prompt_ids(model, SPEED_PROMPT)}, np)
+            results["speed_model"][variant] = {"backend": model.backend, **speed}
+        except Exception as exc:            # noqa: BLE001
+            results["speed_model"][variant] = {"error": f"{type(exc).__name__}: {exc}"}
+        results["speed_model"][variant]["seconds"] = round(time.perf_counter() - t, 2)
+        print(f"{variant:11} {json.dumps(results['speed_model'][variant])[:300]}", flush=True)
+        model = None
+    results["passed"] = all(_passed(row) for row in results["variants"].values())
+    out = Path(args.out or ".")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_check.json").write_text(json.dumps(results, indent=1))
+    _print_table(results)
+    return 0 if results["passed"] else 1
+
+
+def _teacher_forced(model, reference, np) -> dict:
+    tf = reference["teacher_forced"]
+    got = model.score(tf["ids"]).argmax(-1)
+    ref, margin = np.array(tf["top1"]), np.array(tf["margin"])
+    clear = margin >= NEAR_TIE
+    return {"tokens": len(tf["ids"]), "top1_agreement": float((got == ref).mean()),
+            "top1_agreement_clear_margin": float((got[clear] == ref[clear]).mean()),
+            "passed": bool((got == ref).mean() >= 0.99)}
+
+
+def _agrees(got: list[int], ref: list[int], margins: list[float]) -> tuple[bool, int]:
+    """Equal up to the first step where the reference's top-2 margin is a near tie (the Vulkan issue's rule)."""
+    for step, (g, r, m) in enumerate(zip(got, ref, margins)):
+        if m < NEAR_TIE:
+            return True, step
+        if g != r:
+            return False, step
+    return len(got) >= len(ref), min(len(got), len(ref))
+
+
+def _greedy(model, reference, np) -> dict:
+    rows = []
+    for g in reference["greedy"]:
+        gen = model.generate(g["prompt_ids"], max_tokens=GREEDY_TOKENS)
+        agrees, compared = _agrees(gen.token_ids, g["tokens"], g["margin"])
+        rows.append({"equal": gen.token_ids == g["tokens"], "agrees": agrees, "compared": compared})
+    return {"prompts": rows, "passed": all(r["agrees"] for r in rows)}
+
+
+def _snapkv(model, reference, np) -> dict:
+    snap = reference["snapkv"]
+    with model.session(snapkv_budget=snap["budget"]) as s:
+        last = s.prefill(snap["prompt_ids"])
+        kv_length, logical_length = s.kv_length[0], s.logical_length
+        same = total = 0
+        for mine, theirs in zip(s.kept_positions, snap["kept"]):
+            for x, y in zip(mine, theirs):
+                same += np.intersect1d(x, y).size
+                total += len(y)
+        got = []
+        for token in snap["tokens"]:
+            got.append(int(np.argmax(last)))
+            last = s.decode(token)
+        agrees, compared = _agrees(got, snap["tokens"], snap["margin"])
+        overlap = same / max(total, 1)
+        return {"kv_length": kv_length, "logical_length": logical_length, "overlap": overlap,
+                "decode_agrees": agrees, "steps_compared": compared,
+                "passed": bool(overlap >= 0.99 and agrees and kv_length == snap["budget"])}
+
+
+def _speed(model, reference, np) -> dict:
+    """Median over repeats: prefill of the 512-token prompt, then greedy decode of 256 tokens (each step: one VM
+    call, the logits read back, argmax on the host)."""
+    ids = reference["speed_prompt_ids"]
+    prefill, decode = [], []
+    for _ in range(SPEED_REPEATS + 1):                   # the first round warms up (and captures the graph)
+        with model.session(snapkv_budget=0) as s:
+            t0 = time.perf_counter()
+            last = s.prefill(ids)
+            t1 = time.perf_counter()
+            for _ in range(SPEED_TOKENS):
+                last = s.decode(int(np.argmax(last)))
+            t2 = time.perf_counter()
+        prefill.append(len(ids) / (t1 - t0))
+        decode.append(SPEED_TOKENS / (t2 - t1))
+    return {"prompt_tokens": len(ids), "prefill_tok_s": float(np.median(prefill[1:])),
+            "decode_tokens": SPEED_TOKENS, "decode_tok_s": float(np.median(decode[1:])),
+            "decode_target_tok_s": 1000, "passed": True}
+
+
+def _passed(row: dict) -> bool:
+    return all(isinstance(v, dict) and "error" not in v and v.get("passed", True) for v in row.values()) and \
+        "teacher_forced" in row
+
+
+def _print_table(results: dict) -> None:
+    print(f"\nGPU check of {results['model']} ({results['arch']}); reference {results['cpu_reference']}")
+    for variant, row in results["variants"].items():
+        print(f"-- {variant}: {row.get('load', {}).get('backend', row.get('load'))}")
+        for name in ("teacher_forced", "greedy", "snapkv", "speed"):
+            v = row.get(name)
+            if v is None:
+                print(f"   {name:15} NOT RUN")
+                continue
+            status = "ERROR" if "error" in v else ("PASS" if v.get("passed") else "FAIL")
+            detail = {"teacher_forced": lambda: f"top-1 {v['top1_agreement']:.4f} over {v['tokens']} tokens",
+                      "greedy": lambda: f"{sum(r['agrees'] for r in v['prompts'])}/{len(v['prompts'])} prompts",
+                      "snapkv": lambda: f"overlap {v['overlap']:.4f}, decode agrees {v['decode_agrees']}",
+                      "speed": lambda: f"prefill {v['prefill_tok_s']:.0f} tok/s, decode {v['decode_tok_s']:.0f} "
+                                       f"tok/s (target 1000)"}[name]
+            print(f"   {name:15} {status:5} {v.get('error') or detail()}")
+    speed = results.get("speed_model", {})
+    for variant in SPEED_VARIANTS:
+        v = speed.get(variant, {})
+        print(f"-- {speed.get('model')} ({variant}, random weights): " + (v.get("error") or
+              f"prefill {v['prefill_tok_s']:.0f} tok/s, decode {v['decode_tok_s']:.0f} tok/s"))
+    print("ALL PASSED" if results["passed"] else "SOME CHECKS FAILED")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="verb", required=True)
+    pp = sub.add_parser("prepare", help="here: compile, compute references, pack the parts")
+    pp.add_argument("--model", default="smollm2-135m")
+    pp.add_argument("--speed-model", default="gemma3-270m", help="measured for speed only, with random weights")
+    pp.add_argument("--arch", default="sm_90", help="the GPU's architecture (H100/H200: sm_90)")
+    pp.add_argument("--python", default="3.12", help="the GPU machine's Python version")
+    pp.add_argument("--cpu", action="store_true",
+                    help="compile for llvm instead, to try this script here (everything but CUDA) before a device call")
+    pp.add_argument("--part-mib", type=int, default=60, help="largest part (a device call carries at most 64 MiB)")
+    for name in ("receive", "run"):
+        sp = sub.add_parser(name)
+        if name == "run":
+            sp.add_argument("--out", default=None)
+    for sp in sub.choices.values():
+        sp.add_argument("--dir", default=".gpu")
+    args = p.parse_args(argv)
+    return {"prepare": prepare, "receive": receive, "run": run}[args.verb](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
