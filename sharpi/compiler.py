@@ -231,10 +231,11 @@ def _build_vulkan(mod, cfg, staging: Path, bar) -> tuple[dict, list[str]]:
 
 
 def _code_fingerprint() -> str:
-    """A hash of the compiler's own source, so a changed kernel or pass never reuses a stale cached compile."""
+    """A hash of the compiler's own source, so a changed kernel or pass never reuses a stale cached compile (the
+    runtime, CLI, test and evaluation code do not shape an artifact)."""
     root = Path(__file__).parent
     digest = hashlib.sha256()
-    for path in sorted(p for p in root.rglob("*.py") if "runtime" not in p.parts and "cli" not in p.parts):
+    for path in sorted(p for p in root.rglob("*.py") if not {"runtime", "cli", "testing", "eval"} & set(p.parts)):
         digest.update(str(path.relative_to(root)).encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()

@@ -37,6 +37,13 @@ def smollm2_artifact(smollm2_gguf, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def smollm2_vulkan_artifact(smollm2_gguf, tmp_path_factory):
+    """SmolLM2 compiled for Vulkan, once per session (test_vulkan_model.py, test_conformance_plugin.py)."""
+    import sharpi
+    return sharpi.compile(str(smollm2_gguf), target="vulkan", output=tmp_path_factory.mktemp("vk") / "smollm2")
+
+
+@pytest.fixture(scope="session")
 def smollm2(smollm2_artifact):
     import sharpi
     return sharpi.load(smollm2_artifact)

@@ -17,11 +17,6 @@ from vulkan_device import on_vulkan
 
 
 @pytest.fixture(scope="session")
-def smollm2_vulkan_artifact(smollm2_gguf, tmp_path_factory):
-    return sharpi.compile(str(smollm2_gguf), target="vulkan", output=tmp_path_factory.mktemp("vk") / "smollm2")
-
-
-@pytest.fixture(scope="session")
 def vk(smollm2_vulkan_artifact):
     return on_vulkan(lambda: sharpi.load(smollm2_vulkan_artifact))
 

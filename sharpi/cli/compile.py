@@ -25,6 +25,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dump-ir", default=None, metavar="FILE", help="write the Relax IR after the passes to FILE")
     p.add_argument("--no-cache", action="store_true", help="compile even if the cache has this artifact")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    # --check (issue #11): the conformance suite on the new artifact
+    p.add_argument("--check", action="store_true",
+                   help="then run the conformance suite on the artifact (against the numpy reference) and print a "
+                        "pass/fail table; exit code 1 if a check failed")
     return p
 
 
@@ -37,6 +41,10 @@ def main(argv=None) -> int:
                         max_context=args.max_context, snapkv=args.snapkv, dump_ir=args.dump_ir,
                         use_cache=not args.no_cache, show_progress=not args.quiet, **snapkv_kwargs(args))
     print(out)
+    if args.check:        # --check (issue #11): exit code 1 if a check failed
+        from ..frontend.fetch import resolve_model
+        from ..testing.conformance import run_and_report
+        return run_and_report(out, gguf=resolve_model(args.model, show_progress=False))
     return 0
 
 
