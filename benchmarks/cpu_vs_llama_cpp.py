@@ -1,0 +1,82 @@
+"""sharpi vs llama.cpp on the CPU, side by side in one run (the CPU speed issue's benchmark): the same GGUF, the
+same thread count, prefill at 512 and 4096 tokens and decode after each, sharpi also with SnapKV (budget 1024)
+after the long prompt. Medians of --repeats runs; a Markdown table with the ratios (sharpi / llama.cpp) is
+printed and, with --out, written with a description of the machine.
+
+    python benchmarks/cpu_vs_llama_cpp.py [--models smollm2-135m,gemma3-270m] [--prompts 512,4096] [--gen 64]
+        [--repeats 3] [--budget 1024] [--out benchmarks/cpu.md]
+
+Needs llama-cpp-python. Run it on a quiet machine: both engines are timed in the same process, one after the
+other, so a noisy neighbour hurts both, but not always equally.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import sharpi
+from sharpi.cli.bench import bench_llama_cpp, bench_sharpi, find_gguf, prompt_ids
+
+
+def machine() -> str:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return f"{cpu}, {os.cpu_count()} logical CPUs, load average {load:.1f} at the start, Python {platform.python_version()}"
+
+
+def rows_for(name: str, prompts: list[int], gen: int, repeats: int, budget: int) -> list[dict]:
+    model = sharpi.load(sharpi.compile(name, target="llvm", output=f"/tmp/sharpi-cpu-bench-{name}"))
+    gguf = find_gguf(model, None)
+    rows = []
+    for n in prompts:
+        print(f"{name}: {n}-token prompt", file=sys.stderr, flush=True)
+        ours = bench_sharpi(model, n, gen, repeats, {"snapkv_budget": 0})
+        theirs = bench_llama_cpp(gguf, n, gen, model.threads, repeats, prompt_ids(model, n))
+        rows.append({"model": name, "prompt": n, "engine": "sharpi", **ours, "vs": theirs})
+        rows.append({"model": name, "prompt": n, "engine": "llama.cpp", **theirs, "vs": theirs})
+        if budget and n > budget:
+            snap = bench_sharpi(model, n, gen, repeats, {"snapkv_budget": budget})
+            rows.append({"model": name, "prompt": n, "engine": f"sharpi, SnapKV {budget}", **snap, "vs": theirs})
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| model | prompt | engine | prefill tok/s | decode tok/s | prefill ratio | decode ratio |",
+             "| --- | ---: | --- | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        ratio = ("", "") if r["engine"] == "llama.cpp" else (
+            f"{r['prefill_tok_s'] / r['vs']['prefill_tok_s']:.2f}x", f"{r['decode_tok_s'] / r['vs']['decode_tok_s']:.2f}x")
+        lines.append(f"| {r['model']} | {r['prompt']} | {r['engine']} | {r['prefill_tok_s']:.1f} | "
+                     f"{r['decode_tok_s']:.1f} | {ratio[0]} | {ratio[1]} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="smollm2-135m,gemma3-270m")
+    p.add_argument("--prompts", default="512,4096")
+    p.add_argument("--gen", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--budget", type=int, default=1024)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    started, about = time.strftime("%Y-%m-%d %H:%M"), machine()
+    rows = []
+    for name in args.models.split(","):
+        rows += rows_for(name, [int(n) for n in args.prompts.split(",")], args.gen, args.repeats, args.budget)
+    text = (f"# sharpi vs llama.cpp on the CPU, {started}\n\n{about}; same GGUF and thread count for both; decode "
+            f"of {args.gen} tokens after the prompt; median of {args.repeats}.\n\n"
+            f"`python benchmarks/cpu_vs_llama_cpp.py {' '.join(argv or sys.argv[1:])}`\n\n{table(rows)}\n")
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
