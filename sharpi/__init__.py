@@ -14,6 +14,13 @@ def compile(model, target: str = "llvm", output=None, **options):
     return _compile(model, target=target, output=output, **options)
 
 
+def export_onnx(model, output=None, **options):
+    """Export a GGUF file or known model name as ONNX graphs (prefill, decode, SnapKV) into a directory; returns
+    its path. See sharpi.compiler.export_onnx."""
+    from .compiler import export_onnx as _export_onnx
+    return _export_onnx(model, output=output, **options)
+
+
 def load(directory, **options):
     """Load a compiled artifact directory."""
     from .runtime.model import Model
@@ -26,6 +33,6 @@ def fetch(name: str, show_progress: bool = True):
     return _fetch(name, show_progress=show_progress)
 
 
-__all__ = ["compile", "load", "fetch", "SharpiError", "ArtifactError", "CompileError", "ConfigError",
+__all__ = ["compile", "export_onnx", "load", "fetch", "SharpiError", "ArtifactError", "CompileError", "ConfigError",
            "ContextLengthError", "FetchError", "GGUFError", "KeepSetError", "ModelNotFoundError", "TokenizerError",
            "UnsupportedArchitectureError", "UnsupportedTensorTypeError", "__version__"]

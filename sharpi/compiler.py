@@ -69,7 +69,7 @@ def compile(model: str | Path, target: str = "llvm", output: str | Path | None =
             max_context: int | None = None,
             snapkv: str | bool | None = None, snapkv_budget=None, snapkv_window=None, snapkv_recency=None,
             snapkv_pooling=None, snapkv_kernel=None, snapkv_granularity=None, dump_ir: str | Path | None = None,
-            use_cache: bool = True, show_progress: bool = False) -> Path:
+            use_cache: bool = True, show_progress: bool = False, emit: str | None = None) -> Path:
     """Compile a GGUF (path or known model name) into an artifact directory; returns its path.
 
     target: llvm (mcpu: the CPU, default this one), vulkan, or cuda (arch: sm_XY, default sm_80; cuda_graph: decode
@@ -78,21 +78,28 @@ def compile(model: str | Path, target: str = "llvm", output: str | Path | None =
 
     snapkv decides whether the SnapKV ops exist; snapkv_window is also the largest window allowed at run time;
     the other snapkv_* values become the artifact's run-time defaults. dump_ir writes the Relax IR after the
-    passes (before kernels are attached) to a file."""
+    passes (before kernels are attached) to a file. emit="onnx" exports ONNX graphs instead (export_onnx; the
+    target options do not apply)."""
+    if emit is not None:                   # issue #9: ONNX interchange
+        if emit != "onnx":
+            raise ConfigError(f"emit must be 'onnx' (or None for a compiled artifact), got {emit!r}.")
+        used = [name for name, on in (("target", target != "llvm"), ("mcpu", mcpu), ("arch", arch),
+                                      ("cuda_graph", cuda_graph), ("kv_dtype", kv_dtype)) if on]
+        if used:
+            raise ConfigError(f"{', '.join(used)} {'does' if len(used) == 1 else 'do'} not apply to emit='onnx'.")
+        return export_onnx(model, output, max_context=max_context, snapkv=snapkv, snapkv_budget=snapkv_budget,
+                           snapkv_window=snapkv_window, snapkv_recency=snapkv_recency, snapkv_pooling=snapkv_pooling,
+                           snapkv_kernel=snapkv_kernel, snapkv_granularity=snapkv_granularity, dump_ir=dump_ir,
+                           show_progress=show_progress)
     from .frontend.fetch import resolve_model
     from .frontend.gguf_file import GGUFFile
 
-    snapkv_explicit = snapkv is not None
-    snapkv = {True: "on", False: "off", None: "on"}.get(snapkv, snapkv)
-    defaults = tuple((k, v) for k, v in (("budget", snapkv_budget), ("window", snapkv_window),
-                                         ("recency", snapkv_recency), ("pooling", snapkv_pooling),
-                                         ("kernel", snapkv_kernel), ("granularity", snapkv_granularity))
-                     if v is not None)
+    snapkv_fields = _snapkv_fields(snapkv, budget=snapkv_budget, window=snapkv_window, recency=snapkv_recency,
+                                   pooling=snapkv_pooling, kernel=snapkv_kernel, granularity=snapkv_granularity)
     if kv_dtype is None:                   # DESIGN.md: f32 on CPU; f16 on CUDA GPUs (Vulkan: f32 until measured)
         kv_dtype = "f16" if target == "cuda" else "f32"
     options = CompileOptions(target=target, mcpu=mcpu, arch=arch, cuda_graph=bool(cuda_graph), kv_dtype=KV_DTYPES.get(kv_dtype, kv_dtype),
-                             max_context=max_context, snapkv=snapkv, snapkv_explicit=snapkv_explicit,
-                             snapkv_defaults=defaults)
+                             max_context=max_context, **snapkv_fields)
     options.validate()
     gguf_path = resolve_model(model, show_progress=show_progress)
     output = Path(output) if output is not None else Path(gguf_path.stem + f"-{target}")
@@ -129,18 +136,10 @@ def _compile_uncached(gguf, gguf_sha256: str, options: CompileOptions, output: P
 
     started = time.perf_counter()
     cfg = config_from_gguf(gguf)
-    max_context = options.max_context or cfg.context_length
-    if max_context > cfg.context_length:
-        raise ConfigError(f"--max-context {max_context} exceeds the model's context of {cfg.context_length}.")
+    max_context = _max_context(options, cfg)
     tokenizer, tok_info = build_from_gguf_metadata(gguf.metadata)
     load_weights, builder = frontend_for(cfg)
-    if options.snapkv == "on" and all(cfg.is_local(l) for l in range(cfg.n_layers)):
-        message = (f"every layer of this {cfg.arch} model attends within a sliding window of {cfg.sliding_window} "
-                   f"and so holds only that window: SnapKV has nothing to evict")
-        if options.snapkv_explicit:
-            raise ConfigError(f"{message[0].upper()}{message[1:]}; compile with --snapkv off.")
-        _log(show_progress, f"sharpi: {message}; compiling without it")
-        options = replace(options, snapkv="off")
+    options = _without_snapkv_if_all_local(options, cfg, show_progress)
     weights = load_weights(gguf, cfg, show_progress)
     max_pages = math.ceil(max_context / PAGE_SIZE)
     mod = builder(cfg, weights, max_pages, kv_dtype=options.kv_dtype).build()
@@ -182,6 +181,105 @@ def _compile_uncached(gguf, gguf_sha256: str, options: CompileOptions, output: P
     _log(show_progress, f"sharpi: compiled {gguf.path.name} for {options.target}{detail} in "
                         f"{time.perf_counter() - started:.1f} s -> {output}")
     return output
+
+
+def export_onnx(model: str | Path, output: str | Path | None = None, *, weights: str = "f32",
+                functions=None, max_context: int | None = None, snapkv: str | bool | None = None,
+                snapkv_budget=None, snapkv_window=None, snapkv_recency=None, snapkv_pooling=None, snapkv_kernel=None,
+                snapkv_granularity=None, dump_ir: str | Path | None = None, show_progress: bool = False) -> Path:
+    """Export a GGUF (path or known model name) as ONNX graphs into a directory; returns its path (issue #9).
+
+    The same Relax module the targets compile (SnapKV pass included) is translated to ONNX, binding by binding
+    (sharpi.codegen.onnx_export): prefill.onnx and decode.onnx (functions may add "prefill_logits"), plus
+    prefill_snapkv.onnx (score, select and compact after the prompt) unless snapkv is off; weights f32 or f16 in
+    one shared weights.onnx.data; sharpi-onnx.json records the graphs' signatures; tokenizer.json the tokenizer."""
+    from .codegen import onnx_export
+    from .common.tokenizer import build_from_gguf_metadata
+    from .frontend.architectures import frontend_for
+    from .frontend.config import config_from_gguf
+    from .frontend.fetch import resolve_model
+    from .frontend.gguf_file import GGUFFile
+
+    started = time.perf_counter()
+    options = CompileOptions(max_context=max_context, **_snapkv_fields(
+        snapkv, budget=snapkv_budget, window=snapkv_window, recency=snapkv_recency, pooling=snapkv_pooling,
+        kernel=snapkv_kernel, granularity=snapkv_granularity))
+    options.validate()
+    if weights not in onnx_export.WEIGHT_DTYPES:
+        raise ConfigError(f"ONNX weights must be one of {', '.join(onnx_export.WEIGHT_DTYPES)}, got {weights!r}.")
+    gguf_path = resolve_model(model, show_progress=show_progress)
+    output = Path(output) if output is not None else Path(gguf_path.stem + "-onnx")
+    if output.exists() and not (output.is_dir() and (not any(output.iterdir())
+                                                     or (output / onnx_export.EXPORT_FILE).is_file())):
+        raise ConfigError(f"{output} exists and is not a sharpi ONNX export; choose another output directory.")
+    gguf = GGUFFile(gguf_path)
+    cfg = config_from_gguf(gguf)
+    if cfg.arch not in onnx_export.ARCHITECTURES:
+        from .common.errors import UnsupportedArchitectureError
+        raise UnsupportedArchitectureError(f"ONNX export does not support the {cfg.arch} architecture yet "
+                                           f"(supported: {', '.join(onnx_export.ARCHITECTURES)}).")
+    max_context = _max_context(options, cfg)
+    options = _without_snapkv_if_all_local(options, cfg, show_progress)
+    load_weights, builder = frontend_for(cfg)
+    table = load_weights(gguf, cfg, show_progress)
+    mod = builder(cfg, table, math.ceil(max_context / PAGE_SIZE), kv_dtype="float32").build()
+    settings = options.snapkv_settings()
+    if functions is None:
+        functions = list(onnx_export.DEFAULT_FUNCTIONS) + (["prefill_snapkv"] if options.snapkv == "on" else [])
+    if options.snapkv == "on":
+        from .ir_passes.snapkv import snapkv_pass
+        mod = snapkv_pass(mod)
+    if dump_ir is not None:
+        Path(dump_ir).write_text(mod.script())
+    from .codegen.artifact import staging_dir
+    staging = staging_dir(output)
+    try:
+        _log(show_progress, "sharpi: translating the Relax module to ONNX")
+        signature = onnx_export.export_module(mod, cfg, table, staging, functions=tuple(functions),
+                                              snapkv_settings=settings, weight_dtype=weights,
+                                              metadata={"sharpi.source": gguf.path.name})
+        tokenizer, tok_info = build_from_gguf_metadata(gguf.metadata)
+        tokenizer.save(staging)
+        onnx_export.write_export_manifest(
+            staging, signature, sharpi_version=__version__, weights_dtype=weights,
+            source={"name": gguf.path.name, "sha256": file_sha256(gguf_path)}, config=cfg.to_dict(),
+            tokenizer=tok_info.to_dict(), snapkv={"enabled": options.snapkv == "on", "defaults": settings.to_dict()})
+        if output.exists():
+            shutil.rmtree(output)
+        staging.rename(output)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    _log(show_progress, f"sharpi: exported {gguf.path.name} to ONNX ({', '.join(functions)}) in "
+                        f"{time.perf_counter() - started:.1f} s -> {output}")
+    return output
+
+
+def _snapkv_fields(snapkv, **defaults) -> dict:
+    """CompileOptions' SnapKV fields from compile()'s arguments: snapkv on (the default) or off, whether it was
+    asked for, and the given run-time defaults."""
+    return {"snapkv": {True: "on", False: "off", None: "on"}.get(snapkv, snapkv), "snapkv_explicit": snapkv is not None,
+            "snapkv_defaults": tuple((k, v) for k, v in defaults.items() if v is not None)}
+
+
+def _max_context(options: CompileOptions, cfg) -> int:
+    max_context = options.max_context or cfg.context_length
+    if max_context > cfg.context_length:
+        raise ConfigError(f"--max-context {max_context} exceeds the model's context of {cfg.context_length}.")
+    return max_context
+
+
+def _without_snapkv_if_all_local(options: CompileOptions, cfg, show_progress: bool) -> CompileOptions:
+    """A model whose every layer has a sliding window holds only that window: SnapKV has nothing to evict, so
+    it is left out (and asking for it is an error)."""
+    if options.snapkv != "on" or not all(cfg.is_local(l) for l in range(cfg.n_layers)):
+        return options
+    message = (f"every layer of this {cfg.arch} model attends within a sliding window of {cfg.sliding_window} "
+               f"and so holds only that window: SnapKV has nothing to evict")
+    if options.snapkv_explicit:
+        raise ConfigError(f"{message[0].upper()}{message[1:]}; use --snapkv off.")
+    _log(show_progress, f"sharpi: {message}; going on without it")
+    return replace(options, snapkv="off")
 
 
 def _build_llvm(mod, cfg, options: CompileOptions, staging: Path, bar) -> tuple[dict, list[str]]:

@@ -29,12 +29,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true",
                    help="then run the conformance suite on the artifact (against the numpy reference) and print a "
                         "pass/fail table; exit code 1 if a check failed")
+    # --emit onnx (issue #9): ONNX graphs (prefill, decode, SnapKV) instead of a compiled artifact
+    p.add_argument("--emit", default=None, choices=["onnx"],
+                   help="onnx: export the lowered model as ONNX graphs into -o DIR instead of compiling for a target")
+    p.add_argument("--onnx-weights", default="f32", choices=["f32", "f16"],
+                   help="with --emit onnx: the weights' element type in the export (default f32)")
     return p
 
 
 @user_errors_exit_2
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.emit == "onnx":               # --emit onnx (issue #9)
+        from ..common.errors import ConfigError
+        from ..compiler import export_onnx
+        used = [flag for flag, on in (("--mcpu", args.mcpu), ("--arch", args.arch), ("--cuda-graph", args.cuda_graph),
+                                      ("--kv-dtype", args.kv_dtype), ("--check", args.check),
+                                      ("--target", args.target != "llvm")) if on]
+        if used:
+            raise ConfigError(f"{', '.join(used)} {'does' if len(used) == 1 else 'do'} not apply to --emit onnx.")
+        print(export_onnx(args.model, output=args.output, weights=args.onnx_weights, max_context=args.max_context,
+                          snapkv=args.snapkv, dump_ir=args.dump_ir, show_progress=not args.quiet,
+                          **snapkv_kwargs(args)))
+        return 0
     from ..compiler import compile as compile_model
     out = compile_model(args.model, target=args.target, output=args.output, mcpu=args.mcpu, arch=args.arch,
                         cuda_graph=args.cuda_graph, kv_dtype=args.kv_dtype,
