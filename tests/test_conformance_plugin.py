@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import wgpu  # noqa: F401  (before any inner run: pytester drops the modules a run imported, and wgpu's second
+             # import fails on the logger its first one registered)
 
 import sharpi
 from sharpi.common.manifest import file_sha256
@@ -143,11 +145,13 @@ def test_sharpi_compile_check(smollm2_gguf, warm, tmp_path, capsys, monkeypatch)
 @pytest.mark.slow
 def test_suite_passes_on_the_vulkan_artifact(run_plugin, warm, smollm2_vulkan_artifact):
     """lavapipe takes ~40 s per prefill here, whatever its length, and ~4 s per decode step: a 5-token prompt and
-    3 greedy tokens, so the suite runs three forward passes (score, greedy prefill, SnapKV prefill) and 3 decodes."""
+    3 greedy tokens, and the SnapKV checks left to tests/test_vulkan_model.py (CI time), so the suite runs two
+    forward passes (score, greedy prefill) and 3 decodes."""
     from vulkan_device import on_vulkan
     on_vulkan(lambda: sharpi.load(smollm2_vulkan_artifact, verify=False, pool_sequences=1))   # skips without a device
     result = run_plugin("--sharpi-artifact", str(smollm2_vulkan_artifact), "--sharpi-prompt",
-                        "The capital of France is", "--sharpi-decode-tokens", "3")
-    result.assert_outcomes(passed=CHECKS)
+                        "The capital of France is", "--sharpi-decode-tokens", "3",
+                        "-k", "not snapkv and not kv_bytes")
+    result.assert_outcomes(passed=CHECKS - 3, deselected=3)
     result.stdout.fnmatch_lines(["*(vulkan, float32 KV, from SmolLM2-135M-Instruct.Q4_1.gguf)*",
                                  "*PASS  teacher_forced_logits*7 tokens vs numpy*<= 0.02*"])

@@ -35,11 +35,20 @@ def test_smollm2_cuda_artifact_holds_sass_and_ptx(smollm2_cuda_artifact):
     assert {"prefill", "decode", "prefill_snapkv", "snapkv_select", "snapkv_compact"} <= set(m.functions)
 
 
-def test_arch_is_chosen_and_validated(tmp_path, capsys):
+def test_arch_and_cuda_graph_are_chosen_and_validated(tmp_path, capsys, smollm2_cuda_artifact):
+    """--arch picks the SASS and PTX; --cuda-graph makes TVM's RewriteCUDAGraph lift decode into one captured region
+    (all but the lm_head, whose output is the result); without it (the SmolLM2 artifact) nothing is captured."""
     from sharpi.cli import compile as compile_cli
+    from sharpi.common.manifest import Manifest
     path = write_tiny_llama(tmp_path / "tiny.gguf")
-    artifact = sharpi.compile(str(path), target="cuda", arch="sm_90", output=tmp_path / "c90")
-    assert set(fatbin_entries((artifact / "model.so").read_bytes())) == {("elf", 90), ("ptx", 90)}
+    artifact = sharpi.compile(str(path), target="cuda", arch="sm_90", cuda_graph=True, output=tmp_path / "c90")
+    library = (artifact / "model.so").read_bytes()
+    assert set(fatbin_entries(library)) == {("elf", 90), ("ptx", 90)}
+    assert b"decode_cuda_graph_capture" in library and b"decode_cuda_graph_capture1" not in library
+    assert Manifest.read(artifact).target["cuda_graph"] is True
+    assert b"cuda_graph" not in (smollm2_cuda_artifact / "model.so").read_bytes()
+    with pytest.raises(sharpi.ConfigError, match="--cuda-graph applies to the cuda target only"):
+        sharpi.compile(str(path), target="llvm", cuda_graph=True, output=tmp_path / "bad")
     with pytest.raises(sharpi.ConfigError, match="not a CUDA architecture"):
         sharpi.compile(str(path), target="cuda", arch="compute_90", output=tmp_path / "bad")
     assert compile_cli.main([str(path), "--target", "llvm", "--arch", "sm_90", "-o", str(tmp_path / "x")]) == 2
@@ -66,15 +75,3 @@ def test_cuda_logits_match_cpu(smollm2_cuda_artifact, smollm2, golden):
                    for x, y in zip(pa, pb))
         assert same / sum(p.size for p in b.kept_positions) >= 0.99
 
-
-def test_cuda_graph_captures_the_whole_decode_step(tmp_path):
-    """--cuda-graph: TVM's RewriteCUDAGraph lifts decode into one captured region (all but the lm_head, whose
-    output is the result); without it, per-layer regions at most."""
-    from sharpi.common.manifest import Manifest
-    path = write_tiny_llama(tmp_path / "tiny.gguf")
-    artifact = sharpi.compile(str(path), target="cuda", arch="sm_90", cuda_graph=True, output=tmp_path / "graph")
-    library = (artifact / "model.so").read_bytes()
-    assert b"decode_cuda_graph_capture" in library and b"decode_cuda_graph_capture1" not in library
-    assert Manifest.read(artifact).target["cuda_graph"] is True
-    with pytest.raises(sharpi.ConfigError, match="--cuda-graph applies to the cuda target only"):
-        sharpi.compile(str(path), target="llvm", cuda_graph=True, output=tmp_path / "bad")
