@@ -1,10 +1,12 @@
 """What both CLIs share: turning SharpiErrors into one sentence and exit code 2, and the run-time flags."""
 from __future__ import annotations
 
+import argparse
+import contextlib
 import functools
 import sys
 
-from ..common.errors import SharpiError
+from ..common.errors import ConfigError, SharpiError
 
 EXIT_USER_ERROR = 2
 
@@ -14,7 +16,8 @@ def user_errors_exit_2(main):
     @functools.wraps(main)
     def wrapper(argv=None):
         try:
-            return main(argv) or 0
+            with _usage_errors_as_config_errors():
+                return main(argv) or 0
         except SharpiError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return EXIT_USER_ERROR
@@ -22,6 +25,23 @@ def user_errors_exit_2(main):
             print("interrupted", file=sys.stderr)
             return 130
     return wrapper
+
+
+@contextlib.contextmanager
+def _usage_errors_as_config_errors():
+    """argparse reports a bad flag (an unknown one, a missing argument, "--threads x") by printing the usage and
+    a prefixed message; make it a ConfigError instead, so it is one `error:` line and exit code 2 like every
+    other bad value. Done here, for the duration of the call, because both CLIs build plain ArgumentParsers."""
+    original = argparse.ArgumentParser.error
+
+    def error(parser, message):
+        raise ConfigError(f"{message[0].upper()}{message[1:]} (see {parser.prog} --help).")
+
+    argparse.ArgumentParser.error = error
+    try:
+        yield
+    finally:
+        argparse.ArgumentParser.error = original
 
 
 def add_device_flags(parser) -> None:
@@ -51,6 +71,18 @@ def add_sampling_flags(parser) -> None:
 def sampling_kwargs(args) -> dict:
     return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                 repeat_penalty=args.repeat_penalty, seed=args.seed, stop=args.stop)
+
+
+def check_generation_flags(model, args) -> None:
+    """The sampling and SnapKV flags, checked before any generation (chat would otherwise meet a bad value only
+    after the first message)."""
+    from ..common.settings import parse_positive_int
+    from ..runtime.model import check_sampling
+    from ..runtime.sampling import SamplingParams
+
+    parse_positive_int(args.max_tokens, "--max-tokens", allow_zero=True)
+    check_sampling(SamplingParams(**{k: v for k, v in sampling_kwargs(args).items() if k != "stop"}))
+    model.snapkv_settings(**{name: getattr(args, f"snapkv_{name}") for name in SNAPKV_FLAGS})
 
 
 def session_kwargs(args) -> dict:

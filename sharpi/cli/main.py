@@ -1,12 +1,13 @@
-"""sharpi fetch | inspect | run | chat | adapters | bench: use compiled artifacts and known models."""
+"""sharpi fetch | inspect | run | chat | adapters | bench | eval: use compiled artifacts and known models."""
 from __future__ import annotations
 
 import argparse
 import json
 import sys
 
-from .common import (add_device_flags, add_sampling_flags, add_snapkv_flags, load_model, session_kwargs,
-                     user_errors_exit_2)
+from .common import (add_device_flags, add_sampling_flags, add_snapkv_flags, check_generation_flags, load_model,
+                     session_kwargs, user_errors_exit_2)
+from .eval import add_eval_parser, cmd_eval
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_snapkv_flags(b)
     b.add_argument("--gguf", default=None, help="the GGUF for --compare-llama-cpp (default: found by its sha256)")
     add_device_flags(b)
+
+    add_eval_parser(sub)
     return p
 
 
@@ -74,6 +77,7 @@ def cmd_inspect(args) -> int:
 
 def cmd_run(args) -> int:
     model = load_model(args)
+    check_generation_flags(model, args)
     stream = model.stream(args.prompt, args.max_tokens, **session_kwargs(args))
     for piece in stream:
         sys.stdout.write(piece)
@@ -91,6 +95,7 @@ def cmd_run(args) -> int:
 
 def cmd_chat(args) -> int:
     model = load_model(args)
+    check_generation_flags(model, args)        # now, not after the user has typed the first message
     messages = []
     print("sharpi chat: empty line or Ctrl-D to quit", file=sys.stderr)
     while True:
@@ -120,12 +125,26 @@ def cmd_adapters(args) -> int:
 
 def cmd_bench(args) -> int:
     from .bench import run_bench
+    _check_bench_flags(args)
     run_bench(args)
     return 0
 
 
+def _check_bench_flags(args) -> None:
+    from pathlib import Path
+
+    from ..common.errors import ConfigError
+    from ..common.settings import parse_positive_int
+
+    parse_positive_int(args.prompt_tokens, "--prompt-tokens")
+    parse_positive_int(args.gen_tokens, "--gen-tokens", allow_zero=True)
+    parse_positive_int(args.repeats, "--repeats")
+    if args.gguf is not None and not Path(args.gguf).is_file():
+        raise ConfigError(f"--gguf {args.gguf} does not exist or is not a file.")
+
+
 COMMANDS = {"fetch": cmd_fetch, "inspect": cmd_inspect, "run": cmd_run, "chat": cmd_chat, "adapters": cmd_adapters,
-            "bench": cmd_bench}
+            "bench": cmd_bench, "eval": cmd_eval}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -13,6 +13,7 @@ MANIFEST_NAME = "manifest.json"
 LIBRARY = "model.so"          # the compiled kernels (llvm, cuda)
 WEIGHTS = "weights.bin"       # every parameter, in manifest order, 64-byte aligned
 PLAN = "plan.json"            # vulkan: the plan of calls; one .wgsl file per kernel beside it
+_JSON_NAMES = {dict: "object", int: "integer", list: "array", str: "string"}
 
 
 @dataclass
@@ -64,9 +65,25 @@ class Manifest:
                                 f"version {FORMAT_VERSION}; compile it again with this sharpi.")
         try:
             raw["params"] = [ParamEntry(**p) for p in raw["params"]]
-            return cls(**raw)
+            manifest = cls(**raw)
         except (TypeError, KeyError) as exc:
             raise ArtifactError(f"{path} is missing or has unexpected fields: {exc}.") from None
+        manifest._check_types(path)
+        return manifest
+
+    def _check_types(self, path: Path) -> None:
+        """The JSON types of the fields the runtime reads without further checks (a hand-edited or damaged
+        manifest would otherwise fail deep inside the loader)."""
+        kinds = {"source": dict, "config": dict, "target": dict, "tokenizer": dict, "files": dict, "snapkv": dict,
+                 "page_size": int, "max_context": int, "max_pages": int, "prefill_chunk": int, "functions": list,
+                 "kernels": list, "kv_dtype": str}
+        for name, kind in kinds.items():
+            value = getattr(self, name)
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise ArtifactError(f"{path} is corrupted: {name} should be a JSON {_JSON_NAMES[kind]}.")
+        if not all(isinstance(k, str) and isinstance(v, str) and "/" not in k and k not in ("", ".", "..")
+                   for k, v in self.files.items()):
+            raise ArtifactError(f"{path} is corrupted: files should map plain file names to sha256 strings.")
 
 
 def file_sha256(path: Path, progress=None) -> str:

@@ -13,6 +13,9 @@ LLAMA_FAMILY = {"llama": "norm", "gemma3": "neox", "qwen2": "neox", "qwen3": "ne
 # gemma3 facts llama.cpp hard-codes rather than reading from the GGUF (src/llama-model.cpp)
 GEMMA3_SWA_PATTERN = 6             # every 6th layer (index % 6 == 5) is global, the others local
 GEMMA3_LOCAL_ROPE_BASE = 10000.0
+# The largest size or context a model may declare: positions and page tables are int32 on the device, and a
+# context this long already needs a page table of 1M pages per layer.
+MAX_SIZE = 1 << 24
 
 
 def config_from_gguf(gguf: GGUFFile) -> ModelConfig:
@@ -20,28 +23,22 @@ def config_from_gguf(gguf: GGUFFile) -> ModelConfig:
     if arch not in LLAMA_FAMILY:
         known = ", ".join(sorted(LLAMA_FAMILY))
         raise UnsupportedArchitectureError(f"Architecture {arch!r} is not supported by sharpi (supported: {known}).")
-
-    def get(key, default=None):
-        full = f"{arch}.{key}"
-        if full in gguf.metadata:
-            return gguf.metadata[full]
-        if default is None:
-            raise GGUFError(f"{gguf.path.name} lacks the metadata field {full}.")
-        return default
-
-    n_heads = int(get("attention.head_count"))
-    dim = int(get("embedding_length"))
-    n_kv = int(get("attention.head_count_kv", n_heads))
-    head_dim = int(get("attention.key_length", dim // max(n_heads, 1)))
+    field = _FieldReader(gguf, arch)
+    get, get_float = field.integer, field.number
+    n_heads = get("attention.head_count")
+    dim = get("embedding_length")
+    n_kv = get("attention.head_count_kv", n_heads)
+    head_dim = get("attention.key_length", dim // n_heads)
     embd = gguf.tensor("token_embd.weight")
-    vocab = int(gguf.metadata.get(f"{arch}.vocab_size", embd.shape[0]))
+    vocab = get("vocab_size", embd.shape[0] if embd.shape else 0)      # the tensor's shape is checked below
     cfg = ModelConfig(
-        arch=arch, n_layers=int(get("block_count")), n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim,
-        dim=dim, ffn_dim=int(get("feed_forward_length")), vocab_size=vocab,
-        context_length=int(get("context_length")), rope_theta=float(get("rope.freq_base", 10000.0)),
-        rms_eps=float(get("attention.layer_norm_rms_epsilon")), rope_layout=LLAMA_FAMILY[arch],
+        arch=arch, n_layers=get("block_count"), n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim,
+        dim=dim, ffn_dim=get("feed_forward_length"), vocab_size=vocab,
+        context_length=get("context_length"), rope_theta=get_float("rope.freq_base", 10000.0),
+        rms_eps=get_float("attention.layer_norm_rms_epsilon"), rope_layout=LLAMA_FAMILY[arch],
         tied_embeddings="output.weight" not in gguf.tensors)
-    if int(get("attention.value_length", head_dim)) != head_dim:
+    _check_sizes(cfg, gguf.path.name)
+    if get("attention.value_length", head_dim) != head_dim:
         raise UnsupportedArchitectureError(f"{gguf.path.name}: key and value head sizes differ, which sharpi does "
                                            f"not implement.")
     for tname in ("output.bias", "blk.0.attn_output.bias"):
@@ -51,10 +48,7 @@ def config_from_gguf(gguf: GGUFFile) -> ModelConfig:
     if arch == "llama":
         # Mistral GGUFs are llama ones; llama.cpp reads no window for them, but a GGUF that sets one (Mistral 7B
         # v0.1's 4096) gets it on every layer: a query at position p sees keys p - window + 1 .. p.
-        window = int(get("attention.sliding_window", 0))
-        if window < 0:
-            raise GGUFError(f"{gguf.path.name}: llama.attention.sliding_window is negative.")
-        cfg = replace(cfg, sliding_window=window)
+        cfg = replace(cfg, sliding_window=get("attention.sliding_window", 0, lowest=0))
     elif arch == "qwen2":          # llama.cpp's qwen2 graph: llama plus biases on q, k and v
         cfg = replace(cfg, qkv_bias=True)
     elif arch == "qwen3":          # llama.cpp's qwen3 graph: llama plus per-head RMSNorm of q and k before RoPE
@@ -64,40 +58,81 @@ def config_from_gguf(gguf: GGUFFile) -> ModelConfig:
             if f"gemma3.{key}" in gguf.metadata:
                 raise UnsupportedArchitectureError(f"{gguf.path.name} sets gemma3.{key}, which sharpi does not "
                                                    f"implement yet.")
-        cfg = replace(cfg, sliding_window=int(get("attention.sliding_window")), swa_pattern=GEMMA3_SWA_PATTERN,
+        cfg = replace(cfg, sliding_window=get("attention.sliding_window"), swa_pattern=GEMMA3_SWA_PATTERN,
                       qk_norm=True, rope_theta_local=GEMMA3_LOCAL_ROPE_BASE, attn_scale=1.0 / math.sqrt(head_dim),
-                      embed_scale=math.sqrt(dim), rope_theta=float(get("rope.freq_base", 1000000.0)))
+                      embed_scale=math.sqrt(dim), rope_theta=get_float("rope.freq_base", 1000000.0))
     _validate(cfg, gguf)
     return cfg
 
 
-def _validate(cfg: ModelConfig, gguf: GGUFFile) -> None:
-    name = gguf.path.name
+class _FieldReader:
+    """The architecture's metadata fields, type-checked: sizes are positive integers (not bools, strings or
+    floats), the others finite numbers, so a hostile file fails here with one sentence, not deep inside."""
+
+    def __init__(self, gguf: GGUFFile, arch: str):
+        self.gguf, self.arch = gguf, arch
+
+    def _raw(self, key: str, default):
+        """(full key, value, whether the file holds it)."""
+        full = f"{self.arch}.{key}"
+        if full in self.gguf.metadata:
+            return full, self.gguf.metadata[full], True
+        if default is None:
+            raise GGUFError(f"{self.gguf.path.name} lacks the metadata field {full}.")
+        return full, default, False
+
+    def integer(self, key: str, default=None, *, lowest: int = 1) -> int:
+        """A size from the file; a default (derived from sizes already read) is checked with the config."""
+        full, value, in_file = self._raw(key, default)
+        if not in_file:
+            return value
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise GGUFError(f"{self.gguf.path.name}: metadata field {full} must be an integer, got {value!r}.")
+        if not lowest <= value <= MAX_SIZE:
+            raise GGUFError(f"{self.gguf.path.name}: metadata field {full} is {value}, outside [{lowest}, {MAX_SIZE}].")
+        return value
+
+    def number(self, key: str, default=None) -> float:
+        full, value, _ = self._raw(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise GGUFError(f"{self.gguf.path.name}: metadata field {full} must be a positive finite number, "
+                            f"got {value!r}.")
+        return float(value)
+
+
+def _check_sizes(cfg: ModelConfig, name: str) -> None:
+    """Before anything divides by a size or takes its square root."""
     if min(cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.dim, cfg.vocab_size, cfg.context_length) <= 0:
         raise GGUFError(f"{name} has a non-positive size in its model metadata.")
+
+
+def _validate(cfg: ModelConfig, gguf: GGUFFile) -> None:
+    name = gguf.path.name
     if cfg.n_heads % cfg.n_kv_heads:
         raise GGUFError(f"{name}: head_count {cfg.n_heads} is not a multiple of head_count_kv {cfg.n_kv_heads}.")
     if cfg.head_dim % 2:
         raise GGUFError(f"{name}: head dimension {cfg.head_dim} is odd, so RoPE cannot pair it.")
-    if not (cfg.rms_eps > 0 and cfg.rope_theta > 0):
-        raise GGUFError(f"{name}: rms epsilon and rope base must be positive finite numbers.")
-    expected = {"token_embd.weight": (cfg.vocab_size, cfg.dim)}
-    for l in range(cfg.n_layers):
-        p = f"blk.{l}."
-        expected.update({p + "attn_q.weight": (cfg.q_dim, cfg.dim), p + "attn_k.weight": (cfg.kv_dim, cfg.dim),
-                         p + "attn_v.weight": (cfg.kv_dim, cfg.dim), p + "attn_output.weight": (cfg.dim, cfg.q_dim),
-                         p + "ffn_gate.weight": (cfg.ffn_dim, cfg.dim), p + "ffn_up.weight": (cfg.ffn_dim, cfg.dim),
-                         p + "ffn_down.weight": (cfg.dim, cfg.ffn_dim), p + "attn_norm.weight": (cfg.dim,),
-                         p + "ffn_norm.weight": (cfg.dim,)})
-        if cfg.qkv_bias:
-            expected.update({p + "attn_q.bias": (cfg.q_dim,), p + "attn_k.bias": (cfg.kv_dim,),
-                             p + "attn_v.bias": (cfg.kv_dim,)})
-        if cfg.qk_norm:
-            expected.update({p + "attn_q_norm.weight": (cfg.head_dim,), p + "attn_k_norm.weight": (cfg.head_dim,)})
-    expected["output_norm.weight"] = (cfg.dim,)
-    if not cfg.tied_embeddings:
-        expected["output.weight"] = (cfg.vocab_size, cfg.dim)
-    for tname, shape in expected.items():
+    # Checked tensor by tensor, so a huge block_count stops at the first layer the file lacks.
+    for tname, shape in _expected_shapes(cfg):
         t = gguf.tensor(tname)
         if tuple(t.shape) != shape:
             raise GGUFError(f"{name}: tensor {tname} has shape {list(t.shape)}, expected {list(shape)}.")
+
+
+def _expected_shapes(cfg: ModelConfig):
+    yield "token_embd.weight", (cfg.vocab_size, cfg.dim)
+    for l in range(cfg.n_layers):
+        p = f"blk.{l}."
+        yield from {p + "attn_q.weight": (cfg.q_dim, cfg.dim), p + "attn_k.weight": (cfg.kv_dim, cfg.dim),
+                    p + "attn_v.weight": (cfg.kv_dim, cfg.dim), p + "attn_output.weight": (cfg.dim, cfg.q_dim),
+                    p + "ffn_gate.weight": (cfg.ffn_dim, cfg.dim), p + "ffn_up.weight": (cfg.ffn_dim, cfg.dim),
+                    p + "ffn_down.weight": (cfg.dim, cfg.ffn_dim), p + "attn_norm.weight": (cfg.dim,),
+                    p + "ffn_norm.weight": (cfg.dim,)}.items()
+        if cfg.qkv_bias:
+            yield from {p + "attn_q.bias": (cfg.q_dim,), p + "attn_k.bias": (cfg.kv_dim,),
+                        p + "attn_v.bias": (cfg.kv_dim,)}.items()
+        if cfg.qk_norm:
+            yield from {p + "attn_q_norm.weight": (cfg.head_dim,), p + "attn_k_norm.weight": (cfg.head_dim,)}.items()
+    yield "output_norm.weight", (cfg.dim,)
+    if not cfg.tied_embeddings:
+        yield "output.weight", (cfg.vocab_size, cfg.dim)

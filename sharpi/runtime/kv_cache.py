@@ -20,6 +20,11 @@ import numpy as np
 from ..common.errors import ContextLengthError, KeepSetError
 
 
+class PoolExhaustedError(ContextLengthError):
+    """The page pool has no room for more tokens: the sessions of this model hold all its pages. Closing a session
+    (or loading the model with a larger pool_sequences) makes room; nothing was changed by the refused call."""
+
+
 class PagePool:
     """The free list of the pool's pages; the pool's memory belongs to the backend (a TVM tensor on CPU, a wgpu
     buffer on Vulkan), which the kernels write in place."""
@@ -37,7 +42,7 @@ class PagePool:
 
     def allocate(self, count: int) -> list[int]:
         if count > len(self.free):
-            raise ContextLengthError(f"The KV page pool is exhausted: {count} more pages needed, "
+            raise PoolExhaustedError(f"The KV page pool is exhausted: {count} more pages needed, "
                                      f"{len(self.free)} of {self.num_pages} free; release a session first.")
         return [self.free.pop() for _ in range(count)]
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from ..common.errors import ArtifactError
-from ..common.manifest import LIBRARY, PLAN, WEIGHTS, Manifest, file_sha256
+from ..common.manifest import LIBRARY, MANIFEST_NAME, PLAN, WEIGHTS, Manifest, file_sha256
 
 
 def host_cpu_flags() -> set[str]:
@@ -22,17 +22,22 @@ def host_cpu_flags() -> set[str]:
 
 
 def check_artifact(directory: Path, manifest: Manifest, verify_hashes: bool = True) -> None:
+    """An ArtifactError for an artifact that is incomplete (a file missing, e.g. a kernel of a Vulkan plan),
+    corrupted (a file whose sha256 differs from the manifest's; checked when verify_hashes) or built for a CPU
+    this one is not."""
     kind = manifest.target.get("kind")
     code = {"vulkan": PLAN}.get(kind, LIBRARY)
-    for name in (code, WEIGHTS, "tokenizer.json"):
+    needed = (code, WEIGHTS, "tokenizer.json")
+    for name in dict.fromkeys([*needed, *manifest.files]):        # presence is cheap: always checked
         if not (directory / name).is_file():
             raise ArtifactError(f"{directory} is incomplete: {name} is missing; compile it again.")
     if verify_hashes:
+        for name in needed:
+            if name not in manifest.files:
+                raise ArtifactError(f"{directory}/{MANIFEST_NAME} has no hash for {name}, so it cannot be "
+                                    f"verified; compile it again.")
         for name, expected in manifest.files.items():
-            path = directory / name
-            if not path.is_file():
-                raise ArtifactError(f"{directory} is incomplete: {name} is missing; compile it again.")
-            if file_sha256(path) != expected:
+            if file_sha256(directory / name) != expected:
                 raise ArtifactError(f"{directory}/{name} does not match the hash in the manifest "
                                     f"(corrupted or changed); compile it again.")
     if kind != "llvm":
@@ -49,14 +54,36 @@ def weight_arrays(directory: Path, manifest: Manifest):
     """(param entry, numpy view into the mapped weights file) for every parameter, in order; a parameter that ends
     past the file is an ArtifactError. Views are valid only while iterating: callers copy each one (to a device)."""
     size = (directory / WEIGHTS).stat().st_size
+    if size == 0:           # numpy cannot map an empty file
+        if any(p.nbytes for p in manifest.params):
+            raise ArtifactError(f"{directory}/{WEIGHTS} is empty; compile it again.")
+        yield from ((p, np.zeros(p.shape, _param_dtype(directory, p))) for p in manifest.params)
+        return
     mapped = np.memmap(directory / WEIGHTS, dtype=np.uint8, mode="r", shape=(size,))
     try:
         for p in manifest.params:
+            dtype = _param_dtype(directory, p)
             if p.offset + p.nbytes > size:
                 raise ArtifactError(f"{directory}/{WEIGHTS} is truncated ({p.name} ends past the file).")
-            yield p, mapped[p.offset:p.offset + p.nbytes].view(np.dtype(p.dtype)).reshape(p.shape)
+            yield p, mapped[p.offset:p.offset + p.nbytes].view(dtype).reshape(p.shape)
     finally:
         del mapped
+
+
+def _param_dtype(directory: Path, p) -> np.dtype:
+    """The entry's dtype, after checking that its byte count is what its shape and dtype need (a manifest edited
+    or damaged by hand would otherwise fail inside numpy)."""
+    try:
+        dtype = np.dtype(p.dtype)
+        consistent = (all(isinstance(d, int) and d >= 0 for d in p.shape) and isinstance(p.offset, int)
+                      and p.offset >= 0 and p.nbytes == int(np.prod(p.shape, dtype=object)) * dtype.itemsize)
+    except (TypeError, ValueError):
+        consistent = False
+    if not consistent:
+        raise ArtifactError(f"{directory}/{MANIFEST_NAME} is corrupted: the entry of parameter {p.name} is "
+                            f"inconsistent (dtype {p.dtype!r}, shape {p.shape!r}, {p.nbytes!r} bytes); compile it "
+                            f"again.")
+    return dtype
 
 
 def load_weights(directory: Path, manifest: Manifest, device) -> list:
@@ -72,8 +99,9 @@ def load_vm(directory: Path, device):
 
     try:
         library = tvm.runtime.load_module(str(directory / LIBRARY))
-    except Exception as exc:  # a corrupted or foreign .so
-        raise ArtifactError(f"{directory}/{LIBRARY} could not be loaded: {exc}") from None
+    except Exception as exc:  # a corrupted or foreign .so; TVM's messages run over several lines
+        reason = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        raise ArtifactError(f"{directory}/{LIBRARY} could not be loaded ({reason}); compile it again.") from None
     return VirtualMachine(library, device)
 
 

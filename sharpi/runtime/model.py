@@ -1,6 +1,7 @@
 """The loaded model: tokenizer, weights, page pool, VM; scoring and generation on top of sessions."""
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +39,11 @@ class Model:
         self.config = ModelConfig.from_dict(self._manifest.config)
         self.tokenizer = Tokenizer.load(self.path, TokenizerInfo.from_dict(self._manifest.tokenizer))
         self._pool = self._make_pool(pool_sequences)
+        # Sessions may run on several threads; the VM and the page pool are not thread-safe, so every forward
+        # (and every pool change) holds this lock (see Session). Reentrant: eviction runs inside a prefill.
+        self._lock = threading.RLock()
+        # Tokenizing without special tokens flips a flag on the shared tokenizer for the call.
+        self._tokenizer_lock = threading.Lock()
 
     def _make_pool(self, sequences: int) -> PagePool:
         """Room for `sequences` full-context sequences (sessions and forks share it), or as many pages as the
@@ -69,7 +75,8 @@ class Model:
         return self._manifest
 
     def tokenize(self, text: str, add_bos: bool | None = None, special: bool = False) -> list[int]:
-        return self.tokenizer.tokenize(text, add_bos=add_bos, special=special)
+        with self._tokenizer_lock:
+            return self.tokenizer.tokenize(text, add_bos=add_bos, special=special)
 
     def detokenize(self, ids, special: bool = True) -> str:
         return self.tokenizer.detokenize(ids, special=special)
@@ -138,6 +145,7 @@ class _Generation:
         if not isinstance(max_tokens, int) or max_tokens < 0:
             raise ConfigError(f"max_tokens must be an integer >= 0, got {max_tokens!r}.")
         self.model, self.session, self.max_tokens = model, session, max_tokens
+        check_sampling(params)
         self.sampler = Sampler(params)
         self.stop = [stop] if isinstance(stop, str) else list(stop or [])
         self.special = special
@@ -197,8 +205,18 @@ class _Generation:
                    "decode_tok_s": n_decode / max(t2 - t1, 1e-9) if n_decode else 0.0})
 
 
+def check_sampling(params: SamplingParams) -> None:
+    """SamplingParams.validate() plus the seed, which numpy would refuse only when the first token is drawn."""
+    params.validate()
+    seed = params.seed
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise ConfigError(f"seed must be an integer >= 0, got {seed!r}.")
+
+
 def _open_backend(path: Path, manifest: Manifest, threads: int, verify: bool, adapter: str | None):
     kind = manifest.target.get("kind")
+    if adapter is not None and kind != "vulkan":
+        raise ConfigError(f"adapter applies to Vulkan artifacts only; {path} targets {kind}.")
     if kind in ("llvm", "cuda"):
         from .tvm_backend import TVMBackend
         return TVMBackend(path, manifest, threads, verify)

@@ -6,7 +6,7 @@ import numpy as np
 from ..common import ops
 from ..common.errors import ConfigError, ContextLengthError
 from ..common.snapkv_settings import SnapKVSettings
-from .kv_cache import SequenceCache
+from .kv_cache import PoolExhaustedError, SequenceCache
 
 
 class Session:
@@ -14,7 +14,12 @@ class Session:
 
     With a SnapKV budget, a fresh prefill of more than `budget` (and `window`) tokens is followed by eviction:
     the last window of queries scores every prompt position, the keep sets are selected, and the cache is
-    compacted to `budget` slots per layer and KV head. A continuation prefill never evicts."""
+    compacted to `budget` slots per layer and KV head. A continuation prefill never evicts.
+
+    Threads: sessions of one model may be driven from different threads. Every call that runs the model or
+    touches the page pool (a forward, eviction, compaction, fork, close) holds the model's lock, because the VM
+    and the pool are not thread-safe; so forwards of different sessions run one at a time, interleaved at forward
+    (prefill chunk or decode step) granularity. One session is used by one thread at a time."""
 
     def __init__(self, model, snapkv: SnapKVSettings | None = None, budget: int = 0):
         self._model = model
@@ -62,15 +67,24 @@ class Session:
         ids = self._check_ids(ids)
         fresh = self._cache.logical_length == 0
         evict = fresh and self._should_evict(len(ids), self.snapkv_budget)
-        if not (evict or (keep_scores and fresh)):
-            last = None
-            for chunk in self._chunks(ids):
-                last = self._forward("prefill", chunk)[-1]
-            return last
-        logits = self._prefill_scored(ids)
+        try:
+            if not (evict or (keep_scores and fresh)):
+                return self._prefill_chunks(ids)
+            logits = self._prefill_scored(ids)
+        except PoolExhaustedError:
+            if fresh:      # a later chunk found the pool full: leave the session empty, as it was
+                with self._model._lock:
+                    self._cache.release()
+            raise
         if evict:
             self.evict()
         return logits
+
+    def _prefill_chunks(self, ids: np.ndarray) -> np.ndarray:
+        last = None
+        for chunk in self._chunks(ids):
+            last = self._forward("prefill", chunk)[-1]
+        return last
 
     def _should_evict(self, n: int, budget: int) -> bool:
         return bool(budget) and n > budget and n > self.snapkv.window
@@ -109,12 +123,13 @@ class Session:
         params = np.array([total, budget, settings.recency, settings.kernel,
                            ops.SNAPKV_POOLING_CODES[settings.pooling], int(settings.granularity == "shared")],
                           np.int32)
-        keep, keep_numpy = self._model._backend.select(scores, params)
-        # The rule for sliding-window layers: they keep their last window (they hold nothing else), so only the
-        # global layers get keep sets; the local layers' scores are not used.
-        rows = [None if cache.is_local(l) else keep_numpy[l, :, :budget].astype(np.int64)
-                for l in range(cache.n_layers)]
-        self._compact_on_device(keep, rows)
+        with self._model._lock:
+            keep, keep_numpy = self._model._backend.select(scores, params)
+            # The rule for sliding-window layers: they keep their last window (they hold nothing else), so only
+            # the global layers get keep sets; the local layers' scores are not used.
+            rows = [None if cache.is_local(l) else keep_numpy[l, :, :budget].astype(np.int64)
+                    for l in range(cache.n_layers)]
+            self._compact_on_device(keep, rows)
         self.evicted = True
         return True
 
@@ -134,6 +149,10 @@ class Session:
         strictly increasing."""
         self._check_open()
         rows = self._cache.keep_rows(keep)
+        with self._model._lock:
+            self._compact_rows(rows)
+
+    def _compact_rows(self, rows: list[np.ndarray | None]) -> None:
         if "snapkv_compact" in self._model._backend.functions:
             cache = self._cache
             keep_table = np.zeros((cache.n_layers, cache.kv_heads, cache.capacity), np.int32)
@@ -159,13 +178,15 @@ class Session:
         other._model, other._closed = self._model, False
         other.snapkv, other.snapkv_budget, other.evicted = self.snapkv, self.snapkv_budget, self.evicted
         other._scores = self._scores
-        other._cache = self._cache.fork()
+        with self._model._lock:
+            other._cache = self._cache.fork()
         return other
 
     def close(self) -> None:
         """Return all pages to the pool. The session cannot be used afterwards."""
         if not self._closed:
-            self._cache.release()
+            with self._model._lock:
+                self._cache.release()
             self._closed = True
 
     def __enter__(self):
@@ -205,8 +226,10 @@ class Session:
 
     def _forward(self, function: str, ids: np.ndarray, extra: tuple = ()):
         cache = self._cache
-        cache.reserve(len(ids))
-        positions = np.arange(cache.logical_length, cache.logical_length + len(ids), dtype=np.int32)
-        out = self._model._backend.forward(function, ids, positions, cache.page_table(), cache.kv_lens(), extra)
-        cache.advance(len(ids))
+        with self._model._lock:
+            cache.reserve(len(ids))
+            positions = np.arange(cache.logical_length, cache.logical_length + len(ids), dtype=np.int32)
+            out = self._model._backend.forward(function, ids, positions, cache.page_table(), cache.kv_lens(),
+                                               extra)
+            cache.advance(len(ids))
         return out

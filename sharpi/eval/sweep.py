@@ -1,0 +1,287 @@
+"""The sweep runner: one prefill per prompt (scored, not evicted), forked once per budget and SnapKV setting,
+greedy answers string-matched, every cell written to a resumable JSON file as soon as it is done.
+
+A cell is (task, length, depth, trial, seed, budget, setting, window); its key names all of them, so a rerun
+with the same --out skips the cells it holds, and runs with other settings or seeds add to the same file.
+Trials are the outer loop: an interrupted sweep has whole depth x length grids for the trials it finished.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from ..common.errors import ConfigError, ContextLengthError
+from ..common.progress import progress_bar
+from .scoring import accuracy, is_hit
+from .summary import FULL
+from .tasks import CONTENT, TASKS, build_prompt, minimum_length, trial_rng
+
+FORMAT = "sharpi-eval/1"
+ANSWER_SLACK = 3              # decode steps beyond the answer's own tokens (a leading space, punctuation)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """The evict-time SnapKV knobs one line of the charts stands for."""
+    granularity: str
+    pooling: str
+    kernel: int
+    recency: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.granularity}/{self.pooling}/k{self.kernel}/r{self.recency}"
+
+    @property
+    def label(self) -> str:
+        pool = "no pooling" if self.pooling == "none" else f"{self.pooling}-pool {self.kernel}"
+        return f"{self.granularity}, {pool}"
+
+    def knobs(self) -> dict:
+        return dict(granularity=self.granularity, pooling=self.pooling, kernel=self.kernel, recency=self.recency)
+
+
+@dataclass
+class SweepConfig:
+    task: str
+    lengths: list[int]
+    depths: list[float]
+    budgets: list[int]
+    trials: int
+    seed: int = 0
+    settings: list[Setting] = field(default_factory=list)   # one per line; used for every budget > 0
+    window: int = 64                                        # scoring queries, fixed at prefill
+    show_kept: bool = False                                 # save each layer's kept positions (first trial)
+
+
+@dataclass(frozen=True)
+class Cell:
+    task: str
+    length: int
+    depth: float
+    trial: int
+    seed: int
+    budget: int
+    setting: Setting | None       # None with budget 0
+    window: int
+
+    @property
+    def key(self) -> str:
+        setting = self.setting.key if self.setting else FULL
+        return (f"{self.task}|L{self.length}|D{self.depth:g}|T{self.trial}|S{self.seed}|B{self.budget}|{setting}"
+                f"|w{self.window}")
+
+    @property
+    def spot(self) -> tuple:
+        """The prompt this cell is answered from: cells of one spot share its prefill."""
+        return self.length, self.depth, self.trial
+
+
+def plan(config: SweepConfig) -> list[Cell]:
+    """Every cell of the sweep, trials outermost, then length, depth, budget and setting."""
+    cells = []
+    for trial, length, depth in itertools.product(range(config.trials), config.lengths, config.depths):
+        for budget in config.budgets:
+            for setting in ([None] if budget == 0 else config.settings):
+                cells.append(Cell(config.task, length, depth, trial, config.seed, budget, setting, config.window))
+    return cells
+
+
+# -- the results file ----------------------------------------------------------------------------------------
+def model_identity(model) -> dict:
+    """The GGUF (name and sha256) and target an artifact was built from: results of one model per file."""
+    manifest = model.manifest
+    return {"name": manifest.source.get("name"), "sha256": manifest.source.get("sha256"),
+            "target": manifest.target.get("kind")}
+
+
+class Results:
+    """The JSON results file: {"format", "model", "cells": {key: row}}; written atomically after each cell."""
+
+    def __init__(self, path: str | Path, model: dict | None = None):
+        self.path = Path(path)
+        self.model, self.cells = model, {}
+        if self.path.exists():
+            self._load()
+        if model is not None and self.model not in (None, model):
+            raise ConfigError(f"{self.path} holds results of {self.model['name']} ({self.model['target']}), "
+                              f"not of this artifact's {model['name']} ({model['target']}); give another --out.")
+        self.model = self.model or model
+
+    def _load(self) -> None:
+        try:
+            raw = json.loads(self.path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"{self.path} is not a readable results file: {exc}.") from None
+        if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+            raise ConfigError(f"{self.path} is not a sharpi eval results file (format {FORMAT}).")
+        self.model, self.cells = raw.get("model"), raw.get("cells", {})
+
+    @property
+    def kept_dir(self) -> Path:
+        return self.path.with_suffix(".kept")
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.cells
+
+    def rows(self, task: str | None = None) -> list[dict]:
+        return [r for r in self.cells.values() if task is None or r["task"] == task]
+
+    def add(self, key: str, row: dict) -> None:
+        self.cells[key] = row
+        self.save()
+
+    def save(self) -> None:
+        # Write a sibling and rename it over: an interrupt never leaves a half-written file.
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps({"format": FORMAT, "model": self.model, "cells": self.cells}, indent=1))
+        os.replace(tmp, self.path)
+
+
+# -- checks before any work ----------------------------------------------------------------------------------
+def answer_steps(model, task: str, seed: int) -> int:
+    """Greedy steps that leave room for the answer: its tokens (after a space) plus a little slack."""
+    answer = CONTENT[task](trial_rng(seed, task, 0)).answer
+    return len(model.tokenize(" " + answer)) + ANSWER_SLACK
+
+
+def check_config(model, config: SweepConfig) -> None:
+    """Clear errors for a sweep that cannot run: unknown task, empty lists, lengths that do not fit."""
+    if config.task not in TASKS:
+        raise ConfigError(f"Unknown eval task {config.task!r}; tasks are {', '.join(TASKS)}.")
+    if config.trials < 1:
+        raise ConfigError(f"--trials must be at least 1, got {config.trials}.")
+    for name in ("lengths", "depths", "budgets"):
+        if not getattr(config, name):
+            raise ConfigError(f"--{name} must list at least one value.")
+    bad_depth = [d for d in config.depths if not 0 <= d <= 100]
+    if bad_depth:
+        raise ConfigError(f"Depths are percentages between 0 and 100, got {bad_depth[0]:g}.")
+    steps = answer_steps(model, config.task, config.seed)
+    room = model.max_context - steps
+    too_long = [n for n in config.lengths if n > room]
+    if too_long:
+        raise ContextLengthError(f"A {too_long[0]}-token prompt leaves no room for the {steps}-token answer in "
+                                 f"this model's {model.max_context}-token context; use lengths up to {room}.")
+    floor = minimum_length(config.task, model.tokenize, config.seed)
+    too_short = [n for n in config.lengths if n < floor]
+    if too_short:
+        raise ConfigError(f"A {config.task} prompt needs at least {floor} tokens (intro, needles and question); "
+                          f"{too_short[0]} is too short.")
+    if any(b > 0 for b in config.budgets) and not config.settings:
+        raise ConfigError("Budgets above 0 need at least one SnapKV setting.")
+
+
+def resolve_settings(model, *, window=None, recency=None, poolings=(None,), kernels=(None,),
+                     granularities=(None,), budgets=()) -> tuple[int, list[Setting]]:
+    """The scoring window and one Setting per (granularity, pooling, kernel), each resolved as a session would
+    (argument > SHARPI_SNAPKV_* env > the artifact's defaults) and validated against every budget > 0. With
+    pooling none the kernel is 1 (pooling over one position is no pooling)."""
+    settings = []
+    for granularity, pooling, kernel in itertools.product(granularities, poolings, kernels):
+        resolved, _ = model.snapkv_settings(budget=None, window=window, recency=recency, pooling=pooling,
+                                            kernel=1 if pooling == "none" else kernel, granularity=granularity)
+        for budget in budgets:
+            if budget > 0:
+                model.snapkv_settings(budget=budget, window=window, recency=resolved.recency,
+                                      pooling=resolved.pooling, kernel=resolved.kernel,
+                                      granularity=resolved.granularity)
+        setting = Setting(resolved.granularity, resolved.pooling, resolved.kernel, resolved.recency)
+        if setting not in settings:
+            settings.append(setting)
+    resolved_window = model.snapkv_settings(budget=None, window=window)[0].window
+    return resolved_window, settings
+
+
+# -- running -------------------------------------------------------------------------------------------------
+def greedy(session, logits, steps: int, stop_ids=()) -> list[int]:
+    """Greedy tokens from the prompt's last logits: `steps` of them, or up to a stop token."""
+    token, out = int(np.argmax(logits)), []
+    while True:
+        out.append(token)
+        if token in stop_ids or len(out) == steps:
+            return out
+        token = int(np.argmax(session.decode(token)))
+
+
+def run_sweep(model, config: SweepConfig, results: Results, *, progress: bool = True,
+              on_cell: Callable[[Cell, dict], None] | None = None) -> Results:
+    """Run the cells `results` does not hold yet, saving after each; `on_cell(cell, row)` is called after
+    each save (a progress hook; an exception there stops the sweep, and a rerun resumes after that cell)."""
+    check_config(model, config)
+    cells = plan(config)
+    todo = [c for c in cells if c.key not in results]
+    steps = answer_steps(model, config.task, config.seed)
+    stop_ids = _stop_ids(model)
+    with progress_bar(len(cells), f"{config.task}", enabled=progress, unit="cell") as bar:
+        bar.update(len(cells) - len(todo))
+        for _, group in itertools.groupby(todo, key=lambda c: c.spot):
+            _run_spot(model, config, results, list(group), steps, stop_ids, bar, on_cell)
+    return results
+
+
+def _stop_ids(model) -> set[int]:
+    tokenizer = getattr(model, "tokenizer", None)
+    return set(tokenizer.info.stop_ids) if tokenizer is not None else set()
+
+
+def _run_spot(model, config: SweepConfig, results: Results, cells: list[Cell], steps: int, stop_ids, bar,
+              on_cell) -> None:
+    """One prompt: build it, prefill it once (scored when a cell evicts), then each cell on a fork."""
+    length, depth, trial = cells[0].spot
+    prompt = build_prompt(config.task, model.tokenize, length, depth, seed=config.seed, trial=trial)
+    start = time.perf_counter()
+    with model.session(snapkv_budget=0, snapkv_window=config.window) as base:
+        scored = any(c.budget > 0 for c in cells) and prompt.tokens > config.window
+        logits = base.prefill(prompt.ids, keep_scores=scored)
+        prefill_s = time.perf_counter() - start
+        for cell in cells:
+            row = _run_cell(model, base, logits, cell, prompt, steps, stop_ids, config, results)
+            row["prefill_s"] = round(prefill_s, 2)
+            results.add(cell.key, row)
+            bar.update(1)
+            done = accuracy(results.rows(config.task))
+            bar.set_postfix_str(f"hits {done.hits}/{done.total}")
+            if on_cell is not None:
+                on_cell(cell, row)
+
+
+def _run_cell(model, base, logits, cell: Cell, prompt, steps: int, stop_ids, config: SweepConfig,
+              results: Results) -> dict:
+    start = time.perf_counter()
+    with base.fork() as fork:
+        # A prompt no longer than the scoring window is never evicted (and was not scored).
+        evicted = bool(cell.budget) and prompt.tokens > cell.window and fork.evict(cell.budget,
+                                                                                  **cell.setting.knobs())
+        kv_slots = max(fork.kv_length)          # after eviction, before the answer's tokens join
+        kept = _save_kept(fork, cell, results) if config.show_kept and evicted and cell.trial == 0 else None
+        tokens = greedy(fork, logits, steps, stop_ids)
+    output = model.detokenize(tokens)
+    return {"task": cell.task, "length": cell.length, "depth": cell.depth, "trial": cell.trial, "seed": cell.seed,
+            "budget": cell.budget, "setting": cell.setting.key if cell.setting else FULL,
+            "setting_label": cell.setting.label if cell.setting else "full cache", "window": cell.window,
+            "prompt_tokens": prompt.tokens, "needle": list(prompt.needle), "needle_depth": prompt.needle_depth,
+            "distractors": [list(d) for d in prompt.distractors], "answer": prompt.answer, "output": output,
+            "hit": is_hit(output, prompt.answer), "evicted": evicted, "kv_slots": kv_slots, "kept": kept,
+            "answer_s": round(time.perf_counter() - start, 2)}
+
+
+def _save_kept(session, cell: Cell, results: Results) -> str:
+    """Each layer's kept logical positions ([kv_heads, k]) in one .npz beside the results; returns its name."""
+    results.kept_dir.mkdir(parents=True, exist_ok=True)
+    name = "".join(ch if ch.isalnum() or ch in "-." else "_" for ch in cell.key) + ".npz"
+    np.savez_compressed(results.kept_dir / name, *session.kept_positions)
+    return name
+
+
+def load_kept(results: Results, row: dict) -> list[np.ndarray]:
+    with np.load(results.kept_dir / row["kept"]) as data:
+        return [data[f"arr_{i}"] for i in range(len(data.files))]

@@ -1,0 +1,264 @@
+"""Corrupted, partial and half-written artifacts (issue #10): loading one is an ArtifactError with one clear
+sentence, never a crash or a model that runs on damaged bytes; an interrupted compile leaves nothing at the
+output path that loads, and no staging folder behind. Uses a tiny llama compiled once per module (the compile
+cache makes reruns fast); tests/test_errors.py covers a flipped weight byte, another format version and missing
+CPU features on SmolLM2."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import sharpi
+from sharpi.cli import main as main_cli
+from tiny_gguf import write_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> Path:
+    return write_tiny_llama(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+
+
+@pytest.fixture(scope="module")
+def tiny_artifact(tiny_gguf, tmp_path_factory) -> Path:
+    return sharpi.compile(str(tiny_gguf), output=tmp_path_factory.mktemp("art") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def tiny_logits(tiny_artifact) -> np.ndarray:
+    return sharpi.load(tiny_artifact).score([1, 2, 3])
+
+
+@pytest.fixture
+def copy(tiny_artifact, tmp_path) -> Path:
+    return Path(shutil.copytree(tiny_artifact, tmp_path / "copy"))
+
+
+def _edit_manifest(art: Path, change) -> None:
+    manifest = json.loads((art / "manifest.json").read_text())
+    change(manifest)
+    (art / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _truncate(name: str, keep: float = 0.5):
+    def damage(art: Path):
+        data = (art / name).read_bytes()
+        (art / name).write_bytes(data[:int(len(data) * keep)])
+    return damage
+
+
+def _flip(name: str, at: int = 100):
+    def damage(art: Path):
+        data = bytearray((art / name).read_bytes())
+        data[at] ^= 0xFF
+        (art / name).write_bytes(bytes(data))
+    return damage
+
+
+def _remove(name: str):
+    return lambda art: (art / name).unlink()
+
+
+def _manifest(change):
+    return lambda art: _edit_manifest(art, change)
+
+
+def _set_param_shape(manifest):
+    manifest["params"][0]["shape"] = [manifest["params"][0]["shape"][0] + 1, 1]
+
+
+# (damage, verify, fragment of the ArtifactError)
+DAMAGE = {
+    "truncated weights": (_truncate("weights.bin"), True, "weights.bin does not match the hash"),
+    "truncated weights, unverified": (_truncate("weights.bin"), False, "weights.bin is truncated"),
+    "empty weights, unverified": (_truncate("weights.bin", 0), False, "weights.bin is empty"),
+    "missing weights": (_remove("weights.bin"), True, "incomplete: weights.bin is missing"),
+    "missing kernel library": (_remove("model.so"), True, "incomplete: model.so is missing"),
+    "missing kernel library, unverified": (_remove("model.so"), False, "incomplete: model.so is missing"),
+    "missing tokenizer": (_remove("tokenizer.json"), False, "incomplete: tokenizer.json is missing"),
+    "kernel library changed": (_flip("model.so", 5000), True, "model.so does not match the hash"),
+    "kernel library garbage, unverified": (lambda art: (art / "model.so").write_bytes(b"\x7fELF garbage"), False,
+                                           "model.so could not be loaded"),
+    "tokenizer changed": (_flip("tokenizer.json", 10), True, "tokenizer.json does not match the hash"),
+    "missing manifest": (_remove("manifest.json"), True, "not a sharpi artifact"),
+    "half-written manifest": (_truncate("manifest.json"), True, "is not valid JSON"),
+    "hash of weights dropped": (_manifest(lambda m: m["files"].pop("weights.bin")), True,
+                                "has no hash for weights.bin"),
+    "parameter entry inconsistent": (_manifest(_set_param_shape), True, "is inconsistent"),
+    "parameter past the end, unverified": (_manifest(lambda m: m["params"][-1].update(offset=10**9)), False,
+                                           "is truncated"),
+    "field of the wrong type": (_manifest(lambda m: m.update(page_size="16")), True,
+                                "page_size should be a JSON integer"),
+    "file name with a path": (_manifest(lambda m: m["files"].update({"../escape": "0" * 64})), True,
+                              "plain file names"),
+}
+
+
+@pytest.mark.parametrize("case", list(DAMAGE))
+def test_damaged_artifact_is_a_clear_artifact_error(case, copy):
+    damage, verify, fragment = DAMAGE[case]
+    damage(copy)
+    with pytest.raises(sharpi.ArtifactError) as info:
+        sharpi.load(copy, verify=verify)
+    assert fragment in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+def test_truncated_weights_in_the_cli_is_one_line_and_exit_2(copy, capsys):
+    _truncate("weights.bin")(copy)
+    code = main_cli.main(["run", str(copy), "-p", "hi", "-n", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert [line for line in err.splitlines() if line.strip()] == [line for line in err.splitlines()
+                                                                    if line.startswith("error:")]
+    assert "does not match the hash" in err
+
+
+def test_intact_copy_loads_and_matches(copy, tiny_logits):
+    np.testing.assert_array_equal(sharpi.load(copy).score([1, 2, 3]), tiny_logits)
+
+
+def test_missing_vulkan_kernel_is_detected_before_any_device(tiny_gguf, tmp_path):
+    art = sharpi.compile(str(tiny_gguf), target="vulkan", output=tmp_path / "vk")
+    kernel = sorted(art.glob("*.wgsl"))[0]
+    kernel.unlink()
+    for verify in (True, False):
+        with pytest.raises(sharpi.ArtifactError, match=f"incomplete: {kernel.name} is missing"):
+            sharpi.load(art, verify=verify)
+
+
+# -- interrupted compiles ---------------------------------------------------------------------------------------
+@pytest.fixture
+def home(tmp_path, monkeypatch) -> Path:
+    """An empty SHARPI_HOME, so the compile cache starts empty and leftovers in it can be seen."""
+    monkeypatch.setenv("SHARPI_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+def _fake_llvm_build(tiny_artifact: Path, then=None):
+    """Stands in for the LLVM build (seconds of TVM): copies the tiny artifact's library into the staging folder;
+    `then(staging)` may interrupt after that."""
+    manifest = json.loads((tiny_artifact / "manifest.json").read_text())
+
+    def build(mod, cfg, options, staging, bar):
+        shutil.copy(tiny_artifact / "model.so", staging / "model.so")
+        if then is not None:
+            then(staging)
+        return manifest["target"], manifest["kernels"]
+    return build
+
+
+def _interrupt(*args, **kwargs):
+    raise KeyboardInterrupt
+
+
+def _half_written_weights(arrays, names, path):
+    with open(path, "wb") as f:
+        f.write(np.ascontiguousarray(arrays[0]).tobytes()[:100])
+    raise KeyboardInterrupt
+
+
+def _leftovers(*directories: Path) -> list[str]:
+    return sorted(p.name for d in directories if d.exists() for p in d.iterdir() if p.name.startswith("."))
+
+
+@pytest.mark.parametrize("use_cache", [False, True], ids=["no-cache", "cache"])
+@pytest.mark.parametrize("where", ["codegen", "weights"])
+def test_interrupted_compile_leaves_no_artifact_and_no_staging(where, use_cache, tiny_gguf, tiny_artifact, home,
+                                                              tmp_path, monkeypatch):
+    from sharpi import compiler
+    from sharpi.codegen import artifact
+
+    if where == "codegen":       # mid-build: the library half there
+        monkeypatch.setattr(compiler, "_build_llvm", _fake_llvm_build(tiny_artifact, then=_interrupt))
+    else:                        # the library built, the weights half written
+        monkeypatch.setattr(compiler, "_build_llvm", _fake_llvm_build(tiny_artifact))
+        monkeypatch.setattr(artifact, "write_weights", _half_written_weights)
+    output = tmp_path / "out" / "tiny"
+    with pytest.raises(KeyboardInterrupt):
+        sharpi.compile(str(tiny_gguf), output=output, use_cache=use_cache)
+    assert not output.exists()
+    with pytest.raises(sharpi.ArtifactError, match="not a sharpi artifact"):
+        sharpi.load(output)
+    cache = home / "cache"
+    assert _leftovers(output.parent, cache) == []
+    assert not cache.exists() or list(cache.iterdir()) == []         # nothing a later compile would reuse
+
+
+def test_interrupted_recompile_keeps_the_earlier_artifact(tiny_gguf, tiny_artifact, tiny_logits, home, tmp_path,
+                                                         monkeypatch):
+    from sharpi import compiler
+    from sharpi.codegen import artifact
+
+    output = Path(shutil.copytree(tiny_artifact, tmp_path / "out" / "tiny"))
+    monkeypatch.setattr(compiler, "_build_llvm", _fake_llvm_build(tiny_artifact))
+    monkeypatch.setattr(artifact, "write_weights", _half_written_weights)
+    with pytest.raises(KeyboardInterrupt):
+        sharpi.compile(str(tiny_gguf), output=output, use_cache=False)
+    np.testing.assert_array_equal(sharpi.load(output).score([1, 2, 3]), tiny_logits)
+    assert _leftovers(output.parent) == []
+
+
+def test_interrupted_move_into_place_restores_the_earlier_artifact(tiny_gguf, tiny_artifact, tiny_logits, home,
+                                                                  tmp_path, monkeypatch):
+    """finalize() renames the old artifact aside, then the new one into place; interrupted between the two, it
+    puts the old one back."""
+    from sharpi import compiler
+
+    output = Path(shutil.copytree(tiny_artifact, tmp_path / "out" / "tiny"))
+    monkeypatch.setattr(compiler, "_build_llvm", _fake_llvm_build(tiny_artifact))
+    real_rename = Path.rename
+
+    def rename(self, target):
+        if ".partial-" in self.name and Path(target) == output:
+            raise KeyboardInterrupt
+        return real_rename(self, target)
+    monkeypatch.setattr(Path, "rename", rename)
+    with pytest.raises(KeyboardInterrupt):
+        sharpi.compile(str(tiny_gguf), output=output, use_cache=False)
+    monkeypatch.undo()
+    np.testing.assert_array_equal(sharpi.load(output).score([1, 2, 3]), tiny_logits)
+    assert _leftovers(output.parent) == []
+
+
+def test_killed_compile_leaves_nothing_that_loads(tiny_gguf, tiny_artifact, home, tmp_path):
+    """SIGKILL (the OOM killer, a power cut) gives no chance to clean up: a hidden staging folder may stay, but
+    the output path holds nothing, so nothing half-written loads."""
+    output = tmp_path / "out" / "tiny"
+    started = tmp_path / "started"
+    script = textwrap.dedent(f"""
+        import shutil, time
+        from pathlib import Path
+        import sharpi
+        from sharpi import compiler
+
+        def build(mod, cfg, options, staging, bar):
+            shutil.copy({str(tiny_artifact / "model.so")!r}, staging / "model.so")
+            Path({str(started)!r}).touch()
+            time.sleep(60)
+        compiler._build_llvm = build
+        sharpi.compile({str(tiny_gguf)!r}, output={str(output)!r}, use_cache=False)
+    """)
+    process = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "SHARPI_HOME": str(home)})
+    try:
+        deadline = time.time() + 60
+        while not started.exists() and time.time() < deadline and process.poll() is None:
+            time.sleep(0.1)
+        assert started.exists(), "the compile never reached the build"
+        process.send_signal(signal.SIGKILL)
+        process.wait(10)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert not output.exists()
+    with pytest.raises(sharpi.ArtifactError, match="not a sharpi artifact"):
+        sharpi.load(output)
+    assert all(name.startswith(".tiny.partial-") for name in _leftovers(output.parent))

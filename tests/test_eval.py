@@ -1,0 +1,296 @@
+"""sharpi eval: prompts built in tokens, string-match scoring, resumable sweeps, plots and the CLI's errors."""
+from __future__ import annotations
+
+import json
+import re
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from sharpi.common.errors import ConfigError, ContextLengthError
+from sharpi.eval.report import write_report
+from sharpi.eval.scoring import accuracy, is_hit
+from sharpi.eval.sweep import Results, Setting, SweepConfig, plan, resolve_settings, run_sweep
+from sharpi.eval.tasks import build_prompt
+
+TIMING = ("prefill_s", "answer_s")
+DEFAULT = Setting("kv-head", "max", 15, 16)
+SEED = Setting("shared", "none", 1, 16)
+
+
+# -- a fake model: a word tokenizer and a "session" that decodes the prompt's first number unless a small
+# budget evicted it, so sweeps run in milliseconds and hits and misses both occur ----------------------------
+class FakeTokenizer:
+    def __init__(self):
+        self.vocab, self.words = {}, []
+
+    def tokenize(self, text: str) -> list[int]:
+        ids = []
+        for word in re.findall(r"\w+|[^\w\s]", text):
+            if word not in self.vocab:
+                self.vocab[word] = len(self.words)
+                self.words.append(word)
+            ids.append(self.vocab[word])
+        return ids
+
+    def detokenize(self, ids) -> str:
+        return "".join(" " + self.words[i] for i in ids)
+
+
+class FakeSession:
+    def __init__(self, model, ids=None, budget=0):
+        self.model, self.ids, self.budget = model, ids, budget
+
+    def prefill(self, ids, keep_scores=False):
+        self.model.prefills += 1
+        self.ids = list(ids)
+        return self._logits(self.model.tok.vocab["."])      # like the real one: the first answer token comes
+                                                            # from the full prefill, before any eviction
+
+    def _answer(self) -> int:
+        numbers = [i for i in self.ids if self.model.tok.words[i].isdigit()]
+        small = 0 < self.budget < 48
+        return self.model.tok.vocab["."] if small or not numbers else numbers[0]
+
+    def _logits(self, token: int) -> np.ndarray:
+        logits = np.zeros(len(self.model.tok.words) + 1, np.float32)
+        logits[token] = 1.0
+        return logits
+
+    def fork(self):
+        self.model.forks += 1
+        return FakeSession(self.model, self.ids, self.budget)
+
+    def evict(self, budget, **knobs):
+        self.budget = budget
+        return len(self.ids) > budget
+
+    def decode(self, token):
+        return self._logits(self._answer())
+
+    @property
+    def kv_length(self):
+        n = self.budget if self.budget else len(self.ids)
+        return [min(n, len(self.ids))] * 2
+
+    @property
+    def kept_positions(self):
+        n = self.kv_length[0]
+        return [np.stack([np.arange(len(self.ids) - n, len(self.ids))] * 2) for _ in range(2)]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+
+class FakeModel:
+    max_context = 4096
+
+    def __init__(self):
+        self.tok = FakeTokenizer()
+        self.tokenize, self.detokenize = self.tok.tokenize, self.tok.detokenize
+        self.manifest = SimpleNamespace(source={"name": "fake.gguf", "sha256": "0" * 64}, target={"kind": "fake"})
+        self.prefills = self.forks = 0
+
+    def session(self, **knobs):
+        return FakeSession(self)
+
+
+def _config(**changes) -> SweepConfig:
+    base = dict(task="passkey", lengths=[120, 200], depths=[0, 50, 100], budgets=[0, 32, 64], trials=2, seed=3,
+                settings=[DEFAULT, SEED], window=16)
+    return SweepConfig(**{**base, **changes})
+
+
+def _untimed(results: Results) -> dict:
+    return {k: {f: v for f, v in row.items() if f not in TIMING} for k, row in results.cells.items()}
+
+
+# -- prompts -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("task", ["passkey", "needle", "multikey"])
+def test_prompt_hits_length_and_depth_in_tokens(smollm2, task):
+    tokenize = smollm2.tokenize
+    for length in (400, 1500):
+        ends = [build_prompt(task, tokenize, length, d, seed=1, trial=2).needle[0] for d in (0, 100)]
+        for depth in (0, 30, 75, 100):
+            p = build_prompt(task, tokenize, length, depth, seed=1, trial=2)
+            assert p.ids == tokenize(p.text)
+            assert length - (6 if task == "passkey" else 1) <= p.tokens <= length
+            start, end = p.needle
+            assert p.answer in smollm2.detokenize(p.ids[start:end])
+            assert p.text.count(p.answer) == 1 + (task == "passkey")   # llama.cpp's needle says the key twice
+            target = ends[0] + depth / 100 * (ends[1] - ends[0])
+            # within one filler sentence (passkey) or a few percent of the span (prose's sentences are long)
+            assert abs(start - target) <= (6 if task == "passkey" else 0.05 * (ends[1] - ends[0])), (depth, p.needle)
+            assert p.needle_depth == pytest.approx(100 * (start - ends[0]) / (ends[1] - ends[0]), abs=0.01)
+            assert end <= p.tokens - 10                                          # the question follows
+        if task == "multikey":
+            assert len(p.distractors) == 3
+            assert all(str(smollm2.detokenize(p.ids[s:e])).strip().startswith("One of the special magic numbers")
+                       for s, e in p.distractors)
+
+
+def test_prompt_content_is_fixed_per_trial_and_differs_across_trials(smollm2):
+    a = build_prompt("needle", smollm2.tokenize, 500, 20, seed=0, trial=0)
+    b = build_prompt("needle", smollm2.tokenize, 900, 80, seed=0, trial=0)
+    c = build_prompt("needle", smollm2.tokenize, 500, 20, seed=0, trial=1)
+    assert a.answer == b.answer and a.answer != c.answer
+
+
+def test_prompt_refuses_bad_length_and_depth():
+    tok = FakeTokenizer()
+    with pytest.raises(ConfigError, match="at least"):
+        build_prompt("passkey", tok.tokenize, 10, 50)
+    with pytest.raises(ConfigError, match="between 0 and 100"):
+        build_prompt("passkey", tok.tokenize, 200, 150)
+
+
+# -- scoring -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("output, answer, hit", [
+    (" 60494. Remember", "60494", True),
+    ("The pass key is 60494", "60494", True),
+    (" 604941.", "60494", False),          # a longer number is not the key
+    (" 160494", "60494", False),
+    (" the pass key.", "60494", False),
+    ("", "60494", False),
+    (" Cardamom, of course", "cardamom", True),
+    (" cardamoms", "cardamom", False),
+    (" 4311683.", "4311683", True),
+])
+def test_string_match(output, answer, hit):
+    assert is_hit(output, answer) is hit
+
+
+def test_accuracy_counts():
+    acc = accuracy([{"hit": True}, {"hit": False}, {"hit": True}])
+    assert (acc.hits, acc.total, str(acc)) == (2, 3, "67% (2/3)")
+    assert str(accuracy([])) == "-"
+
+
+# -- sweeps --------------------------------------------------------------------------------------------------
+def test_sweep_forks_one_prefill_per_prompt(tmp_path):
+    model = FakeModel()
+    results = run_sweep(model, _config(), Results(tmp_path / "r.json", {"name": "fake"}), progress=False)
+    assert len(results.cells) == len(plan(_config())) == 2 * 2 * 3 * (1 + 2 * 2)
+    assert model.prefills == 2 * 2 * 3 and model.forks == len(results.cells)
+    rows = results.rows()
+    assert all(r["hit"] for r in rows if r["budget"] in (0, 64))          # the fake keeps the key at 64
+    assert not any(r["hit"] for r in rows if r["budget"] == 32)
+    assert {r["setting"] for r in rows} == {"full", DEFAULT.key, SEED.key}
+    assert json.loads((tmp_path / "r.json").read_text())["cells"].keys() == results.cells.keys()
+
+
+def test_interrupted_sweep_resumes_without_recomputing(tmp_path):
+    whole = run_sweep(FakeModel(), _config(), Results(tmp_path / "whole.json", {"name": "fake"}), progress=False)
+
+    class Stop(Exception):
+        pass
+
+    def stop_after(n):
+        done = []
+
+        def hook(cell, row):
+            done.append(cell.key)
+            if len(done) == n:
+                raise Stop
+        return hook, done
+
+    path = tmp_path / "part.json"
+    hook, first = stop_after(7)
+    with pytest.raises(Stop):
+        run_sweep(FakeModel(), _config(), Results(path, {"name": "fake"}), progress=False, on_cell=hook)
+    assert len(Results(path).cells) == 7                                  # saved as each cell finished
+
+    hook, second = stop_after(10**9)
+    resumed = run_sweep(FakeModel(), _config(), Results(path, {"name": "fake"}), progress=False, on_cell=hook)
+    assert not set(first) & set(second) and len(first) + len(second) == len(whole.cells)
+    assert _untimed(resumed) == _untimed(whole)
+    assert _untimed(Results(path)) == _untimed(whole)                     # and so is the file
+
+    third = []
+    run_sweep(FakeModel(), _config(), Results(path, {"name": "fake"}), progress=False,
+              on_cell=lambda cell, row: third.append(cell))
+    assert third == []                                                    # a finished sweep runs nothing
+
+
+def test_results_file_of_another_model_is_refused(tmp_path):
+    path = tmp_path / "r.json"
+    Results(path, {"name": "a.gguf", "target": "llvm"}).save()
+    with pytest.raises(ConfigError, match="another --out"):
+        Results(path, {"name": "b.gguf", "target": "llvm"})
+    path.write_text("{not json")
+    with pytest.raises(ConfigError, match="not a readable results file"):
+        Results(path)
+
+
+def test_sweep_checks_lengths_against_the_context(tmp_path):
+    with pytest.raises(ContextLengthError, match="no room for the 4-token answer"):
+        run_sweep(FakeModel(), _config(lengths=[4096]), Results(tmp_path / "r.json"), progress=False)
+
+
+def test_real_model_tiny_sweep(smollm2, tmp_path):
+    window, settings = resolve_settings(smollm2, budgets=[128])
+    config = SweepConfig(task="passkey", lengths=[300], depths=[0], budgets=[0, 128], trials=1, settings=settings,
+                         window=window, show_kept=True)
+    results = run_sweep(smollm2, config, Results(tmp_path / "real.json", {"name": "smollm2"}), progress=False)
+    full, evicted = sorted(results.rows(), key=lambda r: r["budget"])
+    assert full["hit"], full["output"]                        # a 300-token passkey with its needle up front
+    assert evicted["evicted"] and evicted["kv_slots"] == 128 and not full["evicted"]
+    kept = np.load(results.kept_dir / evicted["kept"])
+    assert len(kept.files) == smollm2.config.n_layers
+    assert kept["arr_0"].shape == (smollm2.config.n_kv_heads, 128)
+    assert (kept["arr_0"][:, -64:] == np.arange(full["prompt_tokens"] - 64, full["prompt_tokens"])).all()
+
+
+# -- plots and report ----------------------------------------------------------------------------------------
+def test_report_and_plots_are_written(tmp_path):
+    pytest.importorskip("matplotlib")
+    config = _config(lengths=[120], depths=[0, 50], show_kept=True)
+    results = run_sweep(FakeModel(), config, Results(tmp_path / "r.json", {"name": "fake"}), progress=False)
+    text, files = write_report(results, tmp_path / "report", show_kept=True)
+    names = {f.name for f in files}
+    assert {"report.md", "budget-passkey.png", f"heatmap-passkey-{DEFAULT.key.replace('/', '_')}.png",
+            "kept-passkey-L120-D50.png"} <= names
+    for f in files:
+        assert f.is_file() and f.stat().st_size > (5000 if f.suffix == ".png" else 100)
+        if f.suffix == ".png":
+            assert f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| setting | prompt tokens | budget 32 | budget 64 | full cache |" in text
+    assert "| kv-head, max-pool 15 | 120 | 0% (0/4) | 100% (4/4) | 100% (4/4) |" in text
+
+
+# -- the CLI -------------------------------------------------------------------------------------------------
+def _cli(capsys, *argv) -> tuple[int, list[str]]:
+    from sharpi.cli.main import main
+    try:
+        code = main(["eval", *argv])
+    except SystemExit as exc:
+        code = exc.code
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["passkey"], "required"),
+    (["sorting", "art"], "invalid choice"),
+    (["passkey", "art", "--lengths", "2k"], "--lengths"),
+    (["passkey", "art", "--depths", "-5"], "--depths"),
+    (["report", "/nonexistent/results.json"], "not a results file"),
+    (["passkey", "/nonexistent/artifact"], "artifact"),
+])
+def test_cli_bad_arguments_exit_2_with_one_line(capsys, argv, words):
+    code, err = _cli(capsys, *argv)
+    assert code == 2 and len(err) == 1 and err[0].startswith("error:") and words in err[0], err
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--lengths", "9000"], "context"),
+    (["--snapkv-pooling", "max,bogus"], "pooling"),
+    (["--budgets", "0,32"], "recency"),
+    (["--snapkv-budget", "256"], "--budgets"),
+])
+def test_cli_bad_sweeps_exit_2_with_one_line(capsys, smollm2_artifact, tmp_path, flags, words):
+    code, err = _cli(capsys, "passkey", str(smollm2_artifact), "--out", str(tmp_path / "r.json"), "--quiet", *flags)
+    assert code == 2 and len(err) == 1 and err[0].startswith("error:") and words in err[0], err
