@@ -150,7 +150,7 @@ def _compile_uncached(gguf, gguf_sha256: str, options: CompileOptions, output: P
         mod = snapkv_pass(mod)
         functions += list(SNAPKV_FUNCTIONS)
     if dump_ir is not None:
-        Path(dump_ir).write_text(mod.script())
+        _write_ir(dump_ir, mod)
     from .common.progress import progress_bar
     staging = artifact.staging_dir(output)
     try:
@@ -230,7 +230,7 @@ def export_onnx(model: str | Path, output: str | Path | None = None, *, weights:
         from .ir_passes.snapkv import snapkv_pass
         mod = snapkv_pass(mod)
     if dump_ir is not None:
-        Path(dump_ir).write_text(mod.script())
+        _write_ir(dump_ir, mod)
     from .codegen.artifact import staging_dir
     staging = staging_dir(output)
     try:
@@ -352,7 +352,21 @@ def _check_output_dir(output: Path) -> None:
         raise ConfigError(f"{output} exists and is not a sharpi artifact; choose another output directory.")
 
 
+def _write_ir(path: str | Path, mod) -> None:
+    try:
+        Path(path).write_text(mod.script())
+    except OSError as exc:
+        raise ConfigError(f"--dump-ir {path} cannot be written: {exc.strerror or exc}.") from None
+
+
 def _copy_artifact(source: Path, output: Path) -> None:
+    try:
+        _copy_artifact_files(source, output)
+    except OSError as exc:
+        raise ConfigError(f"The artifact cannot be written to {output}: {exc.strerror or exc}.") from None
+
+
+def _copy_artifact_files(source: Path, output: Path) -> None:
     if output.resolve() == source.resolve():
         return
     if output.exists():

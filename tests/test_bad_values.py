@@ -103,6 +103,10 @@ CLI_CASES = {
     "compile -o is a file": (compile_cli, ["{gguf}", "-o", "{file}", "--quiet"], {}, "is not a sharpi artifact"),
     "compile -o under a file": (compile_cli, ["{gguf}", "-o", "{file}/out", "--quiet", "--no-cache"], {},
                                 "Cannot write the artifact into"),
+    "compile -o under a file, cached": (compile_cli, ["{gguf}", "-o", "{file}/out", "--quiet"], {},
+                                        "cannot be written to"),
+    "compile --dump-ir unwritable": (compile_cli, COMPILE + ["--dump-ir", "{tmp}/no/such/dir/ir.txt"], {},
+                                     "--dump-ir"),
     "compile missing model": (compile_cli, ["{tmp}/nowhere.gguf", "--quiet"], {}, "no such file"),
     "compile no model": (compile_cli, [], {}, "required: model"),
     # environment variables (SHARPI_SNAPKV_* and SHARPI_NUM_THREADS through the CLI)
