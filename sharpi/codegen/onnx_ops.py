@@ -295,14 +295,19 @@ def _attention_probs(tr, q_rows, keys, heads: int, kv_heads: int, head_dim: int,
     return gb.op("Softmax", [masked], axis=-1)
 
 
+def _layer_attention(tr, call, pool, layer, op: str):
+    """What an attention-shaped named op (q [n, H, D] first, the pool second) reads: the plain cache standing for
+    the pool, the layer index, and (heads, kv_heads, head_dim) from the static argument types."""
+    heads, head_dim = _static_dims(_arg_ty(call, 0), 1, 2)
+    kv_heads, = _static_dims(_arg_ty(call, 1), 2)
+    return tr.expect_cache(pool, op), int(layer), heads, kv_heads, head_dim
+
+
 def _paged_attention(tr, call, args, ty):
     """sharpi.paged_attention(q [n, H, D], pool, page_table, kv_lens, layer, scale, window) -> [n, H, D]."""
     gb = tr.gb
     q, pool, _, _, layer, scale, window = args
-    cache = tr.expect_cache(pool, "sharpi.paged_attention")
-    layer = int(layer)
-    heads, head_dim = _static_dims(_arg_ty(call, 0), 1, 2)
-    kv_heads, = _static_dims(_arg_ty(call, 1), 2)
+    cache, layer, heads, kv_heads, head_dim = _layer_attention(tr, call, pool, layer, "sharpi.paged_attention")
     with gb.scope(f"layer{layer}/attention"):
         probs = _attention_probs(tr, tr.tensor(q), cache.keys[layer], heads, kv_heads, head_dim, float(scale),
                                  int(window))
@@ -318,10 +323,7 @@ def _snapkv_score(tr, call, args, ty):
     KV head's query heads (the Relax op's output is padded to the page table's slots; here it is S wide)."""
     gb = tr.gb
     q, pool, _, _, layer, window, scale = args
-    cache = tr.expect_cache(pool, "sharpi.snapkv.score")
-    layer = int(layer)
-    heads, head_dim = _static_dims(_arg_ty(call, 0), 1, 2)
-    kv_heads, = _static_dims(_arg_ty(call, 1), 2)
+    cache, layer, heads, kv_heads, head_dim = _layer_attention(tr, call, pool, layer, "sharpi.snapkv.score")
     with gb.scope(f"layer{layer}/snapkv_score"):
         q = tr.tensor(q)
         n = gb.op("Shape", [q], start=0, end=1)

@@ -95,7 +95,7 @@ def build_from_gguf_metadata(meta: dict) -> tuple["Tokenizer", TokenizerInfo]:
 
 
 def _byte_level_bpe(tokens, merges, types, pre: str):
-    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+    from tokenizers import Regex, decoders, models, pre_tokenizers
     from tokenizers import Tokenizer as HFTokenizer
 
     if pre not in PRE_TOKENIZERS:
@@ -110,14 +110,7 @@ def _byte_level_bpe(tokens, merges, types, pre: str):
     steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=gpt2_regex))
     hf.pre_tokenizer = pre_tokenizers.Sequence(steps)
     hf.decoder = decoders.ByteLevel()
-    special = [AddedToken(t, special=True, normalized=False)
-               for t, ty in zip(tokens, types) if ty == TOKEN_CONTROL]
-    user = [AddedToken(t, special=False, normalized=False)
-            for t, ty in zip(tokens, types) if ty == TOKEN_USER_DEFINED]
-    hf.add_special_tokens(special)
-    if user:
-        hf.add_tokens(user)
-    return hf
+    return _with_added_tokens(hf, tokens, types, special_types=(TOKEN_CONTROL,))
 
 
 def _sentencepiece_bpe(tokens, scores, types, unk_id, add_space_prefix: bool):
@@ -146,7 +139,7 @@ def _sentencepiece_bpe(tokens, scores, types, unk_id, add_space_prefix: bool):
     leading space of a text starting with a "▁" token on add_space_prefix models, which is not done here
     (so that decoding a generated continuation keeps its first space).
     """
-    from tokenizers import AddedToken, decoders, models, normalizers
+    from tokenizers import decoders, models, normalizers
     from tokenizers import Tokenizer as HFTokenizer
 
     vocab = {tok: i for i, tok in enumerate(tokens)}      # a repeated text maps to its last id, as in llama.cpp
@@ -165,8 +158,15 @@ def _sentencepiece_bpe(tokens, scores, types, unk_id, add_space_prefix: bool):
     escape = normalizers.Replace(" ", "▁")         # llama_escape_whitespace
     hf.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), escape]) if add_space_prefix else escape
     hf.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
-    special = [AddedToken(t, special=True, normalized=False)
-               for t, ty in zip(tokens, types) if ty in (TOKEN_CONTROL, TOKEN_UNKNOWN)]
+    return _with_added_tokens(hf, tokens, types, special_types=(TOKEN_CONTROL, TOKEN_UNKNOWN))
+
+
+def _with_added_tokens(hf, tokens, types, special_types: tuple):
+    """Register the tokens split off before the model: `special_types` as special tokens (matched only with
+    special=True), user-defined ones always."""
+    from tokenizers import AddedToken
+
+    special = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty in special_types]
     user = [AddedToken(t, special=False, normalized=False)
             for t, ty in zip(tokens, types) if ty == TOKEN_USER_DEFINED]
     hf.add_special_tokens(special)
