@@ -40,8 +40,9 @@ def test_dump_ir_shows_snapkv_ops_only_when_on(tmp_path):
 # -- kernels against numpy ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (8, 1)])
 @pytest.mark.parametrize("held,new,window", [(0, 37, 8), (13, 30, 64), (21, 11, 11)])
-def test_score_kernel(heads, kv_heads, held, new, window, rng):
-    d, page, max_pages, layers, layer = 16, 16, 5, 2, 1
+@pytest.mark.parametrize("d", [16, 12])     # vectorized (a multiple of 8 lanes) and scalar forms
+def test_score_kernel(heads, kv_heads, held, new, window, d, rng):
+    page, max_pages, layers, layer = 16, 5, 2, 1
     score = _build(make_snapkv_score(heads, kv_heads, d, page, max_pages, d ** -0.5))
     append = _build(make_kv_append(kv_heads, d, page))
     pool = _t(np.zeros((12, 2, kv_heads, page, d), np.float32))
