@@ -129,8 +129,9 @@ def _attention_reference(q, k_all, v_all, held, window=0):
 @pytest.mark.parametrize("held,new,static,window", [(0, 1, False, 0), (0, 23, False, 0), (15, 1, True, 0),
                                                     (16, 1, True, 0), (21, 17, False, 0), (40, 1, True, 19),
                                                     (30, 17, False, 19), (0, 23, False, 5), (9, 1, False, 64)])
-def test_paged_attention_and_append(held, new, static, window, rng):
-    heads, kv_heads, d, page, layers, layer = 6, 2, 32, 16, 3, 1
+@pytest.mark.parametrize("heads,kv_heads", [(6, 2), (4, 1)])   # one KV head: decode splits its query heads
+def test_paged_attention_and_append(held, new, static, window, heads, kv_heads, rng):
+    d, page, layers, layer = 32, 16, 3, 1
     append = _build(make_kv_append(kv_heads, d, page, new if static else None))
     attend = _build(make_paged_attention(heads, kv_heads, d, page, d ** -0.5, new if static else None,
                                          window=window))

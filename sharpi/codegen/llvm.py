@@ -1,4 +1,5 @@
-"""The LLVM-CPU pipeline: attach sharpi's kernels, legalize the rest, fuse elementwise chains, schedule, build."""
+"""The LLVM-CPU pipeline: attach sharpi's kernels, legalize the rest, fuse elementwise chains, schedule what is
+not hand-written (cpu_schedule), build."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,6 +10,7 @@ from tvm import relax
 from ..common.config import ModelConfig
 from ..common.errors import ConfigError
 from .attach_kernels import attach_kernels
+from .cpu_schedule import fast_math_legalizations, schedule_generic
 
 # CPU features an artifact may need, by the name /proc/cpuinfo uses; LLVM's names map onto these.
 _LLVM_TO_CPUINFO = {"sse4.2": "sse4_2", "avx": "avx", "avx2": "avx2", "fma": "fma", "f16c": "f16c",
@@ -47,11 +49,12 @@ def required_cpu_features(target: tvm.target.Target) -> list[str]:
 def lower(mod: tvm.IRModule, cfg: ModelConfig, target: tvm.target.Target) -> tvm.IRModule:
     with target:
         mod = attach_kernels(mod, cfg)
-        mod = relax.transform.LegalizeOps()(mod)
+        mod = relax.transform.LegalizeOps(fast_math_legalizations())(mod)
         mod = relax.transform.AnnotateTIROpPattern()(mod)
         mod = relax.transform.FuseOps()(mod)
         mod = relax.transform.FuseTIR()(mod)
         mod = relax.transform.DeadCodeElimination()(mod)
+        mod = schedule_generic(mod, target)
     return mod
 
 
