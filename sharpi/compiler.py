@@ -16,7 +16,7 @@ from pathlib import Path
 
 from .common.errors import ConfigError
 from .common.manifest import FORMAT_VERSION, Manifest, file_sha256
-from .common.ops import PAGE_SIZE
+from .common.ops import PAGE_SIZE, SELECT_PARAMS
 from .common.settings import parse_positive_int, sharpi_home
 from .common.version import __version__
 
@@ -68,8 +68,9 @@ def compile(model: str | Path, target: str = "llvm", output: str | Path | None =
             arch: str | None = None, cuda_graph: bool = False, kv_dtype: str | None = None,
             max_context: int | None = None,
             snapkv: str | bool | None = None, snapkv_budget=None, snapkv_window=None, snapkv_recency=None,
-            snapkv_pooling=None, snapkv_kernel=None, snapkv_granularity=None, dump_ir: str | Path | None = None,
-            use_cache: bool = True, show_progress: bool = False, emit: str | None = None) -> Path:
+            snapkv_pooling=None, snapkv_kernel=None, snapkv_granularity=None, snapkv_sinks=None,
+            dump_ir: str | Path | None = None, use_cache: bool = True, show_progress: bool = False,
+            emit: str | None = None) -> Path:
     """Compile a GGUF (path or known model name) into an artifact directory; returns its path.
 
     target: llvm (mcpu: the CPU, default this one), vulkan, or cuda (arch: sm_XY, default sm_80; cuda_graph: decode
@@ -89,13 +90,14 @@ def compile(model: str | Path, target: str = "llvm", output: str | Path | None =
             raise ConfigError(f"{', '.join(used)} {'does' if len(used) == 1 else 'do'} not apply to emit='onnx'.")
         return export_onnx(model, output, max_context=max_context, snapkv=snapkv, snapkv_budget=snapkv_budget,
                            snapkv_window=snapkv_window, snapkv_recency=snapkv_recency, snapkv_pooling=snapkv_pooling,
-                           snapkv_kernel=snapkv_kernel, snapkv_granularity=snapkv_granularity, dump_ir=dump_ir,
-                           show_progress=show_progress)
+                           snapkv_kernel=snapkv_kernel, snapkv_granularity=snapkv_granularity,
+                           snapkv_sinks=snapkv_sinks, dump_ir=dump_ir, show_progress=show_progress)
     from .frontend.fetch import resolve_model
     from .frontend.gguf_file import GGUFFile
 
     snapkv_fields = _snapkv_fields(snapkv, budget=snapkv_budget, window=snapkv_window, recency=snapkv_recency,
-                                   pooling=snapkv_pooling, kernel=snapkv_kernel, granularity=snapkv_granularity)
+                                   pooling=snapkv_pooling, kernel=snapkv_kernel, granularity=snapkv_granularity,
+                                   sinks=snapkv_sinks)
     if kv_dtype is None:                   # DESIGN.md: f32 on CPU; f16 on CUDA GPUs (Vulkan: f32 until measured)
         kv_dtype = "f16" if target == "cuda" else "f32"
     options = CompileOptions(target=target, mcpu=mcpu, arch=arch, cuda_graph=bool(cuda_graph), kv_dtype=KV_DTYPES.get(kv_dtype, kv_dtype),
@@ -171,7 +173,7 @@ def _compile_uncached(gguf, gguf_sha256: str, options: CompileOptions, output: P
             tokenizer=tok_info.to_dict(), page_size=PAGE_SIZE, max_context=max_context, max_pages=max_pages,
             prefill_chunk=PREFILL_CHUNK, functions=functions, kernels=kernels, params=params,
             snapkv={"enabled": options.snapkv == "on", "max_window": settings.window,
-                    "defaults": settings.to_dict()}, kv_dtype=options.kv_dtype)
+                    "defaults": settings.to_dict(), "select_params": SELECT_PARAMS}, kv_dtype=options.kv_dtype)
         artifact.finalize(staging, output, manifest)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -186,7 +188,8 @@ def _compile_uncached(gguf, gguf_sha256: str, options: CompileOptions, output: P
 def export_onnx(model: str | Path, output: str | Path | None = None, *, weights: str = "f32",
                 functions=None, max_context: int | None = None, snapkv: str | bool | None = None,
                 snapkv_budget=None, snapkv_window=None, snapkv_recency=None, snapkv_pooling=None, snapkv_kernel=None,
-                snapkv_granularity=None, dump_ir: str | Path | None = None, show_progress: bool = False) -> Path:
+                snapkv_granularity=None, snapkv_sinks=None, dump_ir: str | Path | None = None,
+                show_progress: bool = False) -> Path:
     """Export a GGUF (path or known model name) as ONNX graphs into a directory; returns its path (issue #9).
 
     The same Relax module the targets compile (SnapKV pass included) is translated to ONNX, binding by binding
@@ -203,7 +206,7 @@ def export_onnx(model: str | Path, output: str | Path | None = None, *, weights:
     started = time.perf_counter()
     options = CompileOptions(max_context=max_context, **_snapkv_fields(
         snapkv, budget=snapkv_budget, window=snapkv_window, recency=snapkv_recency, pooling=snapkv_pooling,
-        kernel=snapkv_kernel, granularity=snapkv_granularity))
+        kernel=snapkv_kernel, granularity=snapkv_granularity, sinks=snapkv_sinks))
     options.validate()
     if weights not in onnx_export.WEIGHT_DTYPES:
         raise ConfigError(f"ONNX weights must be one of {', '.join(onnx_export.WEIGHT_DTYPES)}, got {weights!r}.")

@@ -57,6 +57,11 @@ CLI_CASES = {
                                        "must be smaller than the budget"),
     "run --snapkv-kernel even": (main_cli, RUN + ["--snapkv-kernel", "4"], {}, "must be odd"),
     "run --snapkv-granularity": (main_cli, RUN + ["--snapkv-granularity", "head"], {}, "kv-head, shared"),
+    "run --snapkv-sinks negative": (main_cli, RUN + ["--snapkv-sinks", "-1"], {}, "snapkv_sinks must be >= 0"),
+    "run --snapkv-sinks text": (main_cli, RUN + ["--snapkv-sinks", "few"], {}, "snapkv_sinks must be an integer"),
+    "run --snapkv-recency + sinks >= budget": (main_cli, RUN + ["--snapkv-budget", "100", "--snapkv-recency", "64",
+                                                                "--snapkv-sinks", "36"], {},
+                                               "recency + sinks (64 + 36) must be smaller than the budget (100)"),
     # device flags
     "run --threads zero": (main_cli, RUN + ["--threads", "0"], {}, "threads must be >= 1"),
     "run --threads text": (main_cli, RUN + ["--threads", "x"], {}, "invalid int value: 'x'"),
@@ -96,6 +101,10 @@ CLI_CASES = {
     "compile --snapkv-pooling": (compile_cli, COMPILE + ["--snapkv-pooling", "median"], {}, "max, avg, none"),
     "compile --snapkv-kernel": (compile_cli, COMPILE + ["--snapkv-kernel", "8"], {}, "must be odd"),
     "compile --snapkv-granularity": (compile_cli, COMPILE + ["--snapkv-granularity", "x"], {}, "kv-head, shared"),
+    "compile --snapkv-sinks": (compile_cli, COMPILE + ["--snapkv-sinks", "-2"], {}, "snapkv_sinks must be >= 0"),
+    "compile --snapkv-sinks >= budget": (compile_cli, COMPILE + ["--snapkv-budget", "32", "--snapkv-recency", "16",
+                                                                 "--snapkv-sinks", "16"], {},
+                                         "must be smaller than the budget (32)"),
     "compile --arch on llvm": (compile_cli, COMPILE + ["--arch", "sm_90"], {}, "--arch applies to the cuda target"),
     "compile --cuda-graph on llvm": (compile_cli, COMPILE + ["--cuda-graph"], {}, "--cuda-graph applies to the cuda"),
     "compile -o over other files": (compile_cli, ["{gguf}", "-o", "{busy}", "--quiet"], {},
@@ -120,6 +129,7 @@ CLI_CASES = {
     "SHARPI_SNAPKV_POOLING": (main_cli, RUN, {"SHARPI_SNAPKV_POOLING": "median"}, "SHARPI_SNAPKV_POOLING must be"),
     "SHARPI_SNAPKV_KERNEL": (main_cli, RUN, {"SHARPI_SNAPKV_KERNEL": "6"}, "SHARPI_SNAPKV_KERNEL must be odd"),
     "SHARPI_SNAPKV_GRANULARITY": (main_cli, RUN, {"SHARPI_SNAPKV_GRANULARITY": "x"}, "SHARPI_SNAPKV_GRANULARITY"),
+    "SHARPI_SNAPKV_SINKS": (main_cli, RUN, {"SHARPI_SNAPKV_SINKS": "-1"}, "SHARPI_SNAPKV_SINKS must be >= 0"),
 }
 
 
@@ -131,7 +141,8 @@ def _fill(value: str, paths: dict) -> str:
 def test_cli_bad_value_is_one_error_line_and_exit_2(case, paths, monkeypatch, capsys):
     entry, argv, env, fragment = CLI_CASES[case]
     for name in ("SHARPI_NUM_THREADS", *[f"SHARPI_SNAPKV_{k}" for k in
-                                        ("BUDGET", "WINDOW", "RECENCY", "POOLING", "KERNEL", "GRANULARITY")]):
+                                        ("BUDGET", "WINDOW", "RECENCY", "POOLING", "KERNEL", "GRANULARITY",
+                                         "SINKS")]):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, _fill(value, paths))
@@ -169,6 +180,7 @@ API_CASES = {
     "generate temperature nan": (lambda m, p: m.generate("hi", max_tokens=1, temperature=math.nan), "temperature"),
     "generate unknown option": (lambda m, p: m.generate("hi", max_tokens=1, beam_width=4), "Unknown option"),
     "session snapkv option": (lambda m, p: m.session(snapkv_budget="x"), "snapkv_budget must be"),
+    "session snapkv_sinks negative": (lambda m, p: m.session(snapkv_sinks=-1), "snapkv_sinks must be >= 0"),
 }
 
 

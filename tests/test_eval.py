@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from sharpi.common.errors import ConfigError, ContextLengthError
-from sharpi.eval.report import write_report
+from sharpi.eval.report import budget_table, write_report
 from sharpi.eval.scoring import accuracy, is_hit
 from sharpi.eval.sweep import Results, Setting, SweepConfig, plan, resolve_settings, run_sweep
 from sharpi.eval.tasks import build_prompt
@@ -216,6 +216,61 @@ def test_interrupted_sweep_resumes_without_recomputing(tmp_path):
     assert third == []                                                    # a finished sweep runs nothing
 
 
+def test_setting_keys_with_and_without_sinks():
+    """sinks 0 keeps the keys and labels results files were written with before sinks existed; sinks > 0 is
+    another line."""
+    assert DEFAULT.sinks == 0 and DEFAULT == Setting("kv-head", "max", 15, 16, 0)
+    assert DEFAULT.key == "kv-head/max/k15/r16" and DEFAULT.label == "kv-head, max-pool 15"
+    assert SEED.key == "shared/none/k1/r16" and SEED.label == "shared, no pooling"
+    sinks = Setting("kv-head", "max", 15, 16, 4)
+    assert sinks.key == "kv-head/max/k15/r16/s4" and sinks.key != DEFAULT.key
+    assert sinks.label == "kv-head, max-pool 15, 4 sinks" and Setting("shared", "none", 1, 16, 1).label.endswith(
+        ", 1 sink")
+    assert sinks.knobs()["sinks"] == 4 and DEFAULT.knobs()["sinks"] == 0
+
+
+class KnobsModel(FakeModel):
+    """A fake model whose forks record the knobs each eviction was given."""
+
+    def __init__(self):
+        super().__init__()
+        self.evictions = []
+
+    def session(self, **knobs):
+        model = self
+
+        class Recording(FakeSession):
+            def fork(self):
+                model.forks += 1
+                return Recording(model, self.ids, self.budget)
+
+            def evict(self, budget, **knobs):
+                model.evictions.append(knobs)
+                return super().evict(budget, **knobs)
+        return Recording(self)
+
+
+def test_results_written_before_sinks_resume_and_sinks_add_lines(tmp_path):
+    path = tmp_path / "r.json"
+    config = _config(lengths=[120], depths=[0], trials=1, settings=[DEFAULT])
+    run_sweep(FakeModel(), config, Results(path, {"name": "fake"}), progress=False)
+    raw = json.loads(path.read_text())
+    # the cell keys and rows of a file written before sinks existed: no sinks anywhere
+    assert "passkey|L120|D0|T0|S3|B32|kv-head/max/k15/r16|w16" in raw["cells"]
+    assert not any("sinks" in row or "/s" in row["setting"] for row in raw["cells"].values())
+    model = KnobsModel()
+    run_sweep(model, config, Results(path, {"name": "fake"}), progress=False)
+    assert model.prefills == 0 and model.evictions == []                  # resumed: nothing recomputed
+    with_sinks = Setting("kv-head", "max", 15, 16, 4)
+    results = run_sweep(model, _config(lengths=[120], depths=[0], trials=1, settings=[DEFAULT, with_sinks]),
+                        Results(path, {"name": "fake"}), progress=False)
+    assert model.evictions == [with_sinks.knobs()] * 2                    # budgets 32 and 64, the new line only
+    assert {r["setting"] for r in results.rows()} == {"full", DEFAULT.key, with_sinks.key}
+    assert {r["setting_label"] for r in results.rows()} >= {DEFAULT.label, "kv-head, max-pool 15, 4 sinks"}
+    text = "\n".join(budget_table(results.rows()))
+    assert "| kv-head, max-pool 15 | 120 |" in text and "| kv-head, max-pool 15, 4 sinks | 120 |" in text
+
+
 def test_results_file_of_another_model_is_refused(tmp_path):
     path = tmp_path / "r.json"
     Results(path, {"name": "a.gguf", "target": "llvm"}).save()
@@ -290,6 +345,8 @@ def test_cli_bad_arguments_exit_2_with_one_line(capsys, argv, words):
     (["--snapkv-pooling", "max,bogus"], "pooling"),
     (["--budgets", "0,32"], "recency"),
     (["--snapkv-budget", "256"], "--budgets"),
+    (["--budgets", "0,128", "--snapkv-sinks", "0,64"], "recency + sinks (64 + 64)"),
+    (["--snapkv-sinks", "2,-1"], "snapkv_sinks must be >= 0"),
 ])
 def test_cli_bad_sweeps_exit_2_with_one_line(capsys, smollm2_artifact, tmp_path, flags, words):
     code, err = _cli(capsys, "passkey", str(smollm2_artifact), "--out", str(tmp_path / "r.json"), "--quiet", *flags)

@@ -11,6 +11,7 @@ from sharpi.codegen.kernels.gpu.snapkv import (make_gpu_kv_compact, make_gpu_sna
 from sharpi.codegen.kernels.snapkv import make_snapkv_select
 from sharpi.codegen.llvm import make_target
 from sharpi.common import ops
+from sharpi.common.ops import SELECT_PARAMS
 from sharpi.testing.snapkv import score_reference, select_reference
 from vulkan_device import plan_runner
 
@@ -110,7 +111,7 @@ def _select_module(slots):
     bb = relax.BlockBuilder()
     gv = bb.add_func(make_gpu_snapkv_select(SELECT_LAYERS, SELECT_KV_HEADS, slots), "select_gpu")
     scores = relax.Var("scores", ty)
-    params = relax.Var("params", _tensor((6,), "int32"))
+    params = relax.Var("params", _tensor((SELECT_PARAMS,), "int32"))
     with bb.function("select", [scores, params]):
         with bb.dataflow():
             outputs = bb.emit(relax.call_tir(gv, [scores, params],
@@ -142,12 +143,12 @@ def _cpu_select(cpu, scores, params):
     return keep.numpy()
 
 
-def _check_select(select_runners, scores, total, budget, recency, pooling, kernel, granularity):
+def _check_select(select_runners, scores, total, budget, recency, pooling, kernel, granularity, sinks=0):
     runner, cpu = select_runners(scores.shape[-1])
     params = np.array([total, budget, recency, kernel, ops.SNAPKV_POOLING_CODES[pooling],
-                       int(granularity == "shared")], np.int32)
+                       int(granularity == "shared"), sinks], np.int32)
     keep = runner.run("select", scores, params)[..., :budget]
-    expected = select_reference(scores[..., :total], budget, recency, pooling, kernel, granularity)
+    expected = select_reference(scores[..., :total], budget, recency, pooling, kernel, granularity, sinks)
     np.testing.assert_array_equal(keep, expected)
     np.testing.assert_array_equal(keep, _cpu_select(cpu, scores, params)[..., :budget])
 
@@ -173,6 +174,20 @@ def test_select_continuous_and_constant_scores(select_runners, granularity, rng)
     _check_select(select_runners, scores, total, 90, 10, "none", 1, granularity)
     scores[..., :total] = 0                                                     # all zero bits
     _check_select(select_runners, scores, total, 90, 10, "max", 5, granularity)
+
+
+@pytest.mark.parametrize("granularity", ["kv-head", "shared"])
+@pytest.mark.parametrize("slots,total,budget,recency,sinks", [(160, 77, 30, 6, 3), (400, 389, 64, 16, 4),
+                                                              (400, 389, 300, 16, 283), (400, 300, 299, 1, 297)])
+def test_select_with_sinks(select_runners, granularity, slots, total, budget, recency, sinks, rng):
+    """Attention sinks: positions 0 .. sinks-1 first, the top-k over [sinks, total - recency) after them (the
+    candidates start past the sinks in every thread's chunk), then the tail; the sinks' own high scores must not
+    crowd out a candidate. The last two cases leave one candidate to pick among few (k = 1)."""
+    scores = np.zeros((SELECT_LAYERS, SELECT_KV_HEADS, slots), np.float32)
+    scores[..., :total] = rng.integers(0, 5, (SELECT_LAYERS, SELECT_KV_HEADS, total)) / np.float32(7)
+    scores[..., :sinks] = 1.0                                                   # sinks score highest
+    for pooling, kernel in (("max", 5), ("none", 1)):
+        _check_select(select_runners, scores, total, budget, recency, pooling, kernel, granularity, sinks)
 
 
 # -- compact --------------------------------------------------------------------------------------------------

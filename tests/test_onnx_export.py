@@ -4,7 +4,7 @@ onnxruntime is not installed; the SmolLM2 checks then skip, the reference evalua
 - SmolLM2 (exported once for this module, f32 weights): prefill logits of a 64-token prompt within 1e-3 (relative
   to the largest logit) of the CPU artifact's, a decode step through decode.onnx with the exported cache, and with
   SnapKV (budget 32, window 16, recency 8; prompt 128) the same keep set per layer and KV head as the artifact's
-  session, and a decode step on the compacted cache equal to the session's.
+  session (with 0 and with 4 attention sinks), and a decode step on the compacted cache equal to the session's.
 - Tiny random GGUFs (tests/tiny_gguf.py): qwen2 (biases, NEOX RoPE), qwen3 (q/k norms, head_dim != dim/heads) and a
   mistral-style llama (sliding window 12 < the prompt) against the exact float32 numpy reference, a continuation
   prefill on a past cache, f16 weights, and SnapKV's avg pooling and shared granularity against
@@ -33,7 +33,7 @@ except ImportError:              # onnx.reference runs the tiny models; the Smol
 
 LOGITS_RTOL = 1e-3               # the f32 export against the CPU artifact (measured ~2e-6)
 TINY_RTOL = 1e-4                 # against the numpy reference, as tests/test_architectures.py (measured ~1e-6)
-BUDGET, WINDOW, RECENCY = 32, 16, 8
+BUDGET, WINDOW, RECENCY, SINKS = 32, 16, 8, 4
 
 
 def _session(path: Path):
@@ -119,7 +119,8 @@ def test_export_files_and_signature(smollm2_onnx, smollm2):
         inputs = [i.name for i in model.graph.input]
         outputs = [o.name for o in model.graph.output]
         caches = [f"past_{w}.{l}" for l in range(cfg.n_layers) for w in ("key", "value")]
-        snapkv = ["snapkv_window", "snapkv_budget", "snapkv_recency"] if name == "prefill_snapkv" else []
+        snapkv = ["snapkv_window", "snapkv_budget", "snapkv_recency", "snapkv_sinks"] if name == "prefill_snapkv" \
+            else []
         assert inputs == ["ids", "pos"] + caches + snapkv
         assert outputs == ["logits"] + [c.replace("past_", "present_") for c in caches] + (
             ["snapkv_keep", "snapkv_scores"] if snapkv else [])
@@ -165,6 +166,15 @@ def test_snapkv_keep_set_and_decode_match_session(smollm2, smollm2_graphs, promp
     assert out["present_key.3"].shape == (cfg.n_kv_heads, BUDGET, cfg.head_dim)
     step = smollm2_graphs("decode")(_feeds([token], 128, _next_cache(out)))      # RoPE'd at its true position
     assert _rel(step["logits"][0], after) < LOGITS_RTOL
+    # attention sinks: the same keep sets as the artifact's session with the same sinks
+    with smollm2.session(snapkv_budget=BUDGET, snapkv_window=WINDOW, snapkv_recency=RECENCY, snapkv_sinks=SINKS) as s:
+        s.prefill(ids)
+        kept = s.kept_positions
+    keep = smollm2_graphs("prefill_snapkv")(_feeds(ids, 0, _empty_cache(cfg), window=WINDOW, budget=BUDGET,
+                                                   recency=RECENCY, sinks=SINKS))["snapkv_keep"]
+    assert (keep[..., :SINKS] == np.arange(SINKS)).all()
+    for l in range(cfg.n_layers):
+        assert np.array_equal(keep[l], kept[l]), f"layer {l} with sinks: {keep[l]} != {kept[l]}"
 
 
 # -- tiny models --------------------------------------------------------------------------------------------------
@@ -217,7 +227,8 @@ def test_tiny_snapkv_selection_matches_numpy(pooling, granularity, tmp_path):
     ids = np.random.default_rng(1).integers(0, cfg.vocab_size, 48).astype(np.int32)
     capture = []
     want = ref.forward(ids, capture=capture)
-    got = _session(out / "prefill_snapkv.onnx")(_feeds(ids, 0, _empty_cache(cfg), window=8, budget=20, recency=4))
+    graph = _session(out / "prefill_snapkv.onnx")
+    got = graph(_feeds(ids, 0, _empty_cache(cfg), window=8, budget=20, recency=4))    # snapkv_sinks not fed: 0
     assert _rel(got["logits"][0], want[-1]) < 5e-3                     # f16 weights
     scores = np.stack([score_reference(q[-8:], k, 0, cfg.head_dim ** -0.5) for q, k, _ in capture])
     assert np.abs(got["snapkv_scores"] - scores).max() < 1e-2          # probabilities summed over 8 queries
@@ -227,6 +238,12 @@ def test_tiny_snapkv_selection_matches_numpy(pooling, granularity, tmp_path):
     assert k.shape == (cfg.n_kv_heads, 20, cfg.head_dim)
     if granularity == "shared":
         assert (got["snapkv_keep"] == got["snapkv_keep"][0, 0]).all()
+    sinks = graph(_feeds(ids, 0, _empty_cache(cfg), window=8, budget=20, recency=4, sinks=3))
+    np.testing.assert_array_equal(sinks["snapkv_scores"], got["snapkv_scores"])
+    expected = select_reference(got["snapkv_scores"], 20, 4, pooling, kernel, granularity, sinks=3)
+    assert np.array_equal(sinks["snapkv_keep"], expected) and (expected[..., :3] == [0, 1, 2]).all()
+    assert np.array_equal(graph(_feeds(ids, 0, _empty_cache(cfg), window=8, budget=20, recency=4,
+                                       sinks=0))["snapkv_keep"], got["snapkv_keep"])
 
 
 def test_relax_op_table_matches_tvm(tmp_path):

@@ -8,8 +8,8 @@ from sharpi.codegen.kernels.paged_attention import make_kv_append
 from sharpi.codegen.kernels.snapkv import make_snapkv_score, make_snapkv_select
 from sharpi.codegen.llvm import make_target
 from sharpi.common import ops
-from sharpi.common.snapkv_settings import auto_budget, settings_from
-from sharpi.testing.snapkv import score_reference, select_reference
+from sharpi.common.snapkv_settings import auto_budget, check_against, settings_from
+from sharpi.testing.snapkv import pool_reference, score_reference, select_reference, select_row
 from tiny_gguf import write_tiny_llama
 
 DEV = tvm.cpu()
@@ -63,20 +63,45 @@ def test_score_kernel(heads, kv_heads, held, new, window, d, rng):
     assert not out.numpy()[:, held + new:].any()
 
 
+@pytest.fixture(scope="module")
+def select_kernel():
+    layers, kv_heads, slots = 3, 2, 96
+    return _build(make_snapkv_select(layers, kv_heads, slots)), (layers, kv_heads, slots)
+
+
 @pytest.mark.parametrize("pooling,kernel", [("none", 1), ("max", 5), ("avg", 7), ("max", 15)])
 @pytest.mark.parametrize("granularity", ["kv-head", "shared"])
-def test_select_kernel_ties_and_pooling(pooling, kernel, granularity, rng):
-    layers, kv_heads, slots, total, budget, recency = 3, 2, 96, 77, 30, 6
-    select = _build(make_snapkv_select(layers, kv_heads, slots))
+@pytest.mark.parametrize("sinks", [0, 3])
+def test_select_kernel_ties_and_pooling(select_kernel, pooling, kernel, granularity, sinks, rng):
+    select, (layers, kv_heads, slots) = select_kernel
+    total, budget, recency = 77, 30, 6
     scores = np.zeros((layers, kv_heads, slots), np.float32)
     scores[..., :total] = rng.integers(0, 5, (layers, kv_heads, total)) / np.float32(7)   # many exact ties
     keep = _t(np.zeros((layers, kv_heads, slots), np.int32))
     scratch = [_t(np.zeros((layers, kv_heads, slots), np.float32)) for _ in range(2)]
     params = np.array([total, budget, recency, kernel, ops.SNAPKV_POOLING_CODES[pooling],
-                       int(granularity == "shared")], np.int32)
+                       int(granularity == "shared"), sinks], np.int32)
     select(_t(scores), _t(params), keep, *scratch)
-    expected = select_reference(scores[..., :total], budget, recency, pooling, kernel, granularity)
+    expected = select_reference(scores[..., :total], budget, recency, pooling, kernel, granularity, sinks)
     np.testing.assert_array_equal(keep.numpy()[..., :budget], expected)
+    got = keep.numpy()[..., :budget]
+    assert (got[..., :sinks] == np.arange(sinks)).all() and (np.diff(got, axis=-1) > 0).all()
+    assert (got[..., budget - recency:] == np.arange(total - recency, total)).all()
+
+
+def test_select_reference_sinks_zero_is_plain_snapkv(rng):
+    """sinks 0 is the selection as it was: the top (budget - recency) of [0, total - recency), then the tail."""
+    row = rng.integers(0, 9, 200).astype(np.float32)
+    for pooling, kernel in (("none", 1), ("max", 7), ("avg", 5)):
+        pooled = pool_reference(row, pooling, kernel)
+        order = np.lexsort((np.arange(150), -pooled[:150]))
+        plain = np.concatenate([np.sort(order[:40]), np.arange(150, 200)])
+        np.testing.assert_array_equal(select_row(row, 90, 50, pooling, kernel), plain)
+        np.testing.assert_array_equal(select_row(row, 90, 50, pooling, kernel, sinks=0), plain)
+        with_sinks = select_row(row, 90, 50, pooling, kernel, sinks=4)
+        assert list(with_sinks[:4]) == [0, 1, 2, 3] and len(with_sinks) == 90
+        order = np.lexsort((np.arange(4, 150), -pooled[4:150]))
+        np.testing.assert_array_equal(with_sinks[4:40], np.sort(np.arange(4, 150)[order[:36]]))
 
 
 # -- eviction on SmolLM2 ------------------------------------------------------------------------------------------
@@ -160,6 +185,70 @@ def test_kept_positions_match_reference_keep_sets(smollm2, reference, long_promp
     assert overlap >= 0.99, overlap
 
 
+def test_sinks_kept_on_smollm2(smollm2, long_prompt):
+    """Attention sinks end to end: positions 0..3 in every layer and KV head, the tail, the budget; the keep sets
+    are select_reference's on the session's own scores; sinks 0 on a fork is the plain selection."""
+    ids = long_prompt[:600]
+    budget, sinks, recency = 128, 4, 64
+    layers, kv_heads = smollm2.config.n_layers, smollm2.config.n_kv_heads
+    with smollm2.session(snapkv_budget=budget, snapkv_sinks=sinks) as s:
+        s.prefill(ids)
+        assert s.evicted and s.kv_length == [budget] * layers and s.snapkv.sinks == sinks
+        kept = np.stack(s.kept_positions)                                      # [L, KVH, budget]
+    assert kept.shape == (layers, kv_heads, budget)
+    assert (kept[..., :sinks] == np.arange(sinks)).all()
+    assert (kept[..., budget - recency:] == np.arange(len(ids) - recency, len(ids))).all()
+    assert (np.diff(kept, axis=-1) > 0).all()
+    with smollm2.session(snapkv_budget=0) as base:
+        base.prefill(ids, keep_scores=True)
+        scores = np.asarray(base._scores.numpy())[..., :len(ids)]
+        with base.fork() as f:
+            assert f.evict(budget, sinks=sinks)
+            np.testing.assert_array_equal(np.stack(f.kept_positions), kept)
+        with base.fork() as plain, smollm2.session(snapkv_budget=budget) as today:
+            assert plain.evict(budget, sinks=0)
+            today.prefill(ids)
+            np.testing.assert_array_equal(np.stack(plain.kept_positions), np.stack(today.kept_positions))
+            plain_kept = np.stack(plain.kept_positions)
+    np.testing.assert_array_equal(kept, select_reference(scores, budget, recency, "max", 15, "kv-head", sinks))
+    np.testing.assert_array_equal(plain_kept, select_reference(scores, budget, recency, "max", 15, "kv-head"))
+    assert not np.array_equal(kept, plain_kept)                                # the sinks changed something
+
+
+def test_sinks_beyond_the_candidates_when_the_budget_covers_the_prompt(smollm2, long_prompt):
+    """sinks + recency < budget is all that is asked: more sinks than a short prompt has candidates is fine when
+    the budget covers the prompt (nothing is evicted); with a budget 0 (off) any count is accepted."""
+    with smollm2.session(snapkv_budget=512, snapkv_recency=64, snapkv_sinks=440) as s:
+        s.prefill(long_prompt[:300])                                           # 300 - 64 < 440 sinks
+        assert not s.evicted and s.kv_length == [300] * smollm2.config.n_layers
+    with smollm2.session(snapkv_budget=0, snapkv_sinks=100000) as s:
+        s.prefill(long_prompt[:100])
+        assert not s.evicted
+    # evicting one token past such a budget: the candidates [440, 449) still outnumber k = 7
+    with smollm2.session(snapkv_budget=0) as base:
+        base.prefill(long_prompt[:513], keep_scores=True)
+        with base.fork() as f:
+            assert f.evict(512, recency=64, sinks=441)
+            kept = f.kept_positions[0]
+            assert kept.shape[1] == 512 and (kept[:, :441] == np.arange(441)).all()
+            assert (kept[:, -64:] == np.arange(449, 513)).all() and (np.diff(kept, axis=1) > 0).all()
+        with base.fork() as f, pytest.raises(sharpi.ConfigError, match=r"recency \+ sinks \(64 \+ 448\)"):
+            f.evict(512, recency=64, sinks=448)
+
+
+def test_artifact_compiled_before_sinks(smollm2, monkeypatch):
+    """An artifact whose snapkv_select takes 6 params (compiled before sinks) keeps working with sinks 0 and says
+    to recompile for sinks > 0."""
+    assert smollm2.manifest.snapkv["select_params"] == ops.SELECT_PARAMS
+    monkeypatch.delitem(smollm2.manifest.snapkv, "select_params")
+    assert smollm2._select_params == 6
+    settings, budget = smollm2.snapkv_settings(budget=128)
+    assert settings.sinks == 0 and budget == 128
+    assert smollm2.snapkv_settings(budget=0, sinks=4)[1] == 0                 # no eviction: nothing to refuse
+    with pytest.raises(sharpi.ArtifactError, match="compiled before SnapKV sinks existed.*compile it again"):
+        smollm2.session(snapkv_budget=128, snapkv_sinks=4)
+
+
 # -- knobs --------------------------------------------------------------------------------------------------------
 def test_auto_budget_edges():
     mib = 2 ** 20
@@ -190,9 +279,35 @@ def test_bad_env_values(env, message):
         settings_from(env=env)
 
 
+def test_sinks_setting_parsing_and_precedence():
+    assert settings_from(env={}).sinks == 0
+    assert settings_from(env={"SHARPI_SNAPKV_SINKS": "4"}).sinks == 4
+    assert settings_from(env={"SHARPI_SNAPKV_SINKS": "4"}, sinks=2).sinks == 2             # argument wins
+    assert settings_from(env={"SHARPI_SNAPKV_SINKS": "4"}, sinks=0).sinks == 0
+    assert settings_from({"sinks": 8}, env={}).sinks == 8                                 # artifact default last
+    assert settings_from({"sinks": 8}, env={"SHARPI_SNAPKV_SINKS": "1"}).sinks == 1
+    assert "sinks" in settings_from(env={}).to_dict()
+    assert settings_from({"budget": 256, "recency": 64}, env={}).sinks == 0                # defaults of older artifacts
+    for value, message in ((-1, "snapkv_sinks must be >= 0"), ("x", "snapkv_sinks must be an integer")):
+        with pytest.raises(sharpi.ConfigError, match=message):
+            settings_from(env={}, sinks=value)
+    with pytest.raises(sharpi.ConfigError, match="SHARPI_SNAPKV_SINKS must be >= 0"):
+        settings_from(env={"SHARPI_SNAPKV_SINKS": "-3"})
+    # recency + sinks < budget whenever a budget is set; no budget, no limit
+    check_against(settings_from(env={}, recency=64, sinks=63), 128, 64)
+    check_against(settings_from(env={}, recency=64, sinks=10**6), 0, 64)
+    for recency, sinks in ((64, 64), (0, 128), (100, 50)):
+        with pytest.raises(sharpi.ConfigError, match=r"recency \+ sinks .* must be smaller than the budget \(128\)"):
+            check_against(settings_from(env={}, recency=recency, sinks=sinks), 128, 64)
+
+
 def test_bad_run_time_values(smollm2):
     with pytest.raises(sharpi.ConfigError, match="recency .* smaller than the budget"):
         smollm2.session(snapkv_budget=64, snapkv_recency=64)
+    with pytest.raises(sharpi.ConfigError, match=r"recency \+ sinks \(32 \+ 32\) must be smaller than the budget"):
+        smollm2.session(snapkv_budget=64, snapkv_recency=32, snapkv_sinks=32)
+    with pytest.raises(sharpi.ConfigError, match="snapkv_sinks must be >= 0"):
+        smollm2.generate("hi", max_tokens=1, snapkv_sinks=-1)
     with pytest.raises(sharpi.ConfigError, match="exceeds the window this artifact was compiled for"):
         smollm2.session(snapkv_budget=256, snapkv_window=65)
     with pytest.raises(sharpi.ConfigError, match="odd"):
@@ -207,3 +322,29 @@ def test_cli_snapkv_flags(smollm2_artifact, capsys):
     code = main_cli.main(["run", str(smollm2_artifact), "-p", "The grass is green. " * 40, "-n", "2",
                           "--snapkv-budget", "100", "--snapkv-recency", "16", "--verbose"])
     assert code == 0
+    capsys.readouterr()
+    code = main_cli.main(["run", str(smollm2_artifact), "-p", "The grass is green. " * 40, "-n", "2",
+                          "--snapkv-budget", "100", "--snapkv-recency", "16", "--snapkv-sinks", "4", "--verbose"])
+    err = capsys.readouterr().err
+    assert code == 0 and "100 slots" in err and "SnapKV evicted" in err, err
+    code = main_cli.main(["run", str(smollm2_artifact), "-p", "hi", "-n", "1", "--snapkv-budget", "100",
+                          "--snapkv-recency", "64", "--snapkv-sinks", "40"])
+    err = capsys.readouterr().err
+    assert code == 2 and "recency + sinks (64 + 40)" in err and "Traceback" not in err, err
+
+
+def test_compile_records_sinks_default(tmp_path):
+    """--snapkv-sinks on sharpi-compile is an artifact default (manifest), like the other knobs; sessions take it."""
+    from sharpi.cli import compile as compile_cli
+    gguf = write_tiny_llama(tmp_path / "tiny.gguf")
+    assert compile_cli.main([str(gguf), "-o", str(tmp_path / "a"), "--quiet", "--snapkv-budget", "48",
+                             "--snapkv-recency", "8", "--snapkv-sinks", "2", "--snapkv-window", "8"]) == 0
+    model = sharpi.load(tmp_path / "a")
+    assert model.manifest.snapkv["defaults"]["sinks"] == 2
+    assert model.manifest.snapkv["select_params"] == ops.SELECT_PARAMS
+    ids = list(np.random.default_rng(0).integers(0, model.config.vocab_size, 100))
+    with model.session() as s:
+        s.prefill(ids)
+        assert s.evicted and s.kv_length == [48] * model.config.n_layers
+        for p in s.kept_positions:
+            assert (p[:, :2] == [0, 1]).all() and (p[:, -8:] == np.arange(92, 100)).all()

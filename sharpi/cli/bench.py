@@ -72,7 +72,8 @@ def run_bench(args) -> None:
     snapkv = snapkv_kwargs(args)
     settings, budget = model.snapkv_settings(**{k[len("snapkv_"):]: v for k, v in snapkv.items()})
     if budget:
-        print(f"SnapKV: budget {budget}, window {settings.window}, recency {settings.recency}, "
+        sinks = f", sinks {settings.sinks}" if settings.sinks else ""
+        print(f"SnapKV: budget {budget}, window {settings.window}, recency {settings.recency}{sinks}, "
               f"{settings.pooling} pooling (kernel {settings.kernel}), {settings.granularity} keep sets")
     ours = bench_sharpi(model, args.prompt_tokens, args.gen_tokens, args.repeats, snapkv)
     rows = [("sharpi", ours)]

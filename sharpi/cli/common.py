@@ -92,7 +92,7 @@ def session_kwargs(args) -> dict:
 
 
 
-SNAPKV_FLAGS = ("budget", "window", "recency", "pooling", "kernel", "granularity")
+SNAPKV_FLAGS = ("budget", "window", "recency", "pooling", "kernel", "granularity", "sinks")
 
 
 def add_snapkv_flags(parser) -> None:
@@ -103,6 +103,7 @@ def add_snapkv_flags(parser) -> None:
     parser.add_argument("--snapkv-pooling", default=None, help="max (default), avg or none")
     parser.add_argument("--snapkv-kernel", default=None, help="odd pooling kernel (15)")
     parser.add_argument("--snapkv-granularity", default=None, help="kv-head (default) or shared")
+    parser.add_argument("--snapkv-sinks", default=None, help="first positions always kept (0)")
 
 
 def snapkv_kwargs(args) -> dict:

@@ -17,7 +17,8 @@ Graphs (one .onnx file each, default ONNX domain, opset OPSET, IR version IR_VER
   decode          ids int32 [1], pos int32 [1], past caches  ->  logits [1, vocab], present caches
   prefill_snapkv  (SnapKV on) the Relax functions prefill_snapkv, snapkv_select and snapkv_compact composed as the
                   runtime's session does after a fresh prompt: inputs as prefill plus snapkv_window,
-                  snapkv_budget and snapkv_recency (int64 [1]; sharpi-onnx.json records the export's settings);
+                  snapkv_budget, snapkv_recency and snapkv_sinks (int64 [1]; sharpi-onnx.json records the
+                  export's settings; snapkv_sinks is optional, its default the export's setting, 0 unless asked);
                   outputs logits, the present caches after eviction ([kv_heads, budget, head_dim] for every
                   layer without a sliding window; sliding-window layers keep all their slots), snapkv_keep int32
                   [L, kv_heads, budget] (the kept slots, ascending; = positions for a fresh prompt) and
@@ -89,13 +90,14 @@ class KVCache:
 
 @dataclass(frozen=True)
 class SelectParams:
-    """snapkv_select's params tensor, as the export binds it: budget and recency are ONNX tensors ([1]), the
-    rest is fixed in the graph (pooling needs a static kernel)."""
+    """snapkv_select's params tensor, as the export binds it: budget, recency and sinks are ONNX tensors ([1]),
+    the rest is fixed in the graph (pooling needs a static kernel)."""
     budget: str
     recency: str
     pooling: str
     kernel: int
     shared: bool
+    sinks: str
 
 
 @dataclass(frozen=True)
@@ -552,11 +554,17 @@ def _snapkv_graph(mod, cfg, weights, store, weight_dtype: str, settings) -> Grap
                       doc=f"slots each layer and KV head keeps, < past + n (settings: {settings.budget})")
     recency = gb.input("snapkv_recency", "int64", [1],
                        doc=f"the last positions always kept, < budget (settings: {settings.recency})")
+    # optional (an initializer holds the export's setting, 0 unless asked), so callers of the graph as it was
+    # before sinks existed still run it unchanged
+    sinks = gb.input("snapkv_sinks", "int64", [1], default=[settings.sinks],
+                     doc=f"the first positions always kept, recency + sinks < budget; optional, the export's "
+                         f"setting when not fed ({settings.sinks})")
     tr = Translator(gb, weights, weight_dtype)
     logits, scores = tr.run(mod["prefill_snapkv"], "prefill_snapkv",
                             {"ids": ids, "pos": pos, "pool": cache, "page_table": PAGED, "kv_lens": PAGED,
                              "params": WEIGHTS, "window": window})
-    params = SelectParams(budget, recency, settings.pooling, settings.kernel, settings.granularity == "shared")
+    params = SelectParams(budget, recency, settings.pooling, settings.kernel, settings.granularity == "shared",
+                          sinks)
     keep = tr.run(mod["snapkv_select"], "snapkv_select", {"scores": scores, "select_params": params})
     compacted = [l for l in range(cfg.n_layers) if not cfg.is_local(l)]
     cache = tr.run(mod["snapkv_compact"], "snapkv_compact", {"pool": tr.cache_state, "page_table": PAGED,

@@ -338,10 +338,11 @@ def _snapkv_score(tr, call, args, ty):
 def _snapkv_select(tr, call, args, ty):
     """sharpi.snapkv.select(scores [L, KVH, S], params) -> keep [L, KVH, budget] int32: per row (a layer and KV
     head, or one shared row summed over all), max/avg pooling (Pad with zeros, then MaxPool/AveragePool 1-D over
-    kernel K: avg divides by K at the edges too, as the kernel does), the top (budget - recency) of the first
-    S - recency positions (TopK: ties to the lower index), sorted ascending (a second TopK, smallest first), then
-    the last `recency` positions. The pooling, its kernel and the granularity are fixed when the graph is
-    exported; budget and recency are graph inputs (params: onnx_export.SelectParams)."""
+    kernel K: avg divides by K at the edges too, as the kernel does), the first `sinks` positions, the top
+    (budget - recency - sinks) of the candidates [sinks, S - recency) (TopK: ties to the lower index), sorted
+    ascending (a second TopK, smallest first), then the last `recency` positions. The pooling, its kernel and the
+    granularity are fixed when the graph is exported; budget, recency and sinks are graph inputs (params:
+    onnx_export.SelectParams)."""
     gb = tr.gb
     scores, params = args
     p = tr.expect_select_params(params)
@@ -362,18 +363,24 @@ def _snapkv_select(tr, call, args, ty):
             rows = gb.op(pool, [rows], kernel_shape=[p.kernel], strides=[1])
         pooled = gb.op("Squeeze", [rows, i64([1], "axes")], hint="snapkv_pooled")                     # [R, S]
         total = gb.op("Shape", [pooled], start=1, end=2)
-        budget, recency = (gb.op("Cast", [v], to=tr.onnx_dtype("int64")) for v in (p.budget, p.recency))
-        candidates = gb.op("Sub", [total, recency])
-        head = gb.op("Slice", [pooled, i64([0], "starts"), candidates, i64([1], "axes")])
-        k = gb.op("Sub", [budget, recency])
+        budget, recency, sinks = (gb.op("Cast", [v], to=tr.onnx_dtype("int64"))
+                                  for v in (p.budget, p.recency, p.sinks))
+        candidates = gb.op("Sub", [total, recency])                  # the candidates are [sinks, candidates)
+        head = gb.op("Slice", [pooled, sinks, candidates, i64([1], "axes")])
+        k = gb.op("Sub", [gb.op("Sub", [budget, recency]), sinks])
         _, top = gb.op("TopK", [head, k], outputs=2, axis=-1, largest=1, sorted=1)
         ascending, _ = gb.op("TopK", [top, k], outputs=2, axis=-1, largest=0, sorted=1)
+        ascending = gb.op("Add", [ascending, sinks])                 # indices into the row, not into `head`
         one = gb.const(np.array(1, np.int64), "one")
-        tail = gb.op("Range", [tr.scalar(candidates), tr.scalar(total), one])
         row_count = gb.op("Shape", [ascending], start=0, end=1)
-        tail = gb.op("Expand", [gb.op("Unsqueeze", [tail, i64([0], "axes")]),
-                                gb.op("Concat", [row_count, recency], axis=0)])
-        keep = gb.op("Concat", [ascending, tail], axis=1)                                         # [R, budget]
+
+        def every_row(first, last, count):                           # Range(first, last) repeated on each row
+            span = gb.op("Range", [first, last, one])
+            return gb.op("Expand", [gb.op("Unsqueeze", [span, i64([0], "axes")]),
+                                    gb.op("Concat", [row_count, count], axis=0)])
+        head_part = every_row(gb.const(np.array(0, np.int64), "zero_index"), tr.scalar(sinks), sinks)
+        tail = every_row(tr.scalar(candidates), tr.scalar(total), recency)
+        keep = gb.op("Concat", [head_part, ascending, tail], axis=1)                              # [R, budget]
         keep = gb.op("Reshape", [keep, i64([1 if p.shared else layers, 1 if p.shared else kv_heads, -1], "shape")])
         if p.shared:
             keep = gb.op("Expand", [keep, gb.op("Concat", [i64([layers, kv_heads], "shape"), budget], axis=0)])

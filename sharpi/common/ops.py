@@ -31,10 +31,13 @@ def rope_op(layout: str) -> str:
 #   the last `window` queries of the chunk attend (causally) over the layer's slots; probabilities summed over
 #   those queries and averaged over each KV head's query heads.
 SNAPKV_SCORE = "sharpi.snapkv.score"
-# sharpi.snapkv.select(scores f32 [L, KVH, slots], params int32 [6]) -> keep int32 [L, KVH, slots]
-#   params: total, budget, recency, pooling kernel, pooling (0 none, 1 max, 2 avg), shared (0/1);
+# sharpi.snapkv.select(scores f32 [L, KVH, slots], params int32 [7]) -> keep int32 [L, KVH, slots]
+#   params: total, budget, recency, pooling kernel, pooling (0 none, 1 max, 2 avg), shared (0/1), sinks
+#   (sharpi.codegen.kernels.snapkv.P_*; artifacts compiled before sinks existed take the first 6);
 #   keep[l, h, :budget] is the ascending keep set.
 SNAPKV_SELECT = "sharpi.snapkv.select"
+SELECT_PARAMS = 7              # the params' length; an artifact compiled before sinks existed has 6 (no sinks)
+SELECT_PARAMS_BEFORE_SINKS = 6
 # sharpi.kv_compact(pool, page_table, keep int32 [L, KVH, slots], count [L] int32) -> pool (written in place)
 KV_COMPACT = "sharpi.kv_compact"
 SNAPKV_POOLING_CODES = {"none": 0, "max": 1, "avg": 2}

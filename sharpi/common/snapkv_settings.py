@@ -13,7 +13,7 @@ GPU_TARGETS = ("cuda", "vulkan")
 AUTO_MIN_CACHE_BYTES = 256 * 2**20
 ENV = {"budget": "SHARPI_SNAPKV_BUDGET", "window": "SHARPI_SNAPKV_WINDOW", "recency": "SHARPI_SNAPKV_RECENCY",
        "pooling": "SHARPI_SNAPKV_POOLING", "kernel": "SHARPI_SNAPKV_KERNEL",
-       "granularity": "SHARPI_SNAPKV_GRANULARITY"}
+       "granularity": "SHARPI_SNAPKV_GRANULARITY", "sinks": "SHARPI_SNAPKV_SINKS"}
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,7 @@ class SnapKVSettings:
     pooling: str = "max"
     kernel: int = 15               # odd pooling kernel; 1 with pooling "none"
     granularity: str = "kv-head"
+    sinks: int = 0                 # first positions always kept (attention sinks)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -63,7 +64,7 @@ def _parse_int(value, source: str, lowest: int) -> int:
 def _parse_field(field: str, value, source: str):
     if field == "budget":
         return parse_budget(value, source)
-    if field in ("window", "recency"):
+    if field in ("window", "recency", "sinks"):
         return _parse_int(value, source, 1 if field == "window" else 0)
     if field == "kernel":
         number = _parse_int(value, source, 1)
@@ -103,5 +104,8 @@ def check_against(settings: SnapKVSettings, budget: int, max_window: int) -> Non
                           f"({max_window}); compile with --snapkv-window {settings.window}.")
     if budget and settings.recency >= budget:
         raise ConfigError(f"SnapKV recency ({settings.recency}) must be smaller than the budget ({budget}).")
+    if budget and settings.recency + settings.sinks >= budget:
+        raise ConfigError(f"SnapKV recency + sinks ({settings.recency} + {settings.sinks}) must be smaller than "
+                          f"the budget ({budget}).")
     if settings.pooling == "none" and settings.kernel != 1:
         raise ConfigError("SnapKV pooling 'none' takes kernel 1.")

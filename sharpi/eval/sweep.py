@@ -29,23 +29,28 @@ ANSWER_SLACK = 3              # decode steps beyond the answer's own tokens (a l
 
 @dataclass(frozen=True)
 class Setting:
-    """The evict-time SnapKV knobs one line of the charts stands for."""
+    """The evict-time SnapKV knobs one line of the charts stands for. With sinks 0 the key and label are those
+    of results files written before sinks existed, so they resume and report as they did."""
     granularity: str
     pooling: str
     kernel: int
     recency: int
+    sinks: int = 0
 
     @property
     def key(self) -> str:
-        return f"{self.granularity}/{self.pooling}/k{self.kernel}/r{self.recency}"
+        key = f"{self.granularity}/{self.pooling}/k{self.kernel}/r{self.recency}"
+        return f"{key}/s{self.sinks}" if self.sinks else key
 
     @property
     def label(self) -> str:
         pool = "no pooling" if self.pooling == "none" else f"{self.pooling}-pool {self.kernel}"
-        return f"{self.granularity}, {pool}"
+        sinks = f", {self.sinks} sink{'s' if self.sinks != 1 else ''}" if self.sinks else ""
+        return f"{self.granularity}, {pool}{sinks}"
 
     def knobs(self) -> dict:
-        return dict(granularity=self.granularity, pooling=self.pooling, kernel=self.kernel, recency=self.recency)
+        return dict(granularity=self.granularity, pooling=self.pooling, kernel=self.kernel, recency=self.recency,
+                    sinks=self.sinks)
 
 
 @dataclass
@@ -181,20 +186,22 @@ def check_config(model, config: SweepConfig) -> None:
 
 
 def resolve_settings(model, *, window=None, recency=None, poolings=(None,), kernels=(None,),
-                     granularities=(None,), budgets=()) -> tuple[int, list[Setting]]:
-    """The scoring window and one Setting per (granularity, pooling, kernel), each resolved as a session would
-    (argument > SHARPI_SNAPKV_* env > the artifact's defaults) and validated against every budget > 0. With
-    pooling none the kernel is 1 (pooling over one position is no pooling)."""
+                     granularities=(None,), sinks=(None,), budgets=()) -> tuple[int, list[Setting]]:
+    """The scoring window and one Setting per (granularity, pooling, kernel, sinks), each resolved as a session
+    would (argument > SHARPI_SNAPKV_* env > the artifact's defaults) and validated against every budget > 0.
+    With pooling none the kernel is 1 (pooling over one position is no pooling)."""
     settings = []
-    for granularity, pooling, kernel in itertools.product(granularities, poolings, kernels):
+    for granularity, pooling, kernel, sink in itertools.product(granularities, poolings, kernels, sinks):
         resolved, _ = model.snapkv_settings(budget=None, window=window, recency=recency, pooling=pooling,
-                                            kernel=1 if pooling == "none" else kernel, granularity=granularity)
+                                            kernel=1 if pooling == "none" else kernel, granularity=granularity,
+                                            sinks=sink)
         for budget in budgets:
             if budget > 0:
                 model.snapkv_settings(budget=budget, window=window, recency=resolved.recency,
                                       pooling=resolved.pooling, kernel=resolved.kernel,
-                                      granularity=resolved.granularity)
-        setting = Setting(resolved.granularity, resolved.pooling, resolved.kernel, resolved.recency)
+                                      granularity=resolved.granularity, sinks=resolved.sinks)
+        setting = Setting(resolved.granularity, resolved.pooling, resolved.kernel, resolved.recency,
+                          resolved.sinks)
         if setting not in settings:
             settings.append(setting)
     resolved_window = model.snapkv_settings(budget=None, window=window)[0].window

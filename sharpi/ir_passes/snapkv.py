@@ -2,7 +2,7 @@
 last `window` queries of each attention layer, and add `snapkv_select` and `snapkv_compact`.
 
     prefill_snapkv(ids, pos, pool, page_table, kv_lens, params, window) -> (logits, scores [L, KVH, slots])
-    snapkv_select(scores, select_params [6]) -> keep [L, KVH, slots]
+    snapkv_select(scores, select_params [SELECT_PARAMS]) -> keep [L, KVH, slots]
     snapkv_compact(pool, page_table, keep, count [L]) -> pool (in place; layer l keeps count[l] slots)
 
 The score op is inserted right after each attention call, reading the same post-RoPE queries the attention
@@ -17,6 +17,7 @@ from tvm import relax
 from tvm.relax import op as R
 
 from ..common import ops
+from ..common.ops import SELECT_PARAMS
 from .named_ops import extern_name
 
 SNAPKV_FUNCTIONS = ("prefill_snapkv", "snapkv_select", "snapkv_compact")
@@ -76,7 +77,7 @@ def derive_prefill_snapkv(prefill: relax.Function) -> relax.Function:
 
 def _select_and_compact(bb: relax.BlockBuilder, layers: int, kv_heads: int, slots: int, pool_ty) -> None:
     scores = relax.Var("scores", relax.TensorType((layers, kv_heads, slots), "float32"))
-    params = relax.Var("select_params", relax.TensorType((6,), "int32"))
+    params = relax.Var("select_params", relax.TensorType((SELECT_PARAMS,), "int32"))
     keep_ty = relax.TensorType((layers, kv_heads, slots), "int32")
     with bb.function("snapkv_select", [scores, params], attrs={"num_input": 2}):
         with bb.dataflow():

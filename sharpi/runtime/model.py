@@ -12,6 +12,7 @@ from ..common.chat import render_chat
 from ..common.config import ModelConfig
 from ..common.errors import ArtifactError, ConfigError, ContextLengthError
 from ..common.manifest import Manifest
+from ..common.ops import SELECT_PARAMS, SELECT_PARAMS_BEFORE_SINKS
 from ..common.settings import parse_positive_int, resolve_threads
 from ..common.tokenizer import Tokenizer, TokenizerInfo
 from .kv_cache import PagePool
@@ -82,12 +83,12 @@ class Model:
         return self.tokenizer.detokenize(ids, special=special)
 
     def session(self, *, snapkv_budget=None, snapkv_window=None, snapkv_recency=None, snapkv_pooling=None,
-                snapkv_kernel=None, snapkv_granularity=None) -> Session:
+                snapkv_kernel=None, snapkv_granularity=None, snapkv_sinks=None) -> Session:
         """A new sequence. SnapKV knobs: argument > SHARPI_SNAPKV_* env > the artifact's defaults; budget None
-        means auto (off on CPU), 0 off."""
+        means auto (off on CPU), 0 off; sinks: the first positions always kept (0)."""
         settings, budget = self.snapkv_settings(budget=snapkv_budget, window=snapkv_window, recency=snapkv_recency,
                                                 pooling=snapkv_pooling, kernel=snapkv_kernel,
-                                                granularity=snapkv_granularity)
+                                                granularity=snapkv_granularity, sinks=snapkv_sinks)
         return Session(self, settings, budget)
 
     def snapkv_settings(self, **arguments):
@@ -103,7 +104,16 @@ class Model:
         if budget and not info.get("enabled"):
             raise ConfigError("This artifact was compiled with --snapkv off; recompile with --snapkv on to evict.")
         check_against(settings, budget, info.get("max_window", settings.window))
+        if budget and settings.sinks and self._select_params < SELECT_PARAMS:
+            raise ArtifactError(f"{self.path} was compiled before SnapKV sinks existed (its snapkv_select takes "
+                                f"{self._select_params} parameters); compile it again with this sharpi to use "
+                                f"sinks {settings.sinks}.")
         return settings, budget
+
+    @property
+    def _select_params(self) -> int:
+        """The length of the artifact's snapkv_select params (6 in artifacts compiled before sinks)."""
+        return int((self._manifest.snapkv or {}).get("select_params", SELECT_PARAMS_BEFORE_SINKS))
 
     def score(self, ids) -> np.ndarray:
         """Teacher-forced logits, float32 [len(ids), vocab], of a fresh sequence."""
@@ -113,7 +123,7 @@ class Model:
     def generate(self, prompt, max_tokens: int = 64, **options) -> GenerationResult:
         """Generate from a prompt (text or ids). Options: temperature, top_k, top_p, min_p, repeat_penalty,
         seed (sampling); stop (strings); special (render special tokens); snapkv_budget, snapkv_window,
-        snapkv_recency, snapkv_pooling, snapkv_kernel, snapkv_granularity (as session())."""
+        snapkv_recency, snapkv_pooling, snapkv_kernel, snapkv_granularity, snapkv_sinks (as session())."""
         generation = self.stream(prompt, max_tokens, **options)
         for _ in generation:
             pass

@@ -104,7 +104,7 @@ class Session:
 
     def evict(self, budget: int | None = None, **knobs) -> bool:
         """Select and compact with the scores of this session's prompt (budget, recency, pooling, kernel,
-        granularity may differ from the session's); returns whether anything was evicted."""
+        granularity, sinks may differ from the session's); returns whether anything was evicted."""
         scores = self._scores
         if scores is None:
             raise ConfigError("evict() needs the scores of a fresh prefill: prefill(ids, keep_scores=True) first.")
@@ -121,8 +121,8 @@ class Session:
         if self.evicted or not self._should_evict(total, budget) or not full:
             return False
         params = np.array([total, budget, settings.recency, settings.kernel,
-                           ops.SNAPKV_POOLING_CODES[settings.pooling], int(settings.granularity == "shared")],
-                          np.int32)
+                           ops.SNAPKV_POOLING_CODES[settings.pooling], int(settings.granularity == "shared"),
+                           settings.sinks], np.int32)[:self._model._select_params]   # older artifacts: no sinks
         with self._model._lock:
             keep, keep_numpy = self._model._backend.select(scores, params)
             # The rule for sliding-window layers: they keep their last window (they hold nothing else), so only

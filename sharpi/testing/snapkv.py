@@ -36,24 +36,32 @@ def pool_reference(row: np.ndarray, pooling: str, kernel: int) -> np.ndarray:
     return acc if pooling == "max" else acc / np.float32(kernel)
 
 
-def select_row(row: np.ndarray, budget: int, recency: int, pooling: str, kernel: int) -> np.ndarray:
+def select_row(row: np.ndarray, budget: int, recency: int, pooling: str, kernel: int, sinks: int = 0) -> np.ndarray:
+    """The keep set of one row: positions 0 .. sinks-1, the top (budget - recency - sinks) of the candidates
+    [sinks, total - recency) by pooled score (pooled over the whole row; ties to the lower index), ascending, then
+    the last `recency` positions."""
     total = len(row)
     pooled = pool_reference(row, pooling, kernel)
-    candidates = total - recency
-    order = np.lexsort((np.arange(candidates), -pooled[:candidates]))  # by score desc, then index asc
-    top = np.sort(order[:budget - recency])
-    return np.concatenate([top, np.arange(candidates, total)]).astype(np.int64)
+    end = total - recency
+    if budget >= total:                                   # nothing to evict
+        return np.arange(total, dtype=np.int64)
+    if sinks < 0 or recency < 0 or sinks + recency > budget:
+        raise ValueError(f"sinks ({sinks}) + recency ({recency}) must not exceed the budget ({budget}).")
+    candidates = np.arange(sinks, end)
+    order = np.lexsort((candidates, -pooled[sinks:end]))  # by score desc, then index asc
+    top = np.sort(candidates[order[:budget - recency - sinks]])
+    return np.concatenate([np.arange(sinks), top, np.arange(end, total)]).astype(np.int64)
 
 
 def select_reference(scores: np.ndarray, budget: int, recency: int, pooling: str, kernel: int,
-                     granularity: str) -> np.ndarray:
+                     granularity: str, sinks: int = 0) -> np.ndarray:
     """scores [L, KVH, total] -> keep [L, KVH, budget]."""
     layers, kv_heads, _ = scores.shape
     if granularity == "shared":
         total = np.zeros(scores.shape[-1], np.float32)
         for row in np.asarray(scores, np.float32).reshape(-1, scores.shape[-1]):   # the kernel's order
             total = total + row
-        one = select_row(total, budget, recency, pooling, kernel)
-        return np.broadcast_to(one, (layers, kv_heads, budget)).copy()
-    return np.stack([np.stack([select_row(scores[l, h], budget, recency, pooling, kernel) for h in range(kv_heads)])
-                     for l in range(layers)])
+        one = select_row(total, budget, recency, pooling, kernel, sinks)
+        return np.broadcast_to(one, (layers, kv_heads, len(one))).copy()
+    return np.stack([np.stack([select_row(scores[l, h], budget, recency, pooling, kernel, sinks)
+                               for h in range(kv_heads)]) for l in range(layers)])

@@ -6,8 +6,11 @@ Semantics (sharpi.testing.snapkv holds the numpy reference):
   (causal), summed over those queries and averaged over the query heads of each KV head -> [kv_heads, slots].
 - select: per row (one row per layer and KV head, or one shared row = the sum of all rows), pool over
   neighbouring positions (max or avg with odd kernel K, zero-padded: avg divides by K; none = K 1), keep the
-  last `recency` positions and the top (budget - recency) of the others by pooled score, ties to the lower index,
-  ascending. Selection is a radix select on the float bits (scores are >= 0), linear in the prompt length.
+  first `sinks` positions (attention sinks, default 0), the last `recency` positions and the top
+  (budget - recency - sinks) of the candidates between them ([sinks, total - recency)) by pooled score, ties to
+  the lower index, ascending (sinks, then the selected, then the recency tail). Pooling runs over all positions,
+  sinks and tail included; only the candidates change. Selection is a radix select on the float bits (scores are
+  >= 0), linear in the prompt length.
 - compact: slot keep[l, h, i] -> slot i, per layer and KV head, in place (keep is increasing, so a slot is never
   overwritten before it is read).
 """
@@ -15,12 +18,14 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
+from ...common.ops import SELECT_PARAMS
 from .paged_attention import f32, fast_exp
 from .quant_matmul import LANES, token_count
 
 POOL_NONE, POOL_MAX, POOL_AVG = 0, 1, 2
-# select params tensor (int32 [6]): total slots, budget, recency, kernel, pooling code, shared (0/1)
-P_TOTAL, P_BUDGET, P_RECENCY, P_KERNEL, P_POOLING, P_SHARED = range(6)
+# select params tensor (int32 [SELECT_PARAMS]): total slots, budget, recency, kernel, pooling code, shared (0/1),
+# sinks (appended last, so that the other indices are those of the 6-entry tensor before sinks existed)
+P_TOTAL, P_BUDGET, P_RECENCY, P_KERNEL, P_POOLING, P_SHARED, P_SINKS = range(SELECT_PARAMS)
 
 
 def make_snapkv_score(heads: int, kv_heads: int, head_dim: int, page_size: int, max_pages: int, scale: float,
@@ -141,13 +146,16 @@ def _snapkv_score_scalar(heads, kv_heads, head_dim, page_size, max_pages, scale,
 
 
 def make_snapkv_select(layers: int, kv_heads: int, slots: int):
-    """PrimFunc (scores [L, KVH, S], params [6] int32, keep [L, KVH, S] int32, base, pooled [L, KVH, S] f32).
+    """PrimFunc (scores [L, KVH, S], params [SELECT_PARAMS] int32, keep [L, KVH, S] int32, base,
+    pooled [L, KVH, S] f32).
 
-    keep[l, h, :budget] receives the ascending keep set; base and pooled are scratch outputs."""
+    keep[l, h, :budget] receives the ascending keep set; base and pooled are scratch outputs. The caller
+    guarantees sinks + recency < budget < total (SnapKVSettings' checks and the session's eviction rule)."""
     rows = layers * kv_heads
 
     @T.prim_func
-    def snapkv_select(scores: T.Buffer((layers, kv_heads, slots), "float32"), params: T.Buffer((6,), "int32"),
+    def snapkv_select(scores: T.Buffer((layers, kv_heads, slots), "float32"),
+                      params: T.Buffer((SELECT_PARAMS,), "int32"),
                       keep: T.Buffer((layers, kv_heads, slots), "int32"),
                       base: T.Buffer((layers, kv_heads, slots), "float32"),
                       pooled: T.Buffer((layers, kv_heads, slots), "float32")):
@@ -166,7 +174,7 @@ def make_snapkv_select(layers: int, kv_heads: int, slots: int):
                     base[l, h, s] = acc[0]
                 else:
                     base[l, h, s] = scores[l, h, s]
-            # 2. pooling over neighbours [s - K/2, s + K/2], zero padded
+            # 2. pooling over neighbours [s - K/2, s + K/2], zero padded (over every position, sinks included)
             for s in range(params[P_TOTAL]):
                 acc[0] = T.float32(0)
                 for j in range(params[P_KERNEL]):
@@ -181,24 +189,27 @@ def make_snapkv_select(layers: int, kv_heads: int, slots: int):
                     pooled[l, h, s] = acc[0]
                 else:
                     pooled[l, h, s] = base[l, h, s]
-            # 3. radix select of the k-th largest pooled score among candidates [0, total - recency)
-            st[0] = params[P_TOTAL] - params[P_RECENCY]        # candidates
-            st[1] = params[P_BUDGET] - params[P_RECENCY]       # k
+            # 3. the first `sinks` positions always
+            for i in range(params[P_SINKS]):
+                keep[l, h, i] = i
+            # 4. radix select of the k-th largest pooled score among candidates [sinks, total - recency)
+            st[0] = params[P_TOTAL] - params[P_RECENCY]                        # end of the candidates
+            st[1] = params[P_BUDGET] - params[P_RECENCY] - params[P_SINKS]     # k
             st[2] = 0                                          # threshold bits, built from the top bit down
             for bit in range(31):
                 st[3] = 0
-                for s in range(st[0]):
+                for s in range(params[P_SINKS], st[0]):
                     if T.reinterpret("int32", pooled[l, h, s]) >= (st[2] | T.shift_left(1, 30 - bit)):
                         st[3] = st[3] + 1
                 if st[3] >= st[1]:
                     st[2] = st[2] | T.shift_left(1, 30 - bit)
             st[4] = 0                                          # count strictly above the threshold
-            for s in range(st[0]):
+            for s in range(params[P_SINKS], st[0]):
                 if T.reinterpret("int32", pooled[l, h, s]) > st[2]:
                     st[4] = st[4] + 1
-            st[5] = 0                                          # written
+            st[5] = params[P_SINKS]                            # write position (after the sinks)
             st[6] = 0                                          # ties taken
-            for s in range(st[0]):
+            for s in range(params[P_SINKS], st[0]):
                 if T.reinterpret("int32", pooled[l, h, s]) > st[2]:
                     keep[l, h, st[5]] = s
                     st[5] = st[5] + 1
@@ -206,9 +217,10 @@ def make_snapkv_select(layers: int, kv_heads: int, slots: int):
                     keep[l, h, st[5]] = s
                     st[5] = st[5] + 1
                     st[6] = st[6] + 1
+            # 5. the last `recency` positions always
             for i in range(params[P_RECENCY]):
-                keep[l, h, st[1] + i] = st[0] + i
-        # 4. a shared set is every layer's and head's set
+                keep[l, h, params[P_BUDGET] - params[P_RECENCY] + i] = st[0] + i
+        # 6. a shared set is every layer's and head's set
         if params[P_SHARED] == 1:
             for rr in range(1, rows):
                 for i in range(params[P_BUDGET]):

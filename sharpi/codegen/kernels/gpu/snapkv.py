@@ -10,12 +10,13 @@ semantics (sharpi.testing.snapkv holds the numpy reference), hand-scheduled with
 - select: one PrimFunc with three thread-bound loop nests, i.e. three launches in order, so that every value a
   thread reads from a storage buffer was written by an earlier launch (WGSL's workgroupBarrier orders workgroup
   memory only): (1) the row's raw scores into `base` (the sum over all rows when shared), (2) pooling into
-  `pooled`, (3) one workgroup of 256 threads per row: a radix select of the k-th largest pooled score on its float
-  bits (scores are >= 0, so the bits order like the floats), one bit per pass with a workgroup sum of counts, then
-  an ordered compaction: each thread owns a contiguous chunk of candidates, counts what it keeps, and a prefix
-  sum in workgroup memory gives where it writes. Ties go to the lower index exactly as on the CPU. A shared keep
-  set is selected by every row's workgroup from the one shared pooled row (identical work, identical result),
-  which spares a grid-wide copy. Avg pooling divides by K like the CPU; keep sets are bit-identical where the
+  `pooled`, (3) one workgroup of 256 threads per row: the first `sinks` positions, then a radix select of the
+  k-th largest pooled score among the candidates [sinks, total - recency) on its float bits (scores are >= 0, so
+  the bits order like the floats), one bit per pass with a workgroup sum of counts, then an ordered compaction:
+  each thread owns a contiguous chunk of candidates, counts what it keeps, and a prefix sum in workgroup memory
+  gives where it writes (after the sinks); then the last `recency` positions. Ties go to the lower index
+  exactly as on the CPU. A shared keep set is selected by every row's workgroup from the one shared pooled row
+  (identical work, identical result), which spares a grid-wide copy. Avg pooling divides by K like the CPU; keep sets are bit-identical where the
   device's f32 division is correctly rounded (lavapipe's is; WGSL itself allows 2.5 ULP).
 - compact: one thread per (layer, KV head, K/V, d); it walks i = 0 .. count-1 in order, so slot keep[i] >= i is
   always read before slot i is overwritten (keep is strictly increasing).
@@ -27,7 +28,8 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from ..quant_matmul import token_count
-from ..snapkv import P_BUDGET, P_KERNEL, P_POOLING, P_RECENCY, P_SHARED, P_TOTAL, POOL_AVG, POOL_MAX
+from ..snapkv import (P_BUDGET, P_KERNEL, P_POOLING, P_RECENCY, P_SHARED, P_SINKS, P_TOTAL, POOL_AVG, POOL_MAX,
+                      SELECT_PARAMS)
 
 THREADS = 256                 # invocations per workgroup for the reducing kernels (WebGPU's limit)
 LOG_THREADS = 8
@@ -183,14 +185,16 @@ def make_gpu_snapkv_score(heads: int, kv_heads: int, head_dim: int, page_size: i
 
 # -- select ---------------------------------------------------------------------------------------------------
 def make_gpu_snapkv_select(layers: int, kv_heads: int, slots: int):
-    """PrimFunc (scores [L, KVH, S] f32, params [6] int32, keep [L, KVH, S] int32, base, pooled [L, KVH, S] f32),
+    """PrimFunc (scores [L, KVH, S] f32, params [SELECT_PARAMS] int32, keep [L, KVH, S] int32, base,
+    pooled [L, KVH, S] f32),
     the CPU kernel's signature: keep[l, h, :budget] receives the ascending keep set; base and pooled are scratch
     (when shared only row (0, 0) of them is written). Three launches (see the module docstring)."""
     rows = layers * kv_heads
     slot_blocks = _ceil_div(slots, THREADS)
 
     @T.prim_func
-    def snapkv_select_gpu(scores: T.Buffer((layers, kv_heads, slots), "float32"), params: T.Buffer((6,), "int32"),
+    def snapkv_select_gpu(scores: T.Buffer((layers, kv_heads, slots), "float32"),
+                          params: T.Buffer((SELECT_PARAMS,), "int32"),
                           keep: T.Buffer((layers, kv_heads, slots), "int32"),
                           base: T.Buffer((layers, kv_heads, slots), "float32"),
                           pooled: T.Buffer((layers, kv_heads, slots), "float32")):
@@ -233,29 +237,34 @@ def make_gpu_snapkv_select(layers: int, kv_heads: int, slots: int):
                         pooled[l, h, s] = acc[0]
                     else:
                         pooled[l, h, s] = base[l, h, s]
-        # 3. per row: radix select of the k-th largest pooled bits among candidates [0, total - recency), then
-        #    the ordered compaction
+        # 3. per row: the sinks, then a radix select of the k-th largest pooled bits among the candidates
+        #    [sinks, total - recency) and the ordered compaction (written after the sinks), then the recency tail
         for r in T.thread_binding(rows, thread="blockIdx.x"):
             for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
                 red = T.alloc_buffer((THREADS,), "int32", scope="shared")
                 above = T.alloc_buffer((THREADS,), "int32", scope="shared")
                 ties = T.alloc_buffer((THREADS,), "int32", scope="shared")
-                # candidates, k, threshold bits, count, my above, my ties, write position, ties seen
+                # candidate count, k, threshold bits, count, my above, my ties, write position, ties seen
                 st = T.alloc_buffer((8,), "int32", scope="local")
                 tmp = T.alloc_buffer((2,), "int32", scope="local")
                 src = T.meta_var(T.if_then_else(params[P_SHARED] == 1, 0, r))     # the row whose scores select
                 sl = T.meta_var(src // kv_heads)
                 sh = T.meta_var(src % kv_heads)
-                st[0] = params[P_TOTAL] - params[P_RECENCY]
-                st[1] = params[P_BUDGET] - params[P_RECENCY]
+                sinks = T.meta_var(params[P_SINKS])                # candidate j is position sinks + j
+                st[0] = params[P_TOTAL] - params[P_RECENCY] - sinks
+                st[1] = params[P_BUDGET] - params[P_RECENCY] - sinks
                 st[2] = 0
+                # the first `sinks` positions always
+                for i in range((sinks + THREADS - 1) // THREADS):
+                    if i * THREADS + tx < sinks:
+                        keep[r // kv_heads, r % kv_heads, i * THREADS + tx] = i * THREADS + tx
                 # the threshold is built from the top bit down (bit 31, the sign, is 0 for scores >= 0): keep a
                 # bit when at least k candidates are >= the threshold with it set
                 for bit in range(31):
                     st[3] = 0
                     for i in range((st[0] + THREADS - 1) // THREADS):
                         if i * THREADS + tx < st[0]:
-                            if T.reinterpret("int32", pooled[sl, sh, i * THREADS + tx]) >= (
+                            if T.reinterpret("int32", pooled[sl, sh, sinks + i * THREADS + tx]) >= (
                                     st[2] | T.shift_left(1, 30 - bit)):
                                 st[3] = st[3] + 1
                     red[tx] = st[3]
@@ -269,9 +278,9 @@ def make_gpu_snapkv_select(layers: int, kv_heads: int, slots: int):
                 st[5] = 0
                 for i in range(chunk):
                     if tx * chunk + i < st[0]:
-                        if T.reinterpret("int32", pooled[sl, sh, tx * chunk + i]) > st[2]:
+                        if T.reinterpret("int32", pooled[sl, sh, sinks + tx * chunk + i]) > st[2]:
                             st[4] = st[4] + 1
-                        elif T.reinterpret("int32", pooled[sl, sh, tx * chunk + i]) == st[2]:
+                        elif T.reinterpret("int32", pooled[sl, sh, sinks + tx * chunk + i]) == st[2]:
                             st[5] = st[5] + 1
                 above[tx] = st[4]
                 ties[tx] = st[5]
@@ -279,21 +288,22 @@ def make_gpu_snapkv_select(layers: int, kv_heads: int, slots: int):
                 # ties are taken lowest index first: k - (all above) of them
                 st[3] = st[1] - above[THREADS - 1]
                 st[7] = ties[tx] - st[5]                                   # ties in earlier chunks
-                st[6] = above[tx] - st[4] + T.min(st[7], st[3])            # kept in earlier chunks
+                st[6] = sinks + above[tx] - st[4] + T.min(st[7], st[3])    # after the sinks and earlier chunks
                 for i in range(chunk):
                     if tx * chunk + i < st[0]:
-                        if T.reinterpret("int32", pooled[sl, sh, tx * chunk + i]) > st[2]:
-                            keep[r // kv_heads, r % kv_heads, st[6]] = tx * chunk + i
+                        if T.reinterpret("int32", pooled[sl, sh, sinks + tx * chunk + i]) > st[2]:
+                            keep[r // kv_heads, r % kv_heads, st[6]] = sinks + tx * chunk + i
                             st[6] = st[6] + 1
-                        elif T.reinterpret("int32", pooled[sl, sh, tx * chunk + i]) == st[2]:
+                        elif T.reinterpret("int32", pooled[sl, sh, sinks + tx * chunk + i]) == st[2]:
                             if st[7] < st[3]:
-                                keep[r // kv_heads, r % kv_heads, st[6]] = tx * chunk + i
+                                keep[r // kv_heads, r % kv_heads, st[6]] = sinks + tx * chunk + i
                                 st[6] = st[6] + 1
                             st[7] = st[7] + 1
                 # the last `recency` positions always
                 for i in range((params[P_RECENCY] + THREADS - 1) // THREADS):
                     if i * THREADS + tx < params[P_RECENCY]:
-                        keep[r // kv_heads, r % kv_heads, st[1] + i * THREADS + tx] = st[0] + i * THREADS + tx
+                        keep[r // kv_heads, r % kv_heads, sinks + st[1] + i * THREADS + tx] = \
+                            sinks + st[0] + i * THREADS + tx
 
     return snapkv_select_gpu
 
