@@ -1,0 +1,80 @@
+"""Where a prefill and a decode step spend their time, per kernel (CPU/CUDA artifacts run by TVM's VM).
+
+    python benchmarks/profile_kernels.py ARTIFACT [--tokens 512] [--function prefill|decode|prefill_snapkv] [--top 25]
+
+The VM's instrument hook times every call it makes (kernels and VM builtins) during one call of the chosen
+function, after a warm-up prompt; the table sums them by name. The hook costs a little per call, so builtins
+(allocation, tuple access) look larger than they are; kernel times are accurate to a few microseconds.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+
+import numpy as np
+
+import sharpi
+
+
+def profile(artifact: str, tokens: int, function: str) -> tuple[dict, float]:
+    model = sharpi.load(artifact)
+    backend = model._backend          # the TVM backend: its VM and forward()
+    vm = backend._vm
+    totals: dict[str, list] = collections.defaultdict(lambda: [0.0, 0])
+    started: dict[str, float] = {}
+
+    def instrument(func, name, before, ret, *args):
+        if before:
+            started[name] = time.perf_counter()
+        else:
+            totals[name][0] += time.perf_counter() - started[name]
+            totals[name][1] += 1
+        return 0
+
+    forward = backend.forward
+    wall = {}
+
+    def timed_forward(name, *args, **kwargs):
+        if name != function or wall:
+            return forward(name, *args, **kwargs)
+        vm.set_instrument(instrument)
+        t = time.perf_counter()
+        try:
+            return forward(name, *args, **kwargs)
+        finally:
+            wall["s"] = time.perf_counter() - t
+            vm.set_instrument(None)
+
+    ids = np.random.default_rng(0).integers(100, 20000, tokens).tolist()
+    with model.session(snapkv_budget=0) as warm:        # compile caches, first-touch pages
+        warm.prefill(ids[:32])
+    backend.forward = timed_forward
+    options = {"snapkv_budget": max(65, tokens // 2)} if function == "prefill_snapkv" else {"snapkv_budget": 0}
+    with model.session(**options) as s:
+        last = s.prefill(ids)
+        if function == "decode":
+            s.decode(int(np.argmax(last)))
+    backend.forward = forward
+    return dict(totals), wall["s"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("artifact")
+    p.add_argument("--tokens", type=int, default=512)
+    p.add_argument("--function", default="decode", choices=["prefill", "decode", "prefill_snapkv"])
+    p.add_argument("--top", type=int, default=25)
+    args = p.parse_args()
+    totals, wall = profile(args.artifact, args.tokens, args.function)
+    total = sum(t for t, _ in totals.values())
+    kernels = sum(n for name, (_, n) in totals.items() if not name.startswith(("vm.", "runtime.")))
+    print(f"{args.function} after {args.tokens} tokens: {wall * 1e3:.1f} ms wall (instrumented), "
+          f"{kernels} kernel calls, {sum(n for _, n in totals.values()) - kernels} VM builtin calls")
+    print(f"{'ms':>9} {'share':>6} {'calls':>6}  name")
+    for name, (t, n) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:args.top]:
+        print(f"{t * 1e3:9.2f} {100 * t / total:5.1f}% {n:6d}  {name}")
+
+
+if __name__ == "__main__":
+    main()
