@@ -92,6 +92,22 @@ def make_paged_attention(heads: int, kv_heads: int, head_dim: int, page_size: in
         return _paged_attention_decode(heads, kv_heads, head_dim, page_size, scale, group, neg_inf, LANES, kv_dtype,
                                        window)
 
+    return _paged_attention_tiled(heads, kv_heads, head_dim, page_size, scale, n, group, neg_inf, LANES, kv_dtype,
+                                  window)
+
+
+def _paged_attention_tiled(heads, kv_heads, head_dim, page_size, scale, n, group, neg_inf, LANES, kv_dtype, window):
+    """Several tokens: one task per (block of TB consecutive tokens, KV head). The block's TB x group queries walk
+    the KV head's pages together, so each page of K and V is read once per block (from L1) instead of once per
+    query: with one query per task the K/V re-reads made an 8000-token SmolLM2 prefill take ~115 s.
+
+    Causal work grows with the token, so blocks are handed out zigzag (first, last, second, second-to-last, ...):
+    TVM splits a parallel loop into contiguous ranges, and each range then holds short and long blocks alike."""
+    pages, layers, max_pages = T.int64(), T.int64(), T.int64()
+    DC = head_dim // LANES
+    TB = max(1, min(8, 4096 // (group * head_dim)))    # the block's accumulators stay within 16 KB
+    Q = TB * group
+
     @T.prim_func
     def paged_attention(var_q: T.handle, var_pool: T.handle, var_pt: T.handle, var_lens: T.handle,
                         layer: T.int64, var_out: T.handle):
@@ -101,54 +117,65 @@ def make_paged_attention(heads: int, kv_heads: int, head_dim: int, page_size: in
         page_table = T.match_buffer(var_pt, (layers, max_pages), "int32")
         kv_lens = T.match_buffer(var_lens, (layers,), "int32")
         out = T.match_buffer(var_out, (n, heads, head_dim), "float32")
-        for th in T.parallel(n * heads):
-            t = T.meta_var(th // heads)
-            h = T.meta_var(th % heads)
-            kvh = T.meta_var(th % heads // group)
-            total = T.meta_var(T.Cast("int64", kv_lens[layer]) + t + 1)
-            acc = T.decl_buffer((head_dim,), "float32", scope="global")
-            score = T.decl_buffer((page_size,), "float32", scope="global")
+        for task in T.parallel((n + TB - 1) // TB * kv_heads):
+            kvh = T.meta_var(task % kv_heads)
+            z = T.meta_var(task // kv_heads)
+            nb = T.meta_var((n + TB - 1) // TB)
+            blk = T.meta_var(T.if_then_else(z % 2 == 0, z // 2, nb - 1 - z // 2))
+            held = T.meta_var(T.Cast("int64", kv_lens[layer]))
+            acc = T.decl_buffer((Q, head_dim), "float32", scope="global")
+            score = T.decl_buffer((Q, page_size), "float32", scope="global")
             dv = T.decl_buffer((page_size, LANES), "float32", scope="global")
-            stats = T.decl_buffer((5,), "float32", scope="global")  # running max, running sum, block max, new max, correction
-            stats[0] = T.float32(neg_inf)
-            stats[1] = T.float32(0)
-            for d in T.vectorized(head_dim):
-                acc[d] = T.float32(0)
-            for p in range(first_page(total, window, page_size), (total + page_size - 1) // page_size):
-                page = T.meta_var(T.Cast("int64", page_table[layer, p]))
-                stats[2] = T.float32(neg_inf)
-                # q . k for every slot of the page, 8 lanes at a time; slots past `total` are masked below
-                # (their contents may be anything, but a select never propagates them).
-                for o in T.unroll(page_size):
-                    for l in T.vectorized(LANES):
-                        dv[o, l] = q[t, h, l] * f32(pool[page, 0, kvh, o, l])
-                    for dc in T.unroll(DC - 1):
-                        for l in T.vectorized(LANES):
-                            dv[o, l] = dv[o, l] + q[t, h, (dc + 1) * LANES + l] \
-                                * f32(pool[page, 0, kvh, o, (dc + 1) * LANES + l])
-                for o in T.unroll(page_size):
-                    score[o] = T.if_then_else(
-                        visible(p * page_size + o, total, window),
-                        (((dv[o, 0] + dv[o, 1]) + (dv[o, 2] + dv[o, 3])) + ((dv[o, 4] + dv[o, 5]) + (dv[o, 6] + dv[o, 7])))
-                        * T.float32(scale),
-                        T.float32(neg_inf))
-                    stats[2] = T.max(stats[2], score[o])
-                stats[3] = T.max(stats[0], stats[2])
-                stats[4] = T.exp(stats[0] - stats[3])
-                for o in T.vectorized(page_size):
-                    score[o] = T.if_then_else(visible(p * page_size + o, total, window),
-                                              fast_exp(score[o] - stats[3]), T.float32(0))
-                stats[1] = stats[1] * stats[4]
-                for o in range(page_size):
-                    stats[1] = stats[1] + score[o]
+            # per query: running max, running sum, block max, new max, correction
+            stats = T.decl_buffer((Q, 5), "float32", scope="global")
+            for i in range(Q):
+                stats[i, 0] = T.float32(neg_inf)
+                stats[i, 1] = T.float32(0)
                 for d in T.vectorized(head_dim):
-                    acc[d] = acc[d] * stats[4]
-                for o in range(T.min(T.Cast("int64", page_size), total - p * page_size)):
+                    acc[i, d] = T.float32(0)
+            for p in range(first_page(held + blk * TB + 1, window, page_size),
+                           (held + T.min(blk * TB + TB, n) + page_size - 1) // page_size):
+                page = T.meta_var(T.Cast("int64", page_table[layer, p]))
+                for i in range(Q):
+                    t = T.meta_var(blk * TB + i // group)
+                    h = T.meta_var(kvh * group + i % group)
+                    total = T.meta_var(held + t + 1)
+                    if t < n and p * page_size < total and p >= first_page(total, window, page_size):
+                        stats[i, 2] = T.float32(neg_inf)
+                        # q . k for every slot of the page, 8 lanes at a time; slots past `total` are masked
+                        # below (their contents may be anything, but a select never propagates them).
+                        for o in T.unroll(page_size):
+                            for l in T.vectorized(LANES):
+                                dv[o, l] = q[t, h, l] * f32(pool[page, 0, kvh, o, l])
+                            for dc in T.unroll(DC - 1):
+                                for l in T.vectorized(LANES):
+                                    dv[o, l] = dv[o, l] + q[t, h, (dc + 1) * LANES + l] \
+                                        * f32(pool[page, 0, kvh, o, (dc + 1) * LANES + l])
+                        for o in T.unroll(page_size):
+                            score[i, o] = T.if_then_else(
+                                visible(p * page_size + o, total, window),
+                                (((dv[o, 0] + dv[o, 1]) + (dv[o, 2] + dv[o, 3]))
+                                 + ((dv[o, 4] + dv[o, 5]) + (dv[o, 6] + dv[o, 7]))) * T.float32(scale),
+                                T.float32(neg_inf))
+                            stats[i, 2] = T.max(stats[i, 2], score[i, o])
+                        stats[i, 3] = T.max(stats[i, 0], stats[i, 2])
+                        stats[i, 4] = T.exp(stats[i, 0] - stats[i, 3])
+                        for o in T.vectorized(page_size):
+                            score[i, o] = T.if_then_else(visible(p * page_size + o, total, window),
+                                                         fast_exp(score[i, o] - stats[i, 3]), T.float32(0))
+                        stats[i, 1] = stats[i, 1] * stats[i, 4]
+                        for o in range(page_size):
+                            stats[i, 1] = stats[i, 1] + score[i, o]
+                        for d in T.vectorized(head_dim):
+                            acc[i, d] = acc[i, d] * stats[i, 4]
+                        for o in range(T.min(T.Cast("int64", page_size), total - p * page_size)):
+                            for d in T.vectorized(head_dim):
+                                acc[i, d] = acc[i, d] + score[i, o] * f32(pool[page, 1, kvh, o, d])
+                        stats[i, 0] = stats[i, 3]
+            for i in range(Q):
+                if blk * TB + i // group < n:
                     for d in T.vectorized(head_dim):
-                        acc[d] = acc[d] + score[o] * f32(pool[page, 1, kvh, o, d])
-                stats[0] = stats[3]
-            for d in T.vectorized(head_dim):
-                out[t, h, d] = acc[d] / stats[1]
+                        out[blk * TB + i // group, kvh * group + i % group, d] = acc[i, d] / stats[i, 1]
 
     return paged_attention
 
