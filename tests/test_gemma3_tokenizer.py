@@ -245,3 +245,16 @@ def test_matches_llama_cpp_spm_port(gemma3_tok, gemma3_meta, gemma3_golden):
             assert ids == ref.tokenize(text, parse_special=special), (text, special)
             if "\u2581" not in text:         # SentencePiece decodes a literal "\u2581" as " ", as llama.cpp does
                 assert gemma3_tok.detokenize(ids) == text, (text, special)
+
+
+def test_stream_equals_detokenize(gemma3_tok, gemma3_golden):
+    """SentencePiece with byte fallback: streamed text (generation's incremental detokenizer) equals a full
+    detokenize of the golden strings and of the ids of a multi-byte string fed one at a time."""
+    for case in gemma3_golden["tokenize"]:
+        stream = gemma3_tok.stream()
+        for i in case["ids"]:
+            stream.step(i)
+        assert stream.text == gemma3_tok.detokenize(case["ids"]), case["text"]
+    ids = gemma3_tok.tokenize(" héllo wörld ✓ 日本語 🙂 done", add_bos=False)
+    stream = gemma3_tok.stream()
+    assert "".join(stream.step(i) for i in ids) == gemma3_tok.detokenize(ids)

@@ -239,6 +239,11 @@ class Tokenizer:
             raise TokenizerError(f"Token id {bad[0]} is outside the vocabulary (size {self.vocab_size}).")
         return self._hf.decode(ids, skip_special_tokens=not special)
 
+    def stream(self, special: bool = True) -> "TextStream":
+        """An incremental detokenizer for a growing list of ids (generation): each step decodes only a short tail,
+        where detokenize(all ids so far) every step would cost O(n^2) over a long generation."""
+        return TextStream(self, special)
+
     def token_text(self, token_id: int) -> str:
         return self._hf.id_to_token(int(token_id))
 
@@ -252,3 +257,24 @@ class Tokenizer:
     def load(cls, directory: Path, info: TokenizerInfo) -> "Tokenizer":
         from tokenizers import Tokenizer as HFTokenizer
         return cls(HFTokenizer.from_file(str(Path(directory) / "tokenizer.json")), info)
+
+
+class TextStream:
+    """Text of ids fed one at a time, equal to Tokenizer.detokenize of all of them: `tokenizers`' DecodeStream
+    (it holds back an incomplete UTF-8 character or byte-fallback sequence until it is whole)."""
+
+    def __init__(self, tokenizer: Tokenizer, special: bool):
+        from tokenizers.decoders import DecodeStream
+
+        self._tokenizer = tokenizer
+        self._stream = DecodeStream(skip_special_tokens=not special)
+        self.text = ""
+
+    def step(self, token_id: int) -> str:
+        """Feed one id; returns the text it completed (possibly empty). `.text` holds everything so far."""
+        token_id = int(token_id)
+        if not 0 <= token_id < self._tokenizer._vocab_size:
+            raise TokenizerError(f"Token id {token_id} is outside the vocabulary (size {self._tokenizer.vocab_size}).")
+        piece = self._stream.step(self._tokenizer._hf, token_id) or ""
+        self.text += piece
+        return piece

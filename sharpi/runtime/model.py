@@ -173,6 +173,7 @@ class _Generation:
         out: list[int] = []
         emitted = ""
         finish = "length"
+        stream = model.tokenizer.stream(special=self.special)
         with self.session as session:
             t0 = time.perf_counter()
             logits = session.prefill(self.prompt_ids)
@@ -184,7 +185,8 @@ class _Generation:
                     finish = "stop"
                     break
                 out.append(token)
-                text = model.detokenize(out, special=self.special)
+                stream.step(token)
+                text = stream.text
                 cut = _find_stop(text, self.stop)
                 if cut is not None:
                     text, finish = text[:cut], "stop"
@@ -201,7 +203,7 @@ class _Generation:
                 logits = session.decode(token)
             t2 = time.perf_counter()
         if finish != "stop":
-            text = model.detokenize(out, special=self.special)
+            text = model.detokenize(out, special=self.special)   # once; it also shows an unfinished character
             if len(text) > len(emitted):
                 yield text[len(emitted):]
             emitted = text
