@@ -8,7 +8,7 @@ from sharpi.codegen.kernels.paged_attention import make_kv_append
 from sharpi.codegen.kernels.snapkv import make_snapkv_score, make_snapkv_select
 from sharpi.codegen.llvm import make_target
 from sharpi.common import ops
-from sharpi.common.snapkv_settings import auto_budget, check_against, settings_from
+from sharpi.common.snapkv_settings import SnapKVSettings, auto_budget, check_against, settings_from
 from sharpi.testing.snapkv import pool_reference, score_reference, select_reference, select_row
 from tiny_gguf import write_tiny_llama
 
@@ -179,7 +179,7 @@ def test_kept_positions_match_reference_keep_sets(smollm2, reference, long_promp
     reference.forward(ids, capture=captured)
     scale = smollm2.config.head_dim ** -0.5
     scores = np.stack([score_reference(q[-window:], k, 0, scale) for q, k, _ in captured]).astype(np.float32)
-    expected = select_reference(scores, budget, recency, "max", 15, "kv-head")
+    expected = select_reference(scores, budget, recency, "max", SnapKVSettings().kernel, "kv-head")
     overlap = np.mean([len(np.intersect1d(a, b)) / budget for a, b in zip(kept.reshape(-1, budget),
                                                                            expected.reshape(-1, budget))])
     assert overlap >= 0.99, overlap
@@ -210,8 +210,11 @@ def test_sinks_kept_on_smollm2(smollm2, long_prompt):
             today.prefill(ids)
             np.testing.assert_array_equal(np.stack(plain.kept_positions), np.stack(today.kept_positions))
             plain_kept = np.stack(plain.kept_positions)
-    np.testing.assert_array_equal(kept, select_reference(scores, budget, recency, "max", 15, "kv-head", sinks))
-    np.testing.assert_array_equal(plain_kept, select_reference(scores, budget, recency, "max", 15, "kv-head"))
+    default_kernel = SnapKVSettings().kernel
+    np.testing.assert_array_equal(kept, select_reference(scores, budget, recency, "max", default_kernel, "kv-head",
+                                                           sinks))
+    np.testing.assert_array_equal(plain_kept, select_reference(scores, budget, recency, "max", default_kernel,
+                                                                 "kv-head"))
     assert not np.array_equal(kept, plain_kept)                                # the sinks changed something
 
 

@@ -101,7 +101,7 @@ def add_snapkv_flags(parser) -> None:
     parser.add_argument("--snapkv-window", default=None, help="last queries that score the prompt (64)")
     parser.add_argument("--snapkv-recency", default=None, help="last positions always kept (64)")
     parser.add_argument("--snapkv-pooling", default=None, help="max (default), avg or none")
-    parser.add_argument("--snapkv-kernel", default=None, help="odd pooling kernel (15)")
+    parser.add_argument("--snapkv-kernel", default=None, help="odd pooling kernel (31)")
     parser.add_argument("--snapkv-granularity", default=None, help="kv-head (default) or shared")
     parser.add_argument("--snapkv-sinks", default=None, help="first positions always kept (0)")
 

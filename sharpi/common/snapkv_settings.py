@@ -22,7 +22,7 @@ class SnapKVSettings:
     window: int = 64               # last queries that score the prompt
     recency: int = 64              # last positions always kept
     pooling: str = "max"
-    kernel: int = 15               # odd pooling kernel; 1 with pooling "none"
+    kernel: int = 31               # odd pooling kernel; 1 with pooling "none" (31: benchmarks/longcontext.md)
     granularity: str = "kv-head"
     sinks: int = 0                 # first positions always kept (attention sinks)
 
