@@ -5,8 +5,8 @@ Left alone, TVM compiles them as written: one thread, scalar, and every fused op
 intermediate buffer (gemma3's GELU gate was nine such passes, 10% of a 512-token prefill). Here each function
 gets its producers inlined into their consumers, its outer loop parallel (unless it runs once) and its inner
 loop vectorized; norms (a reduction, then elementwise passes, per row) get the row loop parallel with every
-block computed inside it. SiLU and GELU are legalized with topi's polynomial exp/tanh (`fast_math_legalizations`), since LLVM turns its own exp and tanh
-into one libm call per element.
+block computed inside it. SiLU and GELU are legalized with topi's polynomial exp/tanh
+(`fast_math_legalizations`), since LLVM turns its own exp and tanh into one libm call per element.
 """
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def _schedule_row_reduction(func: tirx.PrimFunc, target):
     same but always makes the row loop parallel: for decode's single row that is a thread-pool launch per norm,
     which cost 0.27 ms each on a busy 2-core machine.)"""
     sch, blocks = _inlined(func)
-    if sch is None or len(blocks) < 2 or blocks[-1].is_injective() is False:
+    if sch is None or len(blocks) < 2 or not blocks[-1].is_injective():
         return None
     if all(b.is_injective() for b in blocks) or any(not b.dom_kind().startswith("S") for b in blocks):
         return None

@@ -232,12 +232,17 @@ class Tokenizer:
 
     def detokenize(self, ids, special: bool = True) -> str:
         """Ids to text; special=True renders special tokens as their text so tokenize/detokenize round-trip."""
+        ids = self._checked_ids(ids)
+        return self._hf.decode(ids, skip_special_tokens=not special)
+
+    def _checked_ids(self, ids) -> list[int]:
+        """The ids as ints, or TokenizerError naming the first one outside the vocabulary."""
         ids = [int(i) for i in ids]
         size = self._vocab_size
         bad = [i for i in ids if not 0 <= i < size]
         if bad:
             raise TokenizerError(f"Token id {bad[0]} is outside the vocabulary (size {self.vocab_size}).")
-        return self._hf.decode(ids, skip_special_tokens=not special)
+        return ids
 
     def stream(self, special: bool = True) -> "TextStream":
         """An incremental detokenizer for a growing list of ids (generation): each step decodes only a short tail,
@@ -272,9 +277,7 @@ class TextStream:
 
     def step(self, token_id: int) -> str:
         """Feed one id; returns the text it completed (possibly empty). `.text` holds everything so far."""
-        token_id = int(token_id)
-        if not 0 <= token_id < self._tokenizer._vocab_size:
-            raise TokenizerError(f"Token id {token_id} is outside the vocabulary (size {self._tokenizer.vocab_size}).")
+        [token_id] = self._tokenizer._checked_ids([token_id])
         piece = self._stream.step(self._tokenizer._hf, token_id) or ""
         self.text += piece
         return piece

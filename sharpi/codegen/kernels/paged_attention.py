@@ -79,7 +79,6 @@ def make_paged_attention(heads: int, kv_heads: int, head_dim: int, page_size: in
     with a sliding `window` (> 0), query t sees only the last `window` slots up to its own (slots are positions
     while a layer's cache is contiguous, which is how sliding-window layers are kept)."""
     n = token_count(tokens)
-    pages, layers, max_pages = T.int64(), T.int64(), T.int64()
     group = heads // kv_heads
     neg_inf = -3.0e38
 
@@ -87,11 +86,9 @@ def make_paged_attention(heads: int, kv_heads: int, head_dim: int, page_size: in
     if head_dim % LANES:
         return _paged_attention_scalar(heads, kv_heads, head_dim, page_size, scale, n, group, neg_inf, kv_dtype,
                                        window)
-    DC = head_dim // LANES
     if tokens == 1:
         return _paged_attention_decode(heads, kv_heads, head_dim, page_size, scale, group, neg_inf, LANES, kv_dtype,
                                        window)
-
     return _paged_attention_tiled(heads, kv_heads, head_dim, page_size, scale, n, group, neg_inf, LANES, kv_dtype,
                                   window)
 
