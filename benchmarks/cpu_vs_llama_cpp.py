@@ -4,7 +4,10 @@ after the long prompt. Medians of --repeats runs; a Markdown table with the rati
 printed and, with --out, written with a description of the machine.
 
     python benchmarks/cpu_vs_llama_cpp.py [--models smollm2-135m,gemma3-270m] [--prompts 512,4096] [--gen 64]
-        [--repeats 3] [--budget 1024] [--out benchmarks/cpu.md]
+        [--repeats 3] [--budget 1024] [--decode-matmuls float,int8] [--out benchmarks/cpu.md]
+
+--decode-matmuls compiles one artifact per value (sharpi-compile --decode-matmuls) and times each beside the
+same llama.cpp run.
 
 Needs llama-cpp-python. Run it on a quiet machine: both engines are timed in the same process, one after the
 other, so a noisy neighbour hurts both, but not always equally.
@@ -29,19 +32,23 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} logical CPUs, load average {load:.1f} at the start, Python {platform.python_version()}"
 
 
-def rows_for(name: str, prompts: list[int], gen: int, repeats: int, budget: int) -> list[dict]:
-    model = sharpi.load(sharpi.compile(name, target="llvm", output=f"/tmp/sharpi-cpu-bench-{name}"))
-    gguf = find_gguf(model, None)
+def rows_for(name: str, prompts: list[int], gen: int, repeats: int, budget: int, decode: list[str]) -> list[dict]:
+    models = {d: sharpi.load(sharpi.compile(name, target="llvm", output=f"/tmp/sharpi-cpu-bench-{name}-{d}",
+                                            decode_matmuls=d)) for d in decode}
+    first = models[decode[0]]
+    gguf = find_gguf(first, None)
     rows = []
     for n in prompts:
         print(f"{name}: {n}-token prompt", file=sys.stderr, flush=True)
-        ours = bench_sharpi(model, n, gen, repeats, {"snapkv_budget": 0})
-        theirs = bench_llama_cpp(gguf, n, gen, model.threads, repeats, prompt_ids(model, n))
-        rows.append({"model": name, "prompt": n, "engine": "sharpi", **ours, "vs": theirs})
+        theirs = bench_llama_cpp(gguf, n, gen, first.threads, repeats, prompt_ids(first, n))
+        for d, model in models.items():
+            label = "sharpi" if d == "float" else f"sharpi, {d} decode"
+            ours = bench_sharpi(model, n, gen, repeats, {"snapkv_budget": 0})
+            rows.append({"model": name, "prompt": n, "engine": label, **ours, "vs": theirs})
+            if budget and n > budget:
+                snap = bench_sharpi(model, n, gen, repeats, {"snapkv_budget": budget})
+                rows.append({"model": name, "prompt": n, "engine": f"{label}, SnapKV {budget}", **snap, "vs": theirs})
         rows.append({"model": name, "prompt": n, "engine": "llama.cpp", **theirs, "vs": theirs})
-        if budget and n > budget:
-            snap = bench_sharpi(model, n, gen, repeats, {"snapkv_budget": budget})
-            rows.append({"model": name, "prompt": n, "engine": f"sharpi, SnapKV {budget}", **snap, "vs": theirs})
     return rows
 
 
@@ -63,12 +70,14 @@ def main(argv=None) -> int:
     p.add_argument("--gen", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--budget", type=int, default=1024)
+    p.add_argument("--decode-matmuls", default="float,int8", help="sharpi artifacts to time: float, int8 or both")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     started, about = time.strftime("%Y-%m-%d %H:%M"), machine()
     rows = []
     for name in args.models.split(","):
-        rows += rows_for(name, [int(n) for n in args.prompts.split(",")], args.gen, args.repeats, args.budget)
+        rows += rows_for(name, [int(n) for n in args.prompts.split(",")], args.gen, args.repeats, args.budget,
+                         args.decode_matmuls.split(","))
     text = (f"# sharpi vs llama.cpp on the CPU, {started}\n\n{about}; same GGUF and thread count for both; decode "
             f"of {args.gen} tokens after the prompt; median of {args.repeats}.\n\n"
             f"`python benchmarks/cpu_vs_llama_cpp.py {' '.join(argv or sys.argv[1:])}`\n\n{table(rows)}\n")

@@ -152,6 +152,30 @@ def test_paged_attention_and_append(held, new, static, window, heads, kv_heads, 
                                atol=1e-5)
 
 
+@pytest.mark.parametrize("held,window", [(300, 0), (300, 100), (130, 0)])
+@pytest.mark.parametrize("heads,kv_heads,d", [(4, 1, 256), (6, 2, 32), (9, 3, 64)])
+def test_decode_attention_page_ranges(held, window, heads, kv_heads, d, rng):
+    """Decode attention splits each KV head's visible pages into ranges (decode_splits) and merges their partial
+    softmaxes: many pages per range, uneven ranges, a window starting mid-cache, pages out of order."""
+    from sharpi.codegen.kernels.paged_attention import decode_splits
+    page = 16
+    n_pages = (held + 1 + page - 1) // page
+    assert n_pages > decode_splits(kv_heads) and n_pages % decode_splits(kv_heads)     # uneven ranges
+    table = np.zeros((2, n_pages + 3), np.int32)
+    table[1, :n_pages] = rng.permutation(n_pages) + 2
+    k_all = rng.standard_normal((held + 1, kv_heads, d)).astype(np.float32)
+    v_all = rng.standard_normal((held + 1, kv_heads, d)).astype(np.float32)
+    pool = np.zeros((n_pages + 2, 2, kv_heads, page, d), np.float32)
+    for s in range(held + 1):
+        pool[table[1, s // page], 0, :, s % page], pool[table[1, s // page], 1, :, s % page] = k_all[s], v_all[s]
+    q = rng.standard_normal((1, heads, d)).astype(np.float32)
+    out = _t(np.zeros((1, heads, d), np.float32))
+    attend = _build(make_paged_attention(heads, kv_heads, d, page, d ** -0.5, 1, window=window))
+    attend(_t(q), _t(pool), _t(table), _t(np.array([0, held], np.int32)), 1, out)
+    np.testing.assert_allclose(out.numpy(), _attention_reference(q, k_all, v_all, held, window), rtol=1e-4,
+                               atol=1e-5)
+
+
 def test_rms_norm_as_lowered_for_llvm(rng):
     from tvm import relax
     from tvm.relax import op as R

@@ -23,6 +23,7 @@ from ..common.errors import CompileError
 from ..ir_passes.named_ops import extern_name
 from .kernels.paged_attention import make_kv_append, make_paged_attention
 from ..common.quant_layout import QUANTIZED
+from .kernels.quant_gemv_int8 import INT8_DOT_TYPES, make_gemv_int8
 from .kernels.quant_matmul import cpu_quants, make_embedding, make_matmul
 from .kernels.rope import make_rope
 from .kernels.snapkv import make_kv_compact, make_snapkv_score, make_snapkv_select
@@ -43,9 +44,9 @@ def _prim_constant(prim_value):
 
 @relax.expr_functor.mutator
 class KernelAttacher(relax.PyExprMutator):
-    def __init__(self, mod: tvm.IRModule, cfg: ModelConfig, gpu: bool = False):
+    def __init__(self, mod: tvm.IRModule, cfg: ModelConfig, gpu: bool = False, int8_dot: bool = False):
         super().__init__(mod)
-        self.mod_, self.cfg, self.gpu = mod, cfg, gpu
+        self.mod_, self.cfg, self.gpu, self.int8_dot = mod, cfg, gpu, int8_dot
         self.kernels: dict[tuple, tvm.ir.GlobalVar] = {}
 
     def run(self) -> tvm.IRModule:
@@ -125,7 +126,10 @@ class KernelAttacher(relax.PyExprMutator):
             gv = self.kernel(("gpu_matmul", qtype, n_out, k_in, tokens),
                              lambda: make_gpu_matmul(qtype, n_out, k_in, tokens))
             return relax.call_tir(gv, [call.args[0], *self._gpu_parts(qtype, parts, n_out, k_in)], call.ty)
-        gv = self.kernel(("matmul", qtype, n_out, k_in, tokens), lambda: make_matmul(qtype, n_out, k_in, tokens))
+        if tokens == 1 and self.int8_dot and qtype in INT8_DOT_TYPES:
+            gv = self.kernel(("gemv_int8", qtype, n_out, k_in), lambda: make_gemv_int8(qtype, n_out, k_in))
+        else:
+            gv = self.kernel(("matmul", qtype, n_out, k_in, tokens), lambda: make_matmul(qtype, n_out, k_in, tokens))
         return relax.call_tir(gv, [call.args[0], *self._cpu_parts(qtype, parts, n_out, k_in)], call.ty)
 
     def _fuse_embedding(self, call):
@@ -268,9 +272,10 @@ def _check_gpu_layouts(mod: tvm.IRModule) -> None:
                                        f"{', '.join(GPU_LAYOUTS)}); compile for llvm instead.")
 
 
-def attach_kernels(mod: tvm.IRModule, cfg: ModelConfig, gpu: bool = False) -> tvm.IRModule:
-    """Replace the named ops with the CPU kernels, or with the GPU kernels when `gpu`."""
+def attach_kernels(mod: tvm.IRModule, cfg: ModelConfig, gpu: bool = False, int8_dot: bool = False) -> tvm.IRModule:
+    """Replace the named ops with the CPU kernels, or with the GPU kernels when `gpu`; `int8_dot`: the CPU's
+    one-token matmuls through quant_gemv_int8 (x86 AVX2 only)."""
     if gpu:
         _check_gpu_layouts(mod)
-    mod = KernelAttacher(mod, cfg, gpu).run()
+    mod = KernelAttacher(mod, cfg, gpu, int8_dot).run()
     return relax.transform.DeadCodeElimination()(mod)

@@ -46,9 +46,15 @@ def required_cpu_features(target: tvm.target.Target) -> list[str]:
     return sorted(flag for llvm_name, flag in _LLVM_TO_CPUINFO.items() if llvm_name in names)
 
 
-def lower(mod: tvm.IRModule, cfg: ModelConfig, target: tvm.target.Target) -> tvm.IRModule:
+def int8_dot_available(target: tvm.target.Target) -> bool:
+    """Whether the integer-dot decode GEMV (x86 AVX2 intrinsics) can be built for `target`."""
+    return "avx2" in required_cpu_features(target)
+
+
+def lower(mod: tvm.IRModule, cfg: ModelConfig, target: tvm.target.Target, int8_dot: bool = False) -> tvm.IRModule:
+    """int8_dot: decode multiplies int8-quantized activations (quant_gemv_int8; needs int8_dot_available)."""
     with target:
-        mod = attach_kernels(mod, cfg)
+        mod = attach_kernels(mod, cfg, int8_dot=int8_dot)
         mod = relax.transform.LegalizeOps(fast_math_legalizations())(mod)
         mod = relax.transform.AnnotateTIROpPattern()(mod)
         mod = relax.transform.FuseOps()(mod)

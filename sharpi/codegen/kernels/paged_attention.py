@@ -104,6 +104,7 @@ def _paged_attention_tiled(heads, kv_heads, head_dim, page_size, scale, n, group
     DC = head_dim // LANES
     TB = max(1, min(8, 4096 // (group * head_dim)))    # the block's accumulators stay within 16 KB
     Q = TB * group
+    VC = LANES * max(c for c in (1, 2, 4) if DC % c == 0)
 
     @T.prim_func
     def paged_attention(var_q: T.handle, var_pool: T.handle, var_pt: T.handle, var_lens: T.handle,
@@ -123,6 +124,7 @@ def _paged_attention_tiled(heads, kv_heads, head_dim, page_size, scale, n, group
             acc = T.decl_buffer((Q, head_dim), "float32", scope="global")
             score = T.decl_buffer((Q, page_size), "float32", scope="global")
             dv = T.decl_buffer((page_size, LANES), "float32", scope="global")
+            vacc = T.decl_buffer((VC // LANES, LANES), "float32", scope="global")
             # per query: running max, running sum, block max, new max, correction
             stats = T.decl_buffer((Q, 5), "float32", scope="global")
             for i in range(Q):
@@ -163,11 +165,20 @@ def _paged_attention_tiled(heads, kv_heads, head_dim, page_size, scale, n, group
                         stats[i, 1] = stats[i, 1] * stats[i, 4]
                         for o in range(page_size):
                             stats[i, 1] = stats[i, 1] + score[i, o]
-                        for d in T.vectorized(head_dim):
-                            acc[i, d] = acc[i, d] * stats[i, 4]
-                        for o in range(T.min(T.Cast("int64", page_size), total - p * page_size)):
-                            for d in T.vectorized(head_dim):
-                                acc[i, d] = acc[i, d] + score[i, o] * f32(pool[page, 1, kvh, o, d])
+                        # V rows into the accumulator VC lanes at a time, held in registers over the page's slots
+                        # (a pass over all head_dim lanes per slot loaded and stored the accumulator each time)
+                        for dc in range(head_dim // VC):
+                            for c in T.unroll(VC // LANES):
+                                for l in T.vectorized(LANES):
+                                    vacc[c, l] = acc[i, dc * VC + c * LANES + l] * stats[i, 4]
+                            for o in range(T.min(T.Cast("int64", page_size), total - p * page_size)):
+                                for c in T.unroll(VC // LANES):
+                                    for l in T.vectorized(LANES):
+                                        vacc[c, l] = vacc[c, l] + score[i, o] * f32(
+                                            pool[page, 1, kvh, o, dc * VC + c * LANES + l])
+                            for c in T.unroll(VC // LANES):
+                                for l in T.vectorized(LANES):
+                                    acc[i, dc * VC + c * LANES + l] = vacc[c, l]
                         stats[i, 0] = stats[i, 3]
             for i in range(Q):
                 if blk * TB + i // group < n:
@@ -177,13 +188,22 @@ def _paged_attention_tiled(heads, kv_heads, head_dim, page_size, scale, n, group
     return paged_attention
 
 
+def decode_splits(kv_heads: int) -> int:
+    """How many ranges of pages each KV head's decode attention is split into: enough tasks (>= 8) to keep a
+    few threads busy when a model has one to three KV heads."""
+    return max(1, 8 // kv_heads)
+
+
 def _paged_attention_decode(heads, kv_heads, head_dim, page_size, scale, group, neg_inf, LANES, kv_dtype, window):
-    """One token: one task per (KV head, chunk of its query heads), so each K/V row is loaded once for the chunk.
-    The chunk is the largest divisor of `group` whose accumulators stay under 1 KB (kept on the stack)."""
+    """One token, split-K (flash-decoding): one task per (KV head, range of its visible pages) computes all `group`
+    query heads of that KV head over its range, so each K/V row is read once in all; a second parallel loop
+    merges the ranges' partial softmaxes. One task per query head instead read gemma3's single 256-wide KV head
+    four times and left a 2-thread CPU with 4 tasks to balance."""
     pages, layers, max_pages = T.int64(), T.int64(), T.int64()
     DC = head_dim // LANES
-    gs = max(c for c in range(1, group + 1) if group % c == 0 and (c * head_dim < 256 or c == 1))
-    chunks = group // gs
+    SP = decode_splits(kv_heads)
+    CH = 4 if DC % 4 == 0 else 2 if DC % 2 == 0 else 1
+    VC = LANES * CH
 
     @T.prim_func
     def paged_attention(var_q: T.handle, var_pool: T.handle, var_pt: T.handle, var_lens: T.handle,
@@ -194,38 +214,49 @@ def _paged_attention_decode(heads, kv_heads, head_dim, page_size, scale, group, 
         page_table = T.match_buffer(var_pt, (layers, max_pages), "int32")
         kv_lens = T.match_buffer(var_lens, (layers,), "int32")
         out = T.match_buffer(var_out, (1, heads, head_dim), "float32")
-        for kc in T.parallel(kv_heads * chunks):
-            kvh = T.meta_var(kc // chunks)
-            h0 = T.meta_var(kvh * group + kc % chunks * gs)
-            total = T.meta_var(T.Cast("int64", kv_lens[layer]) + 1)
-            acc = T.decl_buffer((gs, head_dim), "float32", scope="global")
-            score = T.decl_buffer((gs, page_size), "float32", scope="global")
-            dv = T.decl_buffer((gs, LANES), "float32", scope="global")
-            # per query head: running max, running sum, block max, new max, correction
-            stats = T.decl_buffer((gs, 5), "float32", scope="global")
-            for g in T.unroll(gs):
+        total = T.meta_var(T.Cast("int64", kv_lens[layer]) + 1)
+        first = T.meta_var(first_page(total, window, page_size))
+        count = T.meta_var((total + page_size - 1) // page_size - first)
+        # each range's unnormalized output and its softmax max and sum, per query head
+        part = T.decl_buffer((kv_heads * SP, group, head_dim), "float32")
+        part_stats = T.decl_buffer((kv_heads * SP, group, 2), "float32")
+        for task in T.parallel(kv_heads * SP):
+            kvh = T.meta_var(task // SP)
+            sp = T.meta_var(task % SP)
+            score = T.decl_buffer((group, page_size), "float32", scope="global")
+            dv = T.decl_buffer((group, CH, LANES), "float32", scope="global")
+            vacc = T.decl_buffer((VC // LANES, LANES), "float32", scope="global")
+            # per query head: running max, running sum, page max, new max, correction
+            stats = T.decl_buffer((group, 5), "float32", scope="global")
+            for g in T.unroll(group):
                 stats[g, 0] = T.float32(neg_inf)
                 stats[g, 1] = T.float32(0)
                 for d in T.vectorized(head_dim):
-                    acc[g, d] = T.float32(0)
-            for p in range(first_page(total, window, page_size), (total + page_size - 1) // page_size):
+                    part[task, g, d] = T.float32(0)
+            for p in range(first + count * sp // SP, first + count * (sp + 1) // SP):
                 page = T.meta_var(T.Cast("int64", page_table[layer, p]))
-                # q . k for every slot of the page and every query head of the chunk: each K row is loaded
-                # once; slots past `total` are masked (a select never propagates their contents).
+                # q . k for every slot of the page and every query head: each K row is loaded once; slots past
+                # `total` are masked (a select never propagates their contents).
                 for o in T.unroll(page_size):
-                    for g in T.unroll(gs):
-                        for l in T.vectorized(LANES):
-                            dv[g, l] = q[0, h0 + g, l] * f32(pool[page, 0, kvh, o, l])
-                        for dc in T.unroll(DC - 1):
+                    for g in T.unroll(group):
+                        # CH independent chains per head: one chain through dv waited on each FMA's latency
+                        for c in T.unroll(CH):
                             for l in T.vectorized(LANES):
-                                dv[g, l] = dv[g, l] + q[0, h0 + g, (dc + 1) * LANES + l] \
-                                    * f32(pool[page, 0, kvh, o, (dc + 1) * LANES + l])
+                                dv[g, c, l] = q[0, kvh * group + g, c * LANES + l] * f32(pool[page, 0, kvh, o, c * LANES + l])
+                        for dc in T.unroll(DC // CH - 1):
+                            for c in T.unroll(CH):
+                                for l in T.vectorized(LANES):
+                                    dv[g, c, l] = dv[g, c, l] + q[0, kvh * group + g, ((dc + 1) * CH + c) * LANES + l] \
+                                        * f32(pool[page, 0, kvh, o, ((dc + 1) * CH + c) * LANES + l])
+                        for c in T.unroll(1, CH):
+                            for l in T.vectorized(LANES):
+                                dv[g, 0, l] = dv[g, 0, l] + dv[g, c, l]
                         score[g, o] = T.if_then_else(
                             visible(p * page_size + o, total, window),
-                            (((dv[g, 0] + dv[g, 1]) + (dv[g, 2] + dv[g, 3]))
-                             + ((dv[g, 4] + dv[g, 5]) + (dv[g, 6] + dv[g, 7]))) * T.float32(scale),
+                            (((dv[g, 0, 0] + dv[g, 0, 1]) + (dv[g, 0, 2] + dv[g, 0, 3]))
+                             + ((dv[g, 0, 4] + dv[g, 0, 5]) + (dv[g, 0, 6] + dv[g, 0, 7]))) * T.float32(scale),
                             T.float32(neg_inf))
-                for g in T.unroll(gs):
+                for g in T.unroll(group):
                     stats[g, 2] = T.float32(neg_inf)
                     for o in T.unroll(page_size):
                         stats[g, 2] = T.max(stats[g, 2], score[g, o])
@@ -237,16 +268,40 @@ def _paged_attention_decode(heads, kv_heads, head_dim, page_size, scale, group, 
                     stats[g, 1] = stats[g, 1] * stats[g, 4]
                     for o in range(page_size):
                         stats[g, 1] = stats[g, 1] + score[g, o]
-                    for d in T.vectorized(head_dim):
-                        acc[g, d] = acc[g, d] * stats[g, 4]
                     stats[g, 0] = stats[g, 3]
-                for o in range(T.min(T.Cast("int64", page_size), total - p * page_size)):
-                    for g in T.unroll(gs):
-                        for d in T.vectorized(head_dim):
-                            acc[g, d] = acc[g, d] + score[g, o] * f32(pool[page, 1, kvh, o, d])
-            for g in T.unroll(gs):
+                    # the page's V rows into the output, VC lanes of it at a time: those accumulators stay in
+                    # registers over the page's slots (all head_dim lanes at once spilled)
+                    for dc in range(head_dim // VC):
+                        for c in T.unroll(VC // LANES):
+                            for l in T.vectorized(LANES):
+                                vacc[c, l] = part[task, g, dc * VC + c * LANES + l] * stats[g, 4]
+                        for o in range(T.min(T.Cast("int64", page_size), total - p * page_size)):
+                            for c in T.unroll(VC // LANES):
+                                for l in T.vectorized(LANES):
+                                    vacc[c, l] = vacc[c, l] + score[g, o] * f32(
+                                        pool[page, 1, kvh, o, dc * VC + c * LANES + l])
+                        for c in T.unroll(VC // LANES):
+                            for l in T.vectorized(LANES):
+                                part[task, g, dc * VC + c * LANES + l] = vacc[c, l]
+            for g in T.unroll(group):
+                part_stats[task, g, 0] = stats[g, 0]
+                part_stats[task, g, 1] = stats[g, 1]
+        for h in T.parallel(heads):
+            # merge the ranges: rescale each to the common max (an empty range has max -3e38 and weight 0)
+            m = T.decl_buffer((2,), "float32", scope="local")
+            m[0] = T.float32(neg_inf)
+            for sp in range(SP):
+                m[0] = T.max(m[0], part_stats[h // group * SP + sp, h % group, 0])
+            m[1] = T.float32(0)
+            for sp in range(SP):
+                m[1] = m[1] + part_stats[h // group * SP + sp, h % group, 1] \
+                    * T.exp(part_stats[h // group * SP + sp, h % group, 0] - m[0])
+            for d in T.vectorized(head_dim):
+                out[0, h, d] = T.float32(0)
+            for sp in range(SP):
                 for d in T.vectorized(head_dim):
-                    out[0, h0 + g, d] = acc[g, d] / stats[g, 1]
+                    out[0, h, d] = out[0, h, d] + part[h // group * SP + sp, h % group, d] * (
+                        T.exp(part_stats[h // group * SP + sp, h % group, 0] - m[0]) / m[1])
 
     return paged_attention
 

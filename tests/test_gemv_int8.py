@@ -1,0 +1,72 @@
+"""The integer-dot decode GEMV (quant_gemv_int8) against numpy: the same weights multiplied by the activations
+quantized as ggml does (sharpi.testing.reference.quantize_activations_q8), for every quantized layout, with block
+counts that take each accumulator split, q8_0's -128, zero blocks and the largest quants."""
+import numpy as np
+import pytest
+
+from sharpi.codegen.kernels.quant_gemv_int8 import INT8_DOT_TYPES, element_lane, lane_element, make_gemv_int8
+from sharpi.codegen.llvm import int8_dot_available
+from sharpi.frontend.quant import dequantize_layout
+from sharpi.testing.reference import quantize_activations_q8
+import test_kernels
+import test_kquants
+from test_kernels import TARGET, _as_cpu_kernel_takes, _build, _t
+
+pytestmark = pytest.mark.skipif(not int8_dot_available(TARGET), reason="the integer-dot GEMV needs x86 AVX2")
+
+
+def _weight(qtype, n, k, rng):
+    if qtype in ("q4_k", "q5_k", "q6_k", "q5_1"):
+        return test_kquants._weight(qtype.upper(), n, k, rng)
+    return test_kernels._weight(qtype.upper(), n, k, rng)
+
+
+def _expected(q, parts, x):
+    xq, d = quantize_activations_q8(x)
+    x_seen = (xq.reshape(-1, 32).astype(np.float64) * d.reshape(-1, 1)).reshape(x.shape)
+    return dequantize_layout(q, parts).astype(np.float64) @ x_seen[0]
+
+
+def _run(q, parts, n, k, x):
+    y = _t(np.zeros((1, n), np.float32))
+    _build(make_gemv_int8(q, n, k))(_t(x), *[_t(p) for p in _as_cpu_kernel_takes(q, parts, n, k)], y)
+    return y.numpy()[0]
+
+
+def test_lane_order_is_a_permutation():
+    for qtype in INT8_DOT_TYPES:
+        assert sorted(lane_element(l, qtype) for l in range(32)) == list(range(32))
+        assert all(lane_element(element_lane(e, qtype), qtype) == e for e in range(32))
+
+
+@pytest.mark.parametrize("qtype", INT8_DOT_TYPES)
+@pytest.mark.parametrize("n,k", [(70, 256), (33, 768), (128, 512)])   # 8, 24 and 16 blocks: 4 chains; 70, 33 rows
+def test_gemv_int8_matches_numpy(qtype, n, k, rng):
+    q, parts = _weight(qtype, n, k, rng)
+    x = rng.standard_normal((1, k)).astype(np.float32)
+    x[0, 32:64] = 0                                   # a zero block: d = 0
+    x[0, 64] = 40.0                                   # an outlier: its block quantizes coarsely, as in ggml
+    got, want = _run(q, parts, n, k, x), _expected(q, parts, x)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
+    # and it is the activation rounding, not something larger, that separates it from the float product
+    exact = dequantize_layout(q, parts) @ x[0]
+    assert np.abs(got - exact).max() <= 0.02 * np.abs(exact).max()
+
+
+@pytest.mark.parametrize("k", [32 * 9, 32 * 18])   # odd and 2 x odd block counts: one and two chains
+def test_gemv_int8_accumulator_splits(k, rng):
+    q, parts = _weight("q4_1", 17, k, rng)
+    x = rng.standard_normal((1, k)).astype(np.float32)
+    np.testing.assert_allclose(_run(q, parts, 17, k, x), _expected(q, parts, x), rtol=0, atol=1e-4)
+
+
+def test_q8_0_extremes(rng):
+    """Raw int8 weights -128..127 (ggml's quantizer never writes -128; a GGUF may) against x at +-127 after
+    quantization: the sign trick's |w| = 128 and the pair sums (up to 2 * 128 * 127) must not saturate."""
+    n, k = 8, 64
+    words = rng.integers(-128, 128, (n, k), dtype=np.int8)
+    words[0] = -128
+    words[1] = 127
+    parts = {"qs": words.view(np.uint32).reshape(n, k // 4), "s": np.full((1, n, k // 32), 0.5, np.float32)}
+    x = np.where(rng.random((1, k)) < 0.5, -1.0, 1.0).astype(np.float32) * 3
+    np.testing.assert_allclose(_run("q8_0", parts, n, k, x), _expected("q8_0", parts, x), rtol=1e-6)
