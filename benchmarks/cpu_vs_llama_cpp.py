@@ -9,14 +9,15 @@ printed and, with --out, written with a description of the machine.
 --decode-matmuls compiles one artifact per value (sharpi-compile --decode-matmuls) and times each beside the
 same llama.cpp run.
 
-Needs llama-cpp-python. Run it on a quiet machine: both engines are timed in the same process, one after the
-other, so a noisy neighbour hurts both, but not always equally.
+Needs llama-cpp-python. Run it on a quiet machine: the engines are timed in the same process, taking turns (one
+run each per round), so a noisy neighbour hurts all of them, if not always equally.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -33,6 +34,8 @@ def machine() -> str:
 
 
 def rows_for(name: str, prompts: list[int], gen: int, repeats: int, budget: int, decode: list[str]) -> list[dict]:
+    """Every engine once per round, `repeats` rounds, medians per engine: a slow spell of the shared machine then
+    lands on all engines alike instead of on whichever ran its repeats during it."""
     models = {d: sharpi.load(sharpi.compile(name, target="llvm", output=f"/tmp/sharpi-cpu-bench-{name}-{d}",
                                             decode_matmuls=d)) for d in decode}
     first = models[decode[0]]
@@ -40,14 +43,21 @@ def rows_for(name: str, prompts: list[int], gen: int, repeats: int, budget: int,
     rows = []
     for n in prompts:
         print(f"{name}: {n}-token prompt", file=sys.stderr, flush=True)
-        theirs = bench_llama_cpp(gguf, n, gen, first.threads, repeats, prompt_ids(first, n))
+        engines = {"llama.cpp": lambda: bench_llama_cpp(gguf, n, gen, first.threads, 1, prompt_ids(first, n))}
         for d, model in models.items():
             label = "sharpi" if d == "float" else f"sharpi, {d} decode"
-            ours = bench_sharpi(model, n, gen, repeats, {"snapkv_budget": 0})
-            rows.append({"model": name, "prompt": n, "engine": label, **ours, "vs": theirs})
+            engines[label] = lambda m=model: bench_sharpi(m, n, gen, 1, {"snapkv_budget": 0})
             if budget and n > budget:
-                snap = bench_sharpi(model, n, gen, repeats, {"snapkv_budget": budget})
-                rows.append({"model": name, "prompt": n, "engine": f"{label}, SnapKV {budget}", **snap, "vs": theirs})
+                engines[f"{label}, SnapKV {budget}"] = lambda m=model: bench_sharpi(m, n, gen, 1,
+                                                                                     {"snapkv_budget": budget})
+        samples = {label: [] for label in engines}
+        for _ in range(repeats):
+            for label, run in engines.items():
+                samples[label].append(run())
+        medians = {label: {key: statistics.median(s[key] for s in runs) for key in runs[0]}
+                   for label, runs in samples.items()}
+        theirs = medians.pop("llama.cpp")
+        rows += [{"model": name, "prompt": n, "engine": label, **m, "vs": theirs} for label, m in medians.items()]
         rows.append({"model": name, "prompt": n, "engine": "llama.cpp", **theirs, "vs": theirs})
     return rows
 
@@ -79,7 +89,7 @@ def main(argv=None) -> int:
         rows += rows_for(name, [int(n) for n in args.prompts.split(",")], args.gen, args.repeats, args.budget,
                          args.decode_matmuls.split(","))
     text = (f"# sharpi vs llama.cpp on the CPU, {started}\n\n{about}; same GGUF and thread count for both; decode "
-            f"of {args.gen} tokens after the prompt; median of {args.repeats}.\n\n"
+            f"of {args.gen} tokens after the prompt; median of {args.repeats} rounds (each engine once a round).\n\n"
             f"`python benchmarks/cpu_vs_llama_cpp.py {' '.join(argv or sys.argv[1:])}`\n\n{table(rows)}\n")
     print(text)
     if args.out:

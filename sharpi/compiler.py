@@ -32,7 +32,8 @@ class CompileOptions:
     mcpu: str | None = None
     arch: str | None = None                  # cuda: sm_XY
     cuda_graph: bool = False                 # cuda: decode replays one captured CUDA graph
-    decode_matmuls: str = "float"            # llvm: "int8": int8 activations, integer dots (quant_gemv_int8)
+    decode_matmuls: str | None = None        # llvm: "int8" (int8 activations, integer dots) or "float"; None: int8
+                                             # where the CPU has AVX2
     kv_dtype: str = "float32"                # the KV page pool's element type
     max_context: int | None = None
     snapkv: str = "on"                       # whether the SnapKV ops are compiled in
@@ -60,10 +61,10 @@ class CompileOptions:
             check_arch(self.arch)
         if self.cuda_graph and self.target != "cuda":
             raise ConfigError("--cuda-graph applies to the cuda target only.")
-        if self.decode_matmuls not in DECODE_MATMULS:
+        if self.decode_matmuls is not None and self.decode_matmuls not in DECODE_MATMULS:
             raise ConfigError(f"--decode-matmuls must be one of {', '.join(DECODE_MATMULS)}, got "
                               f"{self.decode_matmuls!r}.")
-        if self.decode_matmuls != "float" and self.target != "llvm":
+        if self.decode_matmuls == "int8" and self.target != "llvm":
             raise ConfigError("--decode-matmuls int8 applies to the llvm target only.")
         if self.kv_dtype not in KV_DTYPES.values():
             raise ConfigError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}.")
@@ -72,7 +73,7 @@ class CompileOptions:
 
 
 def compile(model: str | Path, target: str = "llvm", output: str | Path | None = None, *, mcpu: str | None = None,
-            arch: str | None = None, cuda_graph: bool = False, decode_matmuls: str = "float", kv_dtype: str | None = None,
+            arch: str | None = None, cuda_graph: bool = False, decode_matmuls: str | None = None, kv_dtype: str | None = None,
             max_context: int | None = None,
             snapkv: str | bool | None = None, snapkv_budget=None, snapkv_window=None, snapkv_recency=None,
             snapkv_pooling=None, snapkv_kernel=None, snapkv_granularity=None, snapkv_sinks=None,
@@ -80,9 +81,9 @@ def compile(model: str | Path, target: str = "llvm", output: str | Path | None =
             emit: str | None = None) -> Path:
     """Compile a GGUF (path or known model name) into an artifact directory; returns its path.
 
-    target: llvm (mcpu: the CPU, default this one; decode_matmuls: "float" (default), or "int8": the one-token
-    matmuls multiply int8-quantized activations with integer dot products, as llama.cpp does, faster and about
-    as accurate as llama.cpp; needs x86 AVX2), vulkan, or cuda (arch: sm_XY, default sm_80; cuda_graph: decode
+    target: llvm (mcpu: the CPU, default this one; decode_matmuls: "int8" (the default where the CPU has AVX2):
+    the one-token matmuls multiply int8-quantized activations with integer dot products as llama.cpp does, or
+    "float": float32 throughout, exact to the numpy reference; prefill is float32 either way), vulkan, or cuda (arch: sm_XY, default sm_80; cuda_graph: decode
     as one captured CUDA graph); kv_dtype: the KV cache's element type, "f32" or "f16" (default f16 for cuda, else
     f32).
 
@@ -95,7 +96,7 @@ def compile(model: str | Path, target: str = "llvm", output: str | Path | None =
             raise ConfigError(f"emit must be 'onnx' (or None for a compiled artifact), got {emit!r}.")
         used = [name for name, on in (("target", target != "llvm"), ("mcpu", mcpu), ("arch", arch),
                                       ("cuda_graph", cuda_graph),
-                                      ("decode_matmuls", decode_matmuls != "float"),
+                                      ("decode_matmuls", decode_matmuls is not None),
                                       ("kv_dtype", kv_dtype)) if on]
         if used:
             raise ConfigError(f"{', '.join(used)} {'does' if len(used) == 1 else 'do'} not apply to emit='onnx'.")
@@ -125,7 +126,8 @@ def compile(model: str | Path, target: str = "llvm", output: str | Path | None =
         if decode_matmuls == "int8" and not int8_dot_available(llvm_target):
             raise ConfigError(f"--decode-matmuls int8 needs x86 AVX2, which {llvm_target.attrs['mcpu']} does not "
                               f"have; use --decode-matmuls float.")
-        resolved = replace(options, mcpu=mcpu or host_cpu())
+        resolved = replace(options, mcpu=mcpu or host_cpu(), decode_matmuls=decode_matmuls or (
+            "int8" if int8_dot_available(llvm_target) else "float"))
     elif target == "cuda":
         from .codegen.cuda import DEFAULT_ARCH, nvcc_path
         nvcc_path()                        # no nvcc: say so before any work

@@ -1,5 +1,5 @@
-"""SmolLM2 compiled with --decode-matmuls int8 (decode multiplies int8-quantized activations, quant_gemv_int8):
-the kernels are in the artifact, the conformance checks pass at its decode tolerance, its decode log-probs stay
+"""SmolLM2 compiled with the default decode matmuls on an AVX2 CPU, int8 (decode multiplies int8-quantized
+activations, quant_gemv_int8): the kernels are in the artifact, the conformance checks pass at its decode tolerance, its decode log-probs stay
 close to the float artifact's (and are not identical: the int8 path really runs), and bad combinations are
 refused before any work."""
 import numpy as np
@@ -16,8 +16,7 @@ pytestmark = pytest.mark.skipif(not int8_dot_available(make_target(None)), reaso
 
 @pytest.fixture(scope="module")
 def smollm2_int8(smollm2_gguf, tmp_path_factory):
-    return sharpi.load(sharpi.compile(str(smollm2_gguf), output=tmp_path_factory.mktemp("i8") / "smollm2",
-                                      decode_matmuls="int8"))
+    return sharpi.load(sharpi.compile(str(smollm2_gguf), output=tmp_path_factory.mktemp("i8") / "smollm2"))
 
 
 def test_artifact_records_and_uses_int8_decode(smollm2_int8, smollm2):

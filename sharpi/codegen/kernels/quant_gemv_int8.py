@@ -26,9 +26,8 @@ from tvm.script import tirx as T
 from ...common.quant_layout import BLOCK, LAYOUTS
 from .quant_matmul import cpu_quants
 
-# qtype -> (its offset: the quant value that means zero, or None when the layout has a minimum field instead)
 INT8_DOT_TYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k")
-_ZERO = {"q4_0": 8, "q5_0": 16, "q6_k": 32}
+_ZERO = {"q4_0": 8, "q5_0": 16, "q6_k": 32}     # the quant value meaning zero (w = (u - zero) * d)
 _HAS_MIN = ("q4_1", "q4_k", "q5_1", "q5_k")
 _QH_FIELD = {"q5_0": 1, "q5_1": 2, "q5_k": 2}   # the scale field holding the 32 fifth bits
 
