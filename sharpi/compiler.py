@@ -123,11 +123,12 @@ def compile(model: str | Path, target: str = "llvm", output: str | Path | None =
     if target == "llvm":
         from .codegen.llvm import host_cpu, int8_dot_available, make_target
         llvm_target = make_target(mcpu)    # an unknown --mcpu fails here, before any hashing or compiling
-        if decode_matmuls == "int8" and not int8_dot_available(llvm_target):
+        has_int8_dot = int8_dot_available(llvm_target)
+        if decode_matmuls == "int8" and not has_int8_dot:
             raise ConfigError(f"--decode-matmuls int8 needs x86 AVX2, which {llvm_target.attrs['mcpu']} does not "
                               f"have; use --decode-matmuls float.")
-        resolved = replace(options, mcpu=mcpu or host_cpu(), decode_matmuls=decode_matmuls or (
-            "int8" if int8_dot_available(llvm_target) else "float"))
+        resolved = replace(options, mcpu=mcpu or host_cpu(),
+                           decode_matmuls=decode_matmuls or ("int8" if has_int8_dot else "float"))
     elif target == "cuda":
         from .codegen.cuda import DEFAULT_ARCH, nvcc_path
         nvcc_path()                        # no nvcc: say so before any work
