@@ -58,7 +58,9 @@ def test_arch_and_cuda_graph_are_chosen_and_validated(tmp_path, capsys, smollm2_
 def test_loading_without_a_cuda_device_says_so(smollm2_cuda_artifact):
     if _cuda_device():
         pytest.skip("this machine has a CUDA device")
-    with pytest.raises(sharpi.SharpiError, match="no CUDA device"):
+    # which reason depends on whether TVM's CUDA runtime is loaded yet (a compile in this process loads it over a
+    # driver stub; an artifact from the compile cache does not): no device, or no libcuda to look for one with
+    with pytest.raises(sharpi.SharpiError, match="has no CUDA device|has no usable CUDA runtime"):
         sharpi.load(smollm2_cuda_artifact)
 
 

@@ -152,6 +152,29 @@ def test_paged_attention_and_append(held, new, static, window, heads, kv_heads, 
                                atol=1e-5)
 
 
+@pytest.mark.parametrize("held,new,window", [(0, 40, 0), (20, 37, 24)])
+@pytest.mark.parametrize("heads,kv_heads,d", [(4, 1, 256), (9, 3, 64), (4, 2, 64), (8, 1, 64), (5, 5, 32)])
+def test_prefill_attention_query_passes(held, new, window, heads, kv_heads, d, rng):
+    """Prefill attention walks 1-4 query heads of a token together (register-blocked q . k and p . V): each group
+    size's pass shape (1, 2, 3, 4 heads; 8 = two passes of 4), head_dim 32-256, a block cut by the prompt's end,
+    pages out of order, a window starting mid-page."""
+    page, layer = 16, 0
+    pages = (held + new + page - 1) // page
+    table = np.asarray([list(np.random.default_rng(1).permutation(pages) + 1)], np.int32)
+    pool = _t(np.full((pages + 1, 2, kv_heads, page, d), np.nan, np.float32))   # unwritten slots are never read
+    k_all = rng.standard_normal((held + new, kv_heads, d)).astype(np.float32)
+    v_all = rng.standard_normal((held + new, kv_heads, d)).astype(np.float32)
+    lens = np.zeros(1, np.int32)
+    _build(make_kv_append(kv_heads, d, page))(pool, _t(k_all), _t(v_all), _t(table), _t(lens), layer)
+    lens[0] = held
+    q = rng.standard_normal((new, heads, d)).astype(np.float32)
+    out = _t(np.zeros((new, heads, d), np.float32))
+    _build(make_paged_attention(heads, kv_heads, d, page, d ** -0.5, None, window=window))(
+        _t(q), pool, _t(table), _t(lens), layer, out)
+    np.testing.assert_allclose(out.numpy(), _attention_reference(q, k_all, v_all, held, window), rtol=1e-4,
+                               atol=1e-5)
+
+
 @pytest.mark.parametrize("held,window", [(300, 0), (300, 100), (130, 0)])
 @pytest.mark.parametrize("heads,kv_heads,d", [(4, 1, 256), (6, 2, 32), (9, 3, 64)])
 def test_decode_attention_page_ranges(held, window, heads, kv_heads, d, rng):

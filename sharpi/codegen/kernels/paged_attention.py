@@ -27,6 +27,9 @@ def fast_exp(x):
     return y * pow2n
 
 
+NEG_INF = -3.0e38   # finite: exp(NEG_INF - NEG_INF) = 1 where a query has seen no visible slot yet
+
+
 def f32(value):
     """A pool element as float32 (the pool may hold float16)."""
     return T.Cast("float32", value)
@@ -45,6 +48,26 @@ def first_page(total, window: int, page_size: int):
     if not window:
         return T.int64(0)
     return T.max(total - window, T.int64(0)) // page_size
+
+
+@T.macro
+def online_softmax_page(stats, score, i, first_slot, total, window, page_size):
+    """Fold a page's scores (row i of `score`, slot o at first_slot + o) into query i's running softmax: stats[i]
+    = (running max, running sum, page max, new max, correction exp(old max - new max)); leaves the page's weights
+    exp(score - new max), 0 where not visible, in score[i]. The caller rescales its output accumulator by
+    stats[i, 4] and adds the weighted V rows."""
+    stats[i, 2] = T.float32(NEG_INF)
+    for o in range(page_size):
+        stats[i, 2] = T.max(stats[i, 2], score[i, o])
+    stats[i, 3] = T.max(stats[i, 0], stats[i, 2])
+    stats[i, 4] = T.exp(stats[i, 0] - stats[i, 3])
+    for o in T.vectorized(page_size):
+        score[i, o] = T.if_then_else(visible(first_slot + o, total, window), fast_exp(score[i, o] - stats[i, 3]),
+                                     T.float32(0))
+    stats[i, 1] = stats[i, 1] * stats[i, 4]
+    for o in range(page_size):
+        stats[i, 1] = stats[i, 1] + score[i, o]
+    stats[i, 0] = stats[i, 3]
 
 
 def make_kv_append(kv_heads: int, head_dim: int, page_size: int, tokens: int | None = None,
@@ -80,7 +103,7 @@ def make_paged_attention(heads: int, kv_heads: int, head_dim: int, page_size: in
     while a layer's cache is contiguous, which is how sliding-window layers are kept)."""
     n = token_count(tokens)
     group = heads // kv_heads
-    neg_inf = -3.0e38
+    neg_inf = NEG_INF
 
     LANES = 8
     if head_dim % LANES:
@@ -98,13 +121,21 @@ def _paged_attention_tiled(heads, kv_heads, head_dim, page_size, scale, n, group
     the KV head's pages together, so each page of K and V is read once per block (from L1) instead of once per
     query: with one query per task the K/V re-reads made an 8000-token SmolLM2 prefill take ~115 s.
 
+    Within a page the queries go QP at a time (query heads of one token, so they share the causal mask), and both
+    products are register-blocked as small GEMMs: q . k for QP queries x OS slots in 8 accumulators (QP + OS loads
+    per 8 FMAs, where one query and one slot at a time took two loads per FMA), and p . V for QP queries x VC
+    lanes, each V row loaded once for the QP queries.
+
     Causal work grows with the token, so blocks are handed out zigzag (first, last, second, second-to-last, ...):
     TVM splits a parallel loop into contiguous ranges, and each range then holds short and long blocks alike."""
     pages, layers, max_pages = T.int64(), T.int64(), T.int64()
     DC = head_dim // LANES
     TB = max(1, min(8, 4096 // (group * head_dim)))    # the block's accumulators stay within 16 KB
     Q = TB * group
-    VC = LANES * max(c for c in (1, 2, 4) if DC % c == 0)
+    QP = max(c for c in (1, 2, 3, 4) if group % c == 0)   # query heads walked together
+    OS = 8 // QP                                       # slots per q . k step: QP x OS accumulators
+    VC = LANES * max(c for c in (1, 2, 4, 8) if DC % c == 0 and c * QP <= 8)   # V lanes per p . V pass
+    assert page_size % OS == 0
 
     @T.prim_func
     def paged_attention(var_q: T.handle, var_pool: T.handle, var_pt: T.handle, var_lens: T.handle,
@@ -123,8 +154,8 @@ def _paged_attention_tiled(heads, kv_heads, head_dim, page_size, scale, n, group
             held = T.meta_var(T.Cast("int64", kv_lens[layer]))
             acc = T.decl_buffer((Q, head_dim), "float32", scope="global")
             score = T.decl_buffer((Q, page_size), "float32", scope="global")
-            dv = T.decl_buffer((page_size, LANES), "float32", scope="global")
-            vacc = T.decl_buffer((VC // LANES, LANES), "float32", scope="global")
+            sacc = T.decl_buffer((QP * OS, LANES), "float32", scope="local")
+            vacc = T.decl_buffer((QP, VC // LANES, LANES), "float32", scope="local")
             # per query: running max, running sum, block max, new max, correction
             stats = T.decl_buffer((Q, 5), "float32", scope="global")
             for i in range(Q):
@@ -135,51 +166,50 @@ def _paged_attention_tiled(heads, kv_heads, head_dim, page_size, scale, n, group
             for p in range(first_page(held + blk * TB + 1, window, page_size),
                            (held + T.min(blk * TB + TB, n) + page_size - 1) // page_size):
                 page = T.meta_var(T.Cast("int64", page_table[layer, p]))
-                for i in range(Q):
-                    t = T.meta_var(blk * TB + i // group)
-                    h = T.meta_var(kvh * group + i % group)
+                for ip in range(Q // QP):
+                    t = T.meta_var(blk * TB + ip * QP // group)
+                    h0 = T.meta_var(kvh * group + ip * QP % group)
                     total = T.meta_var(held + t + 1)
                     if t < n and p * page_size < total and p >= first_page(total, window, page_size):
-                        stats[i, 2] = T.float32(neg_inf)
-                        # q . k for every slot of the page, 8 lanes at a time; slots past `total` are masked
-                        # below (their contents may be anything, but a select never propagates them).
-                        for o in T.unroll(page_size):
-                            for l in T.vectorized(LANES):
-                                dv[o, l] = q[t, h, l] * f32(pool[page, 0, kvh, o, l])
-                            for dc in T.unroll(DC - 1):
+                        # q . k for every slot of the page; slots past `total` are masked below (their contents
+                        # may be anything, but a select never propagates them)
+                        for o0 in range(page_size // OS):
+                            for a in T.unroll(QP * OS):
                                 for l in T.vectorized(LANES):
-                                    dv[o, l] = dv[o, l] + q[t, h, (dc + 1) * LANES + l] \
-                                        * f32(pool[page, 0, kvh, o, (dc + 1) * LANES + l])
-                        for o in T.unroll(page_size):
-                            score[i, o] = T.if_then_else(
-                                visible(p * page_size + o, total, window),
-                                (((dv[o, 0] + dv[o, 1]) + (dv[o, 2] + dv[o, 3]))
-                                 + ((dv[o, 4] + dv[o, 5]) + (dv[o, 6] + dv[o, 7]))) * T.float32(scale),
-                                T.float32(neg_inf))
-                            stats[i, 2] = T.max(stats[i, 2], score[i, o])
-                        stats[i, 3] = T.max(stats[i, 0], stats[i, 2])
-                        stats[i, 4] = T.exp(stats[i, 0] - stats[i, 3])
-                        for o in T.vectorized(page_size):
-                            score[i, o] = T.if_then_else(visible(p * page_size + o, total, window),
-                                                         fast_exp(score[i, o] - stats[i, 3]), T.float32(0))
-                        stats[i, 1] = stats[i, 1] * stats[i, 4]
-                        for o in range(page_size):
-                            stats[i, 1] = stats[i, 1] + score[i, o]
-                        # V rows into the accumulator VC lanes at a time, held in registers over the page's slots
-                        # (a pass over all head_dim lanes per slot loaded and stored the accumulator each time)
+                                    sacc[a, l] = T.float32(0)
+                            for dc in range(DC):
+                                for qq in T.unroll(QP):
+                                    for ss in T.unroll(OS):
+                                        for l in T.vectorized(LANES):
+                                            sacc[qq * OS + ss, l] = sacc[qq * OS + ss, l] + q[t, h0 + qq, dc * LANES + l] \
+                                                * f32(pool[page, 0, kvh, o0 * OS + ss, dc * LANES + l])
+                            for qq in T.unroll(QP):
+                                for ss in T.unroll(OS):
+                                    score[ip * QP + qq, o0 * OS + ss] = T.if_then_else(
+                                        visible(p * page_size + o0 * OS + ss, total, window),
+                                        (((sacc[qq * OS + ss, 0] + sacc[qq * OS + ss, 1])
+                                          + (sacc[qq * OS + ss, 2] + sacc[qq * OS + ss, 3]))
+                                         + ((sacc[qq * OS + ss, 4] + sacc[qq * OS + ss, 5])
+                                            + (sacc[qq * OS + ss, 6] + sacc[qq * OS + ss, 7]))) * T.float32(scale),
+                                        T.float32(neg_inf))
+                        for qq in range(QP):
+                            online_softmax_page(stats, score, ip * QP + qq, p * page_size, total, window, page_size)
+                        # p . V into the accumulators VC lanes at a time, held in registers over the page's slots
                         for dc in range(head_dim // VC):
-                            for c in T.unroll(VC // LANES):
-                                for l in T.vectorized(LANES):
-                                    vacc[c, l] = acc[i, dc * VC + c * LANES + l] * stats[i, 4]
-                            for o in range(T.min(T.Cast("int64", page_size), total - p * page_size)):
+                            for qq in T.unroll(QP):
                                 for c in T.unroll(VC // LANES):
                                     for l in T.vectorized(LANES):
-                                        vacc[c, l] = vacc[c, l] + score[i, o] * f32(
-                                            pool[page, 1, kvh, o, dc * VC + c * LANES + l])
-                            for c in T.unroll(VC // LANES):
-                                for l in T.vectorized(LANES):
-                                    acc[i, dc * VC + c * LANES + l] = vacc[c, l]
-                        stats[i, 0] = stats[i, 3]
+                                        vacc[qq, c, l] = acc[ip * QP + qq, dc * VC + c * LANES + l] * stats[ip * QP + qq, 4]
+                            for o in range(T.min(T.Cast("int64", page_size), total - p * page_size)):
+                                for qq in T.unroll(QP):
+                                    for c in T.unroll(VC // LANES):
+                                        for l in T.vectorized(LANES):
+                                            vacc[qq, c, l] = vacc[qq, c, l] + score[ip * QP + qq, o] * f32(
+                                                pool[page, 1, kvh, o, dc * VC + c * LANES + l])
+                            for qq in T.unroll(QP):
+                                for c in T.unroll(VC // LANES):
+                                    for l in T.vectorized(LANES):
+                                        acc[ip * QP + qq, dc * VC + c * LANES + l] = vacc[qq, c, l]
             for i in range(Q):
                 if blk * TB + i // group < n:
                     for d in T.vectorized(head_dim):
@@ -257,18 +287,7 @@ def _paged_attention_decode(heads, kv_heads, head_dim, page_size, scale, group, 
                              + ((dv[g, 0, 4] + dv[g, 0, 5]) + (dv[g, 0, 6] + dv[g, 0, 7]))) * T.float32(scale),
                             T.float32(neg_inf))
                 for g in T.unroll(group):
-                    stats[g, 2] = T.float32(neg_inf)
-                    for o in T.unroll(page_size):
-                        stats[g, 2] = T.max(stats[g, 2], score[g, o])
-                    stats[g, 3] = T.max(stats[g, 0], stats[g, 2])
-                    stats[g, 4] = T.exp(stats[g, 0] - stats[g, 3])
-                    for o in T.vectorized(page_size):
-                        score[g, o] = T.if_then_else(visible(p * page_size + o, total, window),
-                                                     fast_exp(score[g, o] - stats[g, 3]), T.float32(0))
-                    stats[g, 1] = stats[g, 1] * stats[g, 4]
-                    for o in range(page_size):
-                        stats[g, 1] = stats[g, 1] + score[g, o]
-                    stats[g, 0] = stats[g, 3]
+                    online_softmax_page(stats, score, g, p * page_size, total, window, page_size)
                     # the page's V rows into the output, VC lanes of it at a time: those accumulators stay in
                     # registers over the page's slots (all head_dim lanes at once spilled)
                     for dc in range(head_dim // VC):

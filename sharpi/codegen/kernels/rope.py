@@ -31,11 +31,14 @@ def make_rope(heads: int, head_dim: int, theta: float, layout: str = "norm", tok
         x = T.match_buffer(var_x, (n, heads, head_dim), "float32")
         pos = T.match_buffer(var_pos, (n,), "int32")
         y = T.match_buffer(var_y, (n, heads, head_dim), "float32")
+        freq = T.decl_buffer((half,), "float64")   # theta^(-2i/D), once per call rather than per token
+        for i in range(half):
+            freq[i] = T.pow(T.float64(theta), T.Cast("float64", i * 2) / T.float64(head_dim) * T.float64(-1))
         for t in T.parallel(n):
             cs = T.decl_buffer((half,), "float32", scope="global")
             sn = T.decl_buffer((half,), "float32", scope="global")
             for i in range(half):
-                angle = T.Cast("float64", pos[t]) * T.pow(T.float64(theta), T.Cast("float64", i * 2) / T.float64(head_dim) * T.float64(-1))
+                angle = T.Cast("float64", pos[t]) * freq[i]
                 cs[i] = T.Cast("float32", T.cos(angle))
                 sn[i] = T.Cast("float32", T.sin(angle))
             for h in range(heads):
