@@ -4,9 +4,9 @@ after the long prompt. Medians of --repeats runs; a Markdown table with the rati
 printed and, with --out, written with a description of the machine.
 
     python benchmarks/cpu_vs_llama_cpp.py [--models smollm2-135m,gemma3-270m] [--prompts 512,4096] [--gen 64]
-        [--repeats 3] [--budget 1024] [--decode-matmuls float,int8] [--out benchmarks/cpu.md]
+        [--repeats 3] [--budget 1024] [--matmuls float,int8] [--out benchmarks/cpu.md]
 
---decode-matmuls compiles one artifact per value (sharpi-compile --decode-matmuls) and times each beside the
+--matmuls compiles one artifact per value (sharpi-compile --matmuls) and times each beside the
 same llama.cpp run.
 
 Needs llama-cpp-python. Run it on a quiet machine: the engines are timed in the same process, taking turns (one
@@ -33,19 +33,19 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} logical CPUs, load average {load:.1f} at the start, Python {platform.python_version()}"
 
 
-def rows_for(name: str, prompts: list[int], gen: int, repeats: int, budget: int, decode: list[str]) -> list[dict]:
+def rows_for(name: str, prompts: list[int], gen: int, repeats: int, budget: int, matmuls: list[str]) -> list[dict]:
     """Every engine once per round, `repeats` rounds, medians per engine: a slow spell of the shared machine then
     lands on all engines alike instead of on whichever ran its repeats during it."""
-    models = {d: sharpi.load(sharpi.compile(name, target="llvm", output=f"/tmp/sharpi-cpu-bench-{name}-{d}",
-                                            decode_matmuls=d)) for d in decode}
-    first = models[decode[0]]
+    models = {m: sharpi.load(sharpi.compile(name, target="llvm", output=f"/tmp/sharpi-cpu-bench-{name}-{m}",
+                                            matmuls=m)) for m in matmuls}
+    first = models[matmuls[0]]
     gguf = find_gguf(first, None)
     rows = []
     for n in prompts:
         print(f"{name}: {n}-token prompt", file=sys.stderr, flush=True)
         engines = {"llama.cpp": lambda: bench_llama_cpp(gguf, n, gen, first.threads, 1, prompt_ids(first, n))}
         for d, model in models.items():
-            label = "sharpi" if d == "float" else f"sharpi, {d} decode"
+            label = "sharpi" if d == "float" else f"sharpi, {d} matmuls"
             engines[label] = lambda m=model: bench_sharpi(m, n, gen, 1, {"snapkv_budget": 0})
             if budget and n > budget:
                 engines[f"{label}, SnapKV {budget}"] = lambda m=model: bench_sharpi(m, n, gen, 1,
@@ -80,14 +80,14 @@ def main(argv=None) -> int:
     p.add_argument("--gen", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--budget", type=int, default=1024)
-    p.add_argument("--decode-matmuls", default="float,int8", help="sharpi artifacts to time: float, int8 or both")
+    p.add_argument("--matmuls", default="float,int8", help="sharpi artifacts to time: float, int8 or both")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     started, about = time.strftime("%Y-%m-%d %H:%M"), machine()
     rows = []
     for name in args.models.split(","):
         rows += rows_for(name, [int(n) for n in args.prompts.split(",")], args.gen, args.repeats, args.budget,
-                         args.decode_matmuls.split(","))
+                         args.matmuls.split(","))
     text = (f"# sharpi vs llama.cpp on the CPU, {started}\n\n{about}; same GGUF and thread count for both; decode "
             f"of {args.gen} tokens after the prompt; median of {args.repeats} rounds (each engine once a round).\n\n"
             f"`python benchmarks/cpu_vs_llama_cpp.py {' '.join(argv or sys.argv[1:])}`\n\n{table(rows)}\n")

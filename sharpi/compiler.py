@@ -22,7 +22,7 @@ from .common.version import __version__
 
 TARGETS = ("llvm", "cuda", "vulkan")
 KV_DTYPES = {"f32": "float32", "f16": "float16"}    # --kv-dtype names -> element types
-DECODE_MATMULS = ("float", "int8")
+MATMULS = ("float", "int8")
 PREFILL_CHUNK = 512
 
 
@@ -32,8 +32,8 @@ class CompileOptions:
     mcpu: str | None = None
     arch: str | None = None                  # cuda: sm_XY
     cuda_graph: bool = False                 # cuda: decode replays one captured CUDA graph
-    decode_matmuls: str | None = None        # llvm: "int8" (int8 activations, integer dots) or "float"; None: int8
-                                             # where the CPU has AVX2
+    matmuls: str | None = None               # llvm: "int8" (int8 activations, integer dots) or "float"; None:
+                                             # int8 where the CPU has AVX2
     kv_dtype: str = "float32"                # the KV page pool's element type
     max_context: int | None = None
     snapkv: str = "on"                       # whether the SnapKV ops are compiled in
@@ -61,11 +61,11 @@ class CompileOptions:
             check_arch(self.arch)
         if self.cuda_graph and self.target != "cuda":
             raise ConfigError("--cuda-graph applies to the cuda target only.")
-        if self.decode_matmuls is not None and self.decode_matmuls not in DECODE_MATMULS:
-            raise ConfigError(f"--decode-matmuls must be one of {', '.join(DECODE_MATMULS)}, got "
-                              f"{self.decode_matmuls!r}.")
-        if self.decode_matmuls == "int8" and self.target != "llvm":
-            raise ConfigError("--decode-matmuls int8 applies to the llvm target only.")
+        if self.matmuls is not None and self.matmuls not in MATMULS:
+            raise ConfigError(f"--matmuls must be one of {', '.join(MATMULS)}, got "
+                              f"{self.matmuls!r}.")
+        if self.matmuls == "int8" and self.target != "llvm":
+            raise ConfigError("--matmuls int8 applies to the llvm target only.")
         if self.kv_dtype not in KV_DTYPES.values():
             raise ConfigError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}.")
         if self.max_context is not None:
@@ -73,7 +73,7 @@ class CompileOptions:
 
 
 def compile(model: str | Path, target: str = "llvm", output: str | Path | None = None, *, mcpu: str | None = None,
-            arch: str | None = None, cuda_graph: bool = False, decode_matmuls: str | None = None, kv_dtype: str | None = None,
+            arch: str | None = None, cuda_graph: bool = False, matmuls: str | None = None, kv_dtype: str | None = None,
             max_context: int | None = None,
             snapkv: str | bool | None = None, snapkv_budget=None, snapkv_window=None, snapkv_recency=None,
             snapkv_pooling=None, snapkv_kernel=None, snapkv_granularity=None, snapkv_sinks=None,
@@ -81,9 +81,9 @@ def compile(model: str | Path, target: str = "llvm", output: str | Path | None =
             emit: str | None = None) -> Path:
     """Compile a GGUF (path or known model name) into an artifact directory; returns its path.
 
-    target: llvm (mcpu: the CPU, default this one; decode_matmuls: "int8" (the default where the CPU has AVX2):
-    the one-token matmuls multiply int8-quantized activations with integer dot products as llama.cpp does, or
-    "float": float32 throughout, exact to the numpy reference; prefill is float32 either way), vulkan, or cuda (arch: sm_XY, default sm_80; cuda_graph: decode
+    target: llvm (mcpu: the CPU, default this one; matmuls: "int8" (the default where the CPU has AVX2):
+    the quantized matmuls multiply int8-quantized activations with integer dot products as llama.cpp does, or
+    "float": float32 throughout, exact to the numpy reference), vulkan, or cuda (arch: sm_XY, default sm_80; cuda_graph: decode
     as one captured CUDA graph); kv_dtype: the KV cache's element type, "f32" or "f16" (default f16 for cuda, else
     f32).
 
@@ -96,7 +96,7 @@ def compile(model: str | Path, target: str = "llvm", output: str | Path | None =
             raise ConfigError(f"emit must be 'onnx' (or None for a compiled artifact), got {emit!r}.")
         used = [name for name, on in (("target", target != "llvm"), ("mcpu", mcpu), ("arch", arch),
                                       ("cuda_graph", cuda_graph),
-                                      ("decode_matmuls", decode_matmuls is not None),
+                                      ("matmuls", matmuls is not None),
                                       ("kv_dtype", kv_dtype)) if on]
         if used:
             raise ConfigError(f"{', '.join(used)} {'does' if len(used) == 1 else 'do'} not apply to emit='onnx'.")
@@ -113,7 +113,7 @@ def compile(model: str | Path, target: str = "llvm", output: str | Path | None =
     if kv_dtype is None:                   # DESIGN.md: f32 on CPU; f16 on CUDA GPUs (Vulkan: f32 until measured)
         kv_dtype = "f16" if target == "cuda" else "f32"
     options = CompileOptions(target=target, mcpu=mcpu, arch=arch, cuda_graph=bool(cuda_graph),
-                             decode_matmuls=decode_matmuls, kv_dtype=KV_DTYPES.get(kv_dtype, kv_dtype),
+                             matmuls=matmuls, kv_dtype=KV_DTYPES.get(kv_dtype, kv_dtype),
                              max_context=max_context, **snapkv_fields)
     options.validate()
     gguf_path = resolve_model(model, show_progress=show_progress)
@@ -124,11 +124,11 @@ def compile(model: str | Path, target: str = "llvm", output: str | Path | None =
         from .codegen.llvm import host_cpu, int8_dot_available, make_target
         llvm_target = make_target(mcpu)    # an unknown --mcpu fails here, before any hashing or compiling
         has_int8_dot = int8_dot_available(llvm_target)
-        if decode_matmuls == "int8" and not has_int8_dot:
-            raise ConfigError(f"--decode-matmuls int8 needs x86 AVX2, which {llvm_target.attrs['mcpu']} does not "
-                              f"have; use --decode-matmuls float.")
+        if matmuls == "int8" and not has_int8_dot:
+            raise ConfigError(f"--matmuls int8 needs x86 AVX2, which {llvm_target.attrs['mcpu']} does not "
+                              f"have; use --matmuls float.")
         resolved = replace(options, mcpu=mcpu or host_cpu(),
-                           decode_matmuls=decode_matmuls or ("int8" if has_int8_dot else "float"))
+                           matmuls=matmuls or ("int8" if has_int8_dot else "float"))
     elif target == "cuda":
         from .codegen.cuda import DEFAULT_ARCH, nvcc_path
         nvcc_path()                        # no nvcc: say so before any work
@@ -309,13 +309,13 @@ def _build_llvm(mod, cfg, options: CompileOptions, staging: Path, bar) -> tuple[
 
     target = make_target(options.mcpu)
     bar.set_postfix_str("attach kernels, legalize, fuse")
-    lowered = lower(mod, cfg, target, int8_dot=options.decode_matmuls == "int8")
+    lowered = lower(mod, cfg, target, int8_dot=options.matmuls == "int8")
     bar.update(1)
     bar.set_postfix_str("LLVM codegen")
     build(lowered, target, staging / artifact.LIBRARY)
     bar.update(1)
     info = {"kind": "llvm", "mcpu": str(target.attrs["mcpu"]), "cpu_features": required_cpu_features(target),
-            "decode_matmuls": options.decode_matmuls}
+            "matmuls": options.matmuls}
     return info, kernel_names(lowered)
 
 

@@ -32,11 +32,11 @@ def gemma3_gguf():
 
 @pytest.fixture(scope="session")
 def smollm2_artifact(smollm2_gguf, tmp_path_factory):
-    """SmolLM2 for this CPU with float32 decode matmuls: the tests that hold the KV cache, SnapKV and decode to
-    the exact numpy reference need them; the default int8 decode is tested in test_int8_decode.py."""
+    """SmolLM2 for this CPU with float32 matmuls: the tests that hold prefill, the KV cache, SnapKV and decode to
+    the exact numpy reference need them; the default int8 matmuls are tested in test_int8_matmuls.py."""
     import sharpi
     return sharpi.compile(str(smollm2_gguf), target="llvm", output=tmp_path_factory.mktemp("art") / "smollm2",
-                          decode_matmuls="float")
+                          matmuls="float")
 
 
 @pytest.fixture(scope="session")
@@ -71,11 +71,11 @@ def rng():
 
 @pytest.fixture(scope="session")
 def gemma3(gemma3_gguf, tmp_path_factory):
-    """Gemma 3 270M compiled for this CPU (SnapKV ops included, float32 decode matmuls as smollm2_artifact),
+    """Gemma 3 270M compiled for this CPU (SnapKV ops included, float32 matmuls as smollm2_artifact),
     once per test session."""
     import sharpi
     return sharpi.load(sharpi.compile(str(gemma3_gguf), output=tmp_path_factory.mktemp("g3") / "gemma3",
-                                      decode_matmuls="float"))
+                                      matmuls="float"))
 
 
 @pytest.fixture(scope="session")

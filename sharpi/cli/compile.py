@@ -17,10 +17,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cuda: run each decode step as one captured CUDA graph (fewer launches)")
     p.add_argument("-o", "--output", default=None, help="artifact directory (default: <gguf name>-<target>)")
     p.add_argument("--mcpu", default=None, help="CPU to compile for (default: this machine's, e.g. znver3)")
-    p.add_argument("--decode-matmuls", default=None, choices=["int8", "float"],
-                   help="llvm: int8 (the default on CPUs with AVX2): decode multiplies int8-quantized activations "
-                        "with integer dot products, as llama.cpp does; float: float32 throughout, exact to the "
-                        "numpy reference")
+    p.add_argument("--matmuls", default=None, choices=["int8", "float"],
+                   help="llvm: int8 (the default on CPUs with AVX2): the quantized matmuls multiply "
+                        "int8-quantized activations with integer dot products, as llama.cpp does; float: float32 "
+                        "throughout, exact to the numpy reference")
     p.add_argument("--max-context", type=int, default=None, help="context length (default: the GGUF's)")
     p.add_argument("--kv-dtype", default=None, help="the KV cache's element type: f32 or f16 (half the memory; "
                                                      "Vulkan needs shader-f16); default f16 for cuda, else f32")
@@ -48,7 +48,7 @@ def main(argv=None) -> int:
         from ..common.errors import ConfigError
         from ..compiler import export_onnx
         used = [flag for flag, on in (("--mcpu", args.mcpu), ("--arch", args.arch), ("--cuda-graph", args.cuda_graph),
-                                      ("--decode-matmuls", args.decode_matmuls), ("--kv-dtype", args.kv_dtype), ("--check", args.check),
+                                      ("--matmuls", args.matmuls), ("--kv-dtype", args.kv_dtype), ("--check", args.check),
                                       ("--target", args.target != "llvm")) if on]
         if used:
             raise ConfigError(f"{', '.join(used)} {'does' if len(used) == 1 else 'do'} not apply to --emit onnx.")
@@ -58,7 +58,7 @@ def main(argv=None) -> int:
         return 0
     from ..compiler import compile as compile_model
     out = compile_model(args.model, target=args.target, output=args.output, mcpu=args.mcpu, arch=args.arch,
-                        cuda_graph=args.cuda_graph, decode_matmuls=args.decode_matmuls, kv_dtype=args.kv_dtype,
+                        cuda_graph=args.cuda_graph, matmuls=args.matmuls, kv_dtype=args.kv_dtype,
                         max_context=args.max_context, snapkv=args.snapkv, dump_ir=args.dump_ir,
                         use_cache=not args.no_cache, show_progress=not args.quiet, **snapkv_kwargs(args))
     print(out)

@@ -23,7 +23,7 @@ from ..common.errors import CompileError
 from ..ir_passes.named_ops import extern_name
 from .kernels.paged_attention import make_kv_append, make_paged_attention
 from ..common.quant_layout import QUANTIZED
-from .kernels.quant_gemv_int8 import INT8_DOT_TYPES, make_gemv_int8
+from .kernels.quant_matmul_int8 import INT8_DOT_TYPES, make_gemm_int8, make_gemv_int8
 from .kernels.quant_matmul import cpu_quants, make_embedding, make_matmul
 from .kernels.rope import make_rope
 from .kernels.snapkv import make_kv_compact, make_snapkv_score, make_snapkv_select
@@ -128,6 +128,8 @@ class KernelAttacher(relax.PyExprMutator):
             return relax.call_tir(gv, [call.args[0], *self._gpu_parts(qtype, parts, n_out, k_in)], call.ty)
         if tokens == 1 and self.int8_dot and qtype in INT8_DOT_TYPES:
             gv = self.kernel(("gemv_int8", qtype, n_out, k_in), lambda: make_gemv_int8(qtype, n_out, k_in))
+        elif self.int8_dot and qtype in INT8_DOT_TYPES:
+            gv = self.kernel(("gemm_int8", qtype, n_out, k_in), lambda: make_gemm_int8(qtype, n_out, k_in))
         else:
             gv = self.kernel(("matmul", qtype, n_out, k_in, tokens), lambda: make_matmul(qtype, n_out, k_in, tokens))
         return relax.call_tir(gv, [call.args[0], *self._cpu_parts(qtype, parts, n_out, k_in)], call.ty)
@@ -274,7 +276,7 @@ def _check_gpu_layouts(mod: tvm.IRModule) -> None:
 
 def attach_kernels(mod: tvm.IRModule, cfg: ModelConfig, gpu: bool = False, int8_dot: bool = False) -> tvm.IRModule:
     """Replace the named ops with the CPU kernels, or with the GPU kernels when `gpu`; `int8_dot`: the CPU's
-    one-token matmuls through quant_gemv_int8 (x86 AVX2 only)."""
+    quantized matmuls through quant_matmul_int8 (x86 AVX2 only)."""
     if gpu:
         _check_gpu_layouts(mod)
     mod = KernelAttacher(mod, cfg, gpu, int8_dot).run()

@@ -40,7 +40,7 @@ from __future__ import annotations
 import functools
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -104,24 +104,22 @@ class Tolerance:
     logprob_atol: float
     near_tie: float
     label: str
-    decode: "Tolerance | None" = None   # one-token steps, where they compute differently from prefill
-
-    def for_decode(self) -> "Tolerance":
-        return self.decode or self
 
 
-# Artifacts compiled with --decode-matmuls int8 quantize each decode matmul's activations to int8 as llama.cpp does;
-# against float32 recomputation their decode log-probs measured up to 1.0 apart over the whole vocabulary (16
-# SmolLM2 greedy steps; 0.61 on Gemma 3), 0.42 among the top 20 tokens, and every greedy token was still the
-# recomputed argmax. (log-prob atol, near-tie) for their decode steps:
-INT8_DECODE = (2.0, 1.0)
+# Artifacts compiled with --matmuls int8 quantize each quantized matmul's activations to int8 as llama.cpp does.
+# Against the float32 reference, the log-probs of ~100 teacher-forced tokens measured up to 1.56 apart over the whole
+# vocabulary on SmolLM2 and 2.83 on Gemma 3 (the far tail moves most: among the top 20 tokens 0.74 and 1.24; the
+# median position's worst entry 0.6); 16 greedy decode steps up to 1.0, every greedy token the reference's argmax or
+# a near-tie. The text's perplexity moves toward llama.cpp's (SmolLM2 12.747, llama.cpp 12.749, float32 12.711).
+# (log-prob atol, near-tie):
+INT8_MATMULS = (4.0, 1.0)
 
 
 def tolerance_for(manifest) -> Tolerance:
     base = _tolerance_for_target(manifest)
-    if manifest.target.get("decode_matmuls") == "int8":
-        atol, near_tie = INT8_DECODE
-        return replace(base, decode=Tolerance(atol, near_tie, f"{base.label}, int8 decode matmuls"))
+    if manifest.target.get("matmuls") == "int8":
+        atol, near_tie = INT8_MATMULS
+        return Tolerance(max(atol, base.logprob_atol), max(near_tie, base.near_tie), f"{base.label}, int8 matmuls")
     return base
 
 
@@ -350,21 +348,20 @@ def check_greedy_kv_cache(model, ids, steps: int = DECODE_TOKENS, tolerance: Tol
     steps = len(tokens)
     full = (model.score(ids + tokens[:-1]) if full is None else full)[len(ids) - 1:]
     gaps = full.max(-1) - full[np.arange(steps), tokens]
-    # step 0's logits come from the prefill, the rest from decode steps (which may compute differently)
-    near_tie = np.array([tolerance.near_tie] + [tolerance.for_decode().near_tie] * (steps - 1))
+    near_tie = tolerance.near_tie
     off = np.flatnonzero(gaps > near_tie)
     if off.size:
         step = int(off[0])
         raise CheckFailed(name, f"step {step}: the KV cache chose token {tokens[step]}, full recomputation "
-                                f"{int(full[step].argmax())} (by {gaps[step]:.3g} > near-tie {near_tie[step]:g}); "
+                                f"{int(full[step].argmax())} (by {gaps[step]:.3g} > near-tie {near_tie:g}); "
                                 f"generated {model.detokenize(tokens)!r}")
     ties = int(((gaps > 0) & (gaps <= near_tie)).sum())
     compare_logits(cached[:1], full[:1], tolerance, name, "prefill vs recomputed logits")
     if steps > 1:
-        compare_logits(cached[1:], full[1:], tolerance.for_decode(), name, "decoded vs recomputed logits")
+        compare_logits(cached[1:], full[1:], tolerance, name, "decoded vs recomputed logits")
     worst = float(np.abs(log_softmax(cached) - log_softmax(full)).max())
     return (f"{steps} tokens = recomputed argmax" + (f" ({ties} near-ties)" if ties else "")
-            + f"; logits {worst:.1e} apart (<= {tolerance.for_decode().logprob_atol:g})")
+            + f"; logits {worst:.1e} apart (<= {tolerance.logprob_atol:g})")
 
 
 def has_snapkv(model) -> bool:
@@ -470,7 +467,7 @@ def check_snapkv_decode_after_compaction(model, reference: ArtifactReference, id
     full = reference.logits(run.ids)
     compare_logits(run.prefill_logits, full[-1], tolerance, name, "prefill logits (before eviction)")
     expected = reference.decode_after_compaction(run.ids, run.kept_positions, run.token)
-    detail = compare_logits(run.decode_logits, expected, tolerance.for_decode(), name,
+    detail = compare_logits(run.decode_logits, expected, tolerance, name,
                             f"decode at position {len(run.ids)} over the {run.knobs['snapkv_budget']} kept slots")
     return f"vs {reference.name}: {detail}"
 

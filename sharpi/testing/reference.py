@@ -279,13 +279,15 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 
 def quantize_activations_q8(x: np.ndarray, block: int = 32) -> tuple[np.ndarray, np.ndarray]:
-    """ggml's quantize_row_q8_0 on float32 rows: per block of 32, d = max|x| / 127 and q = roundf(x / d) (halves
-    away from zero; an all-zero block gets d = 0, q = 0). Returns (q int8 [..., K], d float32 [..., K / 32]): what
-    sharpi's integer-dot decode GEMV (and llama.cpp's CPU matmuls) multiply the weights with."""
+    """ggml's quantize_row_q8_0 on float32 rows as its x86 AVX2 path computes it: per block of 32, d = max|x| / 127
+    and q = x * (1 / d) rounded to nearest, halves to even (the scalar reference's roundf sends halves away from zero;
+    an exact half does occur, about once in 10^5 values); an all-zero block gets d = 0, q = 0. Returns (q int8
+    [..., K], d float32 [..., K / 32]): what sharpi's integer-dot matmuls (and llama.cpp's CPU matmuls) multiply the
+    weights with."""
     xb = np.asarray(x, np.float32).reshape(*x.shape[:-1], -1, block)
     d = (np.abs(xb).max(-1) / np.float32(127)).astype(np.float32)
     inv = np.zeros_like(d)
     np.divide(np.float32(1), d, out=inv, where=d > 0)
     v = xb * inv[..., None]
-    q = (np.sign(v) * np.floor(np.abs(v) + np.float32(0.5))).astype(np.int8)
+    q = np.rint(v).astype(np.int8)   # halves to even, as the kernels and ggml's AVX2 path (_MM_ROUND_NEAREST) round
     return q.reshape(x.shape), d

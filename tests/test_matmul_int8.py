@@ -1,10 +1,12 @@
-"""The integer-dot decode GEMV (quant_gemv_int8) against numpy: the same weights multiplied by the activations
-quantized as ggml does (sharpi.testing.reference.quantize_activations_q8), for every quantized layout, with block
-counts that take each accumulator split, q8_0's -128, zero blocks and the largest quants."""
+"""The integer-dot matmuls (quant_matmul_int8: the decode GEMV and the prefill GEMM) against numpy: the same
+weights multiplied by the activations quantized as ggml does (sharpi.testing.reference.quantize_activations_q8), for
+every quantized layout, with block counts that take each accumulator split, token counts that cut a tile, q8_0's
+-128, zero blocks and the largest quants."""
 import numpy as np
 import pytest
 
-from sharpi.codegen.kernels.quant_gemv_int8 import INT8_DOT_TYPES, element_lane, lane_element, make_gemv_int8
+from sharpi.codegen.kernels.quant_matmul_int8 import (INT8_DOT_TYPES, GEMM_TILE, element_lane, lane_element,
+                                                      make_gemm_int8, make_gemv_int8)
 from sharpi.codegen.llvm import int8_dot_available
 from sharpi.frontend.quant import dequantize_layout
 from sharpi.testing.reference import quantize_activations_q8
@@ -22,9 +24,17 @@ def _weight(qtype, n, k, rng):
 
 
 def _expected(q, parts, x):
+    """y [len(x), N] (or [N] for one row) of the int8-quantized rows of x."""
     xq, d = quantize_activations_q8(x)
     x_seen = (xq.reshape(-1, 32).astype(np.float64) * d.reshape(-1, 1)).reshape(x.shape)
-    return dequantize_layout(q, parts).astype(np.float64) @ x_seen[0]
+    y = x_seen @ dequantize_layout(q, parts).astype(np.float64).T
+    return y[0] if len(x) == 1 else y
+
+
+def _run_gemm(q, parts, n, k, x):
+    y = _t(np.zeros((len(x), n), np.float32))
+    _build(make_gemm_int8(q, n, k))(_t(x), *[_t(p) for p in _as_cpu_kernel_takes(q, parts, n, k)], y)
+    return y.numpy()
 
 
 def _run(q, parts, n, k, x):
@@ -70,3 +80,30 @@ def test_q8_0_extremes(rng):
     parts = {"qs": words.view(np.uint32).reshape(n, k // 4), "s": np.full((1, n, k // 32), 0.5, np.float32)}
     x = np.where(rng.random((1, k)) < 0.5, -1.0, 1.0).astype(np.float32) * 3
     np.testing.assert_allclose(_run("q8_0", parts, n, k, x), _expected("q8_0", parts, x), rtol=1e-6)
+
+
+@pytest.mark.parametrize("qtype", INT8_DOT_TYPES)
+@pytest.mark.parametrize("tokens,n,k", [(GEMM_TILE + 5, 70, 256), (GEMM_TILE, 33, 512), (1, 64, 256)])
+def test_gemm_int8_matches_numpy(qtype, tokens, n, k, rng):
+    """Prefill: a tile and a cut one (the padding rows must not reach y), a whole tile, one token; rows that do
+    not divide into the tasks evenly."""
+    q, parts = _weight(qtype, n, k, rng)
+    x = rng.standard_normal((tokens, k)).astype(np.float32)
+    x[0, 32:64] = 0                                   # a zero block
+    x[-1, 5] = 40.0                                   # an outlier in the last token
+    if tokens > 2:
+        x[tokens // 2] *= 1e-3                        # a token of small activations: its own scales
+    got, want = _run_gemm(q, parts, n, k, x), _expected(q, parts, x).reshape(tokens, n)
+    err = np.abs(got - want).max(-1) / np.abs(want).max(-1)          # per token: each has its own scales
+    assert err.max() <= 2e-5, err
+    exact = x @ dequantize_layout(q, parts).T                         # and the rounding is all that separates them
+    assert (np.abs(got - exact).max(-1) <= 0.05 * np.abs(exact).max(-1)).all()
+
+
+def test_gemm_int8_rows_agree_with_the_gemv(rng):
+    """A token's row quantizes the same in prefill and decode, so the two kernels give it the same products."""
+    q, parts = _weight("q5_0", 40, 192, rng)
+    x = rng.standard_normal((11, 192)).astype(np.float32)
+    got = _run_gemm(q, parts, 40, 192, x)
+    for t in (0, 7, 10):
+        np.testing.assert_allclose(got[t], _run(q, parts, 40, 192, x[t:t + 1]), rtol=1e-5, atol=1e-6)

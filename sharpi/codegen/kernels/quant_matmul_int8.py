@@ -1,7 +1,8 @@
-"""Decode GEMV (one token) with integer dot products on x86 AVX2, as llama.cpp multiplies on CPUs.
+"""Matmuls with integer dot products on x86 AVX2, as llama.cpp multiplies on CPUs: the decode GEMV (one token) and
+the prefill GEMM (tiles of tokens).
 
-The float GEMV in quant_matmul.py dequantizes every weight to f32 first: ~11 vector instructions per 8 weights for
-q5_0, so the 4-6 bit matmuls run compute-bound at 5-7 GB/s. Here the activation row is quantized once per call to
+The float kernels in quant_matmul.py dequantize every weight to f32 first: ~11 vector instructions per 8 weights for
+q5_0, so the 4-6 bit GEMVs run compute-bound at 5-7 GB/s. Here each activation row is quantized once per call to
 int8 in blocks of 32 (ggml's q8_0 rule: d = max|x| / 127, q = round(x / d)), and each block of 32 weights is
 multiplied as 32 bytes: `vpmaddubsw` (u8 x i8 -> pairs summed to i16) and `vpmaddwd` against ones (-> 8 i32
 lanes), then one convert and one FMA with the two blocks' scales. The weights stay in sharpi's layouts
@@ -15,9 +16,12 @@ bytes - so the activation block is quantized in that lane order too and no weigh
 its bytes go through the sign trick (|w| as unsigned, x with w's sign), as llama.cpp's AVX2 path does.
 
 Activation quantization costs accuracy llama.cpp also pays: the kernel tests hold it to an exact numpy emulation of
-the same arithmetic, the model tests hold its decode log-probs to float32 recomputation within the conformance
-suite's int8 tolerance. Only for one token: prefill stays float32 (its tiles share each dequantized block across 8
-tokens; integer prefill is a next step in benchmarks/cpu.md).
+the same arithmetic, the model tests hold its log-probs to float32 recomputation within the conformance suite's
+int8 tolerance.
+
+On this project's 2-core znver3 the prefill GEMM is 1.1-1.5x the float kernel's speed (which shares each
+dequantized block across 8 tokens too): both are bound by the multiply pipes, 4 float FMAs against maddubs, maddwd,
+a scale multiply and an FMA per 32 multiply-adds per token; the integer form saves the float dequantize.
 """
 from __future__ import annotations
 
@@ -182,3 +186,115 @@ def make_gemv_int8(qtype: str, N: int, K: int):
                                       + ((acc[0, 4] + acc[0, 5]) + (acc[0, 6] + acc[0, 7])) + off[0])
 
     return quant_gemv_int8
+
+
+GEMM_TILE = 8   # tokens per tile: 8 float accumulators + the block's unpacked quants stay in the 16 AVX2 registers
+
+
+def _offset_sums(qtype) -> int:
+    """How many activation sums per block the GEMM keeps for the offset term: one per half-block for q6_k (its
+    halves have their own scales), else one for the block."""
+    return 2 if qtype == "q6_k" else 1
+
+
+def _tile_offset(qtype, s, xo, row, b, t0, TT):
+    """float32 x TT: what block b's offset or minimum adds to row `row` for tokens t0.. t0 + TT (_offset_term, with
+    the activation sums x scales xo stored token-minor)."""
+    sums = lambda f: xo[f, b, T.ramp(t0, 1, TT)]   # noqa: E731
+    if qtype in _HAS_MIN:
+        return T.Broadcast(s[1, row, b], TT) * sums(0)
+    if qtype == "q6_k":
+        return T.Broadcast(T.float32(-32) * s[0, row, b], TT) * sums(0) + \
+            T.Broadcast(T.float32(-32) * s[1, row, b], TT) * sums(1)
+    return T.Broadcast(T.float32(-_ZERO[qtype]) * s[0, row, b], TT) * sums(0)
+
+
+def make_gemm_int8(qtype: str, N: int, K: int):
+    """PrimFunc (x [n, K] f32, *weight parts, y [n, N] f32), n symbolic: the prefill matmul on int8 activations.
+
+    Every token's row is quantized once (parallel over tokens) into a buffer padded to whole tiles of GEMM_TILE
+    tokens (padding rows are zeros, so the inner loop needs no guard). Then each task takes a chunk of output rows;
+    per tile, per row, per block, the 32 quants are unpacked once into a register and multiplied with the tile's
+    8 activation blocks. The offsets go 8 tokens at a time: the activation sums (times the activation scale) are
+    stored token-minor, so one FMA per block adds a row's offset term to the whole tile."""
+    assert qtype in INT8_DOT_TYPES, qtype
+    NB = K // BLOCK
+    qs_shape, qs_dtype = cpu_quants(qtype, N, K)
+    S = LAYOUTS[qtype][1][2](N, K)[0]
+    TT = GEMM_TILE
+    CHUNKS = min(TASKS, N)
+    ROWS = (N + CHUNKS - 1) // CHUNKS
+    F = _offset_sums(qtype)
+    has_offset = qtype != "q8_0"
+    n = tirx.Var("n", "int64")
+    tiles = (n + TT - 1) // TT
+
+    @T.prim_func
+    def quant_gemm_int8(var_x: T.handle, qs: T.Buffer(qs_shape, qs_dtype), s: T.Buffer((S, N, NB), "float32"),
+                        var_y: T.handle):
+        T.func_attr({"tirx.noalias": True, "op_pattern": 8})
+        x = T.match_buffer(var_x, (n, K), "float32")
+        y = T.match_buffer(var_y, (n, N), "float32")
+        xq = T.decl_buffer((tiles * TT, K), "int8")
+        xd = T.decl_buffer((NB, tiles * TT), "float32")        # token-minor: the tile's scales side by side
+        xd8 = T.decl_buffer((NB, tiles * TT, 8), "float32")    # each scale in 8 lanes: one vmulps from memory
+        xo = T.decl_buffer((F, NB, tiles * TT), "float32")     # activation sums x scale, token-minor
+        for t in T.parallel(tiles * TT):
+            for b in range(NB):
+                amax = T.decl_buffer((1,), "float32", scope="local")
+                amax[0] = T.float32(0)
+                if t < n:
+                    for e in range(BLOCK):
+                        amax[0] = T.max(amax[0], T.abs(x[t, b * BLOCK + e]))
+                xd[b, t] = amax[0] / T.float32(127)
+                xd8[b, t, T.ramp(0, 1, 8)] = T.Broadcast(xd[b, t], 8)
+                inv = T.decl_buffer((1,), "float32", scope="local")
+                inv[0] = T.Select(amax[0] > T.float32(0), T.float32(1) / xd[b, t], T.float32(0))
+                for l in T.unroll(BLOCK):
+                    xq[t, b * BLOCK + l] = T.Cast("int8", T.round(
+                        x[T.min(t, n - 1), b * BLOCK + lane_element(l, qtype)] * inv[0]))
+                for h in T.unroll(2):
+                    tot = T.decl_buffer((1,), "int32", scope="local")
+                    tot[0] = 0
+                    for e in T.unroll(16):
+                        tot[0] = tot[0] + T.Cast("int32", xq[t, b * BLOCK + element_lane(h * 16 + e, qtype)])
+                    if F == 2:
+                        xo[h, b, t] = T.Cast("float32", tot[0]) * xd[b, t]
+                    elif h == 0:
+                        xo[0, b, t] = T.Cast("float32", tot[0]) * xd[b, t]
+                    else:
+                        xo[0, b, t] = xo[0, b, t] + T.Cast("float32", tot[0]) * xd[b, t]
+        for c in T.parallel(CHUNKS):
+            acc = T.decl_buffer((TT, 8), "float32", scope="local")
+            off = T.decl_buffer((TT,), "float32", scope="local")
+            u = T.decl_buffer((BLOCK,), "int8", scope="local")
+            for tt in range(tiles):
+                for i in range(T.min(ROWS, N - c * ROWS)):
+                    row = c * ROWS + i
+                    for t in T.unroll(TT):
+                        acc[t, T.ramp(0, 1, 8)] = T.Broadcast(T.float32(0), 8)
+                    off[T.ramp(0, 1, TT)] = T.Broadcast(T.float32(0), TT)
+                    for b in range(NB):
+                        u[T.ramp(0, 1, BLOCK)] = _unsigned_quants(qtype, qs, s, row, b)
+                        for t in T.unroll(TT):
+                            acc[t, T.ramp(0, 1, 8)] = acc[t, T.ramp(0, 1, 8)] + T.Cast("float32x8", _tile_dot(
+                                qtype, qs, u, xq, tt * TT + t, row, b)) * (
+                                    _lane_scales(qtype, s, row, b) * xd8[b, tt * TT + t, T.ramp(0, 1, 8)])
+                        if has_offset:
+                            off[T.ramp(0, 1, TT)] = off[T.ramp(0, 1, TT)] + _tile_offset(qtype, s, xo, row, b,
+                                                                                         tt * TT, TT)
+                    for t in T.unroll(TT):
+                        if tt * TT + t < n:
+                            y[tt * TT + t, row] = (((acc[t, 0] + acc[t, 1]) + (acc[t, 2] + acc[t, 3]))
+                                                   + ((acc[t, 4] + acc[t, 5]) + (acc[t, 6] + acc[t, 7])) + off[t])
+
+    return quant_gemm_int8
+
+
+def _tile_dot(qtype, qs, u, xq, t, row, b):
+    """int32x8: _block_dot for token t of the tile, the block's unsigned quants already in `u`."""
+    x = xq[t, T.ramp(b * BLOCK, 1, BLOCK)]
+    if qtype == "q8_0":
+        x = _intrin("int8x32", "llvm.x86.avx2.psign.b", x, qs[row, T.ramp(b * BLOCK, 1, BLOCK)])
+    pairs = _intrin("int16x16", "llvm.x86.avx2.pmadd.ub.sw", u[T.ramp(0, 1, BLOCK)], x)
+    return _intrin("int32x8", "llvm.x86.avx2.pmadd.wd", pairs, T.Broadcast(T.int16(1), 16))
