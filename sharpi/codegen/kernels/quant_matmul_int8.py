@@ -25,11 +25,10 @@ a scale multiply and an FMA per 32 multiply-adds per token; the integer form sav
 """
 from __future__ import annotations
 
-from tvm import tirx
 from tvm.script import tirx as T
 
 from ...common.quant_layout import BLOCK, LAYOUTS
-from .quant_matmul import cpu_quants
+from .quant_matmul import cpu_quants, token_count
 
 INT8_DOT_TYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k")
 _ZERO = {"q4_0": 8, "q5_0": 16, "q6_k": 32}     # the quant value meaning zero (w = (u - zero) * d)
@@ -226,7 +225,7 @@ def make_gemm_int8(qtype: str, N: int, K: int):
     ROWS = (N + CHUNKS - 1) // CHUNKS
     F = _offset_sums(qtype)
     has_offset = qtype != "q8_0"
-    n = tirx.Var("n", "int64")
+    n = token_count(None)
     tiles = (n + TT - 1) // TT
 
     @T.prim_func
