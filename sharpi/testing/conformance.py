@@ -107,8 +107,9 @@ class Tolerance:
 
 
 # Artifacts compiled with --matmuls int8 quantize each quantized matmul's activations to int8 as llama.cpp does.
-# Against the float32 reference, the log-probs of ~100 teacher-forced tokens measured up to 1.56 apart over the whole
-# vocabulary on SmolLM2 and 2.83 on Gemma 3 (the far tail moves most: among the top 20 tokens 0.74 and 1.24; the
+# Against the float32 reference, the log-probs of ~100 teacher-forced tokens (the default prompt repeated) measured
+# up to 1.56 apart over the whole vocabulary on SmolLM2 and 2.83 on Gemma 3 (0.86 on both for the golden text's
+# first 100, benchmarks/matmul_accuracy.py) (the far tail moves most: among the top 20 tokens 0.74 and 1.24; the
 # median position's worst entry 0.6); 16 greedy decode steps up to 1.0, every greedy token the reference's argmax or
 # a near-tie. The text's perplexity moves toward llama.cpp's (SmolLM2 12.747, llama.cpp 12.749, float32 12.711).
 # (log-prob atol, near-tie):
