@@ -103,20 +103,19 @@ def make_paged_attention(heads: int, kv_heads: int, head_dim: int, page_size: in
     while a layer's cache is contiguous, which is how sliding-window layers are kept)."""
     n = token_count(tokens)
     group = heads // kv_heads
-    neg_inf = NEG_INF
 
     LANES = 8
     if head_dim % LANES:
-        return _paged_attention_scalar(heads, kv_heads, head_dim, page_size, scale, n, group, neg_inf, kv_dtype,
+        return _paged_attention_scalar(heads, kv_heads, head_dim, page_size, scale, n, group, kv_dtype,
                                        window)
     if tokens == 1:
-        return _paged_attention_decode(heads, kv_heads, head_dim, page_size, scale, group, neg_inf, LANES, kv_dtype,
+        return _paged_attention_decode(heads, kv_heads, head_dim, page_size, scale, group, LANES, kv_dtype,
                                        window)
-    return _paged_attention_tiled(heads, kv_heads, head_dim, page_size, scale, n, group, neg_inf, LANES, kv_dtype,
+    return _paged_attention_tiled(heads, kv_heads, head_dim, page_size, scale, n, group, LANES, kv_dtype,
                                   window)
 
 
-def _paged_attention_tiled(heads, kv_heads, head_dim, page_size, scale, n, group, neg_inf, LANES, kv_dtype, window):
+def _paged_attention_tiled(heads, kv_heads, head_dim, page_size, scale, n, group, LANES, kv_dtype, window):
     """Several tokens: one task per (block of TB consecutive tokens, KV head). The block's TB x group queries walk
     the KV head's pages together, so each page of K and V is read once per block (from L1) instead of once per
     query: with one query per task the K/V re-reads made an 8000-token SmolLM2 prefill take ~115 s.
@@ -159,7 +158,7 @@ def _paged_attention_tiled(heads, kv_heads, head_dim, page_size, scale, n, group
             # per query: running max, running sum, block max, new max, correction
             stats = T.decl_buffer((Q, 5), "float32", scope="global")
             for i in range(Q):
-                stats[i, 0] = T.float32(neg_inf)
+                stats[i, 0] = T.float32(NEG_INF)
                 stats[i, 1] = T.float32(0)
                 for d in T.vectorized(head_dim):
                     acc[i, d] = T.float32(0)
@@ -191,7 +190,7 @@ def _paged_attention_tiled(heads, kv_heads, head_dim, page_size, scale, n, group
                                           + (sacc[qq * OS + ss, 2] + sacc[qq * OS + ss, 3]))
                                          + ((sacc[qq * OS + ss, 4] + sacc[qq * OS + ss, 5])
                                             + (sacc[qq * OS + ss, 6] + sacc[qq * OS + ss, 7]))) * T.float32(scale),
-                                        T.float32(neg_inf))
+                                        T.float32(NEG_INF))
                         for qq in range(QP):
                             online_softmax_page(stats, score, ip * QP + qq, p * page_size, total, window, page_size)
                         # p . V into the accumulators VC lanes at a time, held in registers over the page's slots
@@ -224,7 +223,7 @@ def decode_splits(kv_heads: int) -> int:
     return max(1, 8 // kv_heads)
 
 
-def _paged_attention_decode(heads, kv_heads, head_dim, page_size, scale, group, neg_inf, LANES, kv_dtype, window):
+def _paged_attention_decode(heads, kv_heads, head_dim, page_size, scale, group, LANES, kv_dtype, window):
     """One token, split-K (flash-decoding): one task per (KV head, range of its visible pages) computes all `group`
     query heads of that KV head over its range, so each K/V row is read once in all; a second parallel loop
     merges the ranges' partial softmaxes. One task per query head instead read gemma3's single 256-wide KV head
@@ -259,7 +258,7 @@ def _paged_attention_decode(heads, kv_heads, head_dim, page_size, scale, group, 
             # per query head: running max, running sum, page max, new max, correction
             stats = T.decl_buffer((group, 5), "float32", scope="global")
             for g in T.unroll(group):
-                stats[g, 0] = T.float32(neg_inf)
+                stats[g, 0] = T.float32(NEG_INF)
                 stats[g, 1] = T.float32(0)
                 for d in T.vectorized(head_dim):
                     part[task, g, d] = T.float32(0)
@@ -285,7 +284,7 @@ def _paged_attention_decode(heads, kv_heads, head_dim, page_size, scale, group, 
                             visible(p * page_size + o, total, window),
                             (((dv[g, 0, 0] + dv[g, 0, 1]) + (dv[g, 0, 2] + dv[g, 0, 3]))
                              + ((dv[g, 0, 4] + dv[g, 0, 5]) + (dv[g, 0, 6] + dv[g, 0, 7]))) * T.float32(scale),
-                            T.float32(neg_inf))
+                            T.float32(NEG_INF))
                 for g in T.unroll(group):
                     online_softmax_page(stats, score, g, p * page_size, total, window, page_size)
                     # the page's V rows into the output, VC lanes of it at a time: those accumulators stay in
@@ -308,7 +307,7 @@ def _paged_attention_decode(heads, kv_heads, head_dim, page_size, scale, group, 
         for h in T.parallel(heads):
             # merge the ranges: rescale each to the common max (an empty range has max -3e38 and weight 0)
             m = T.decl_buffer((2,), "float32", scope="local")
-            m[0] = T.float32(neg_inf)
+            m[0] = T.float32(NEG_INF)
             for sp in range(SP):
                 m[0] = T.max(m[0], part_stats[h // group * SP + sp, h % group, 0])
             m[1] = T.float32(0)
@@ -325,7 +324,7 @@ def _paged_attention_decode(heads, kv_heads, head_dim, page_size, scale, group, 
     return paged_attention
 
 
-def _paged_attention_scalar(heads, kv_heads, head_dim, page_size, scale, n, group, neg_inf, kv_dtype, window):
+def _paged_attention_scalar(heads, kv_heads, head_dim, page_size, scale, n, group, kv_dtype, window):
     pages, layers, max_pages = T.int64(), T.int64(), T.int64()
     @T.prim_func
     def paged_attention(var_q: T.handle, var_pool: T.handle, var_pt: T.handle, var_lens: T.handle,
@@ -344,15 +343,15 @@ def _paged_attention_scalar(heads, kv_heads, head_dim, page_size, scale, n, grou
             acc = T.decl_buffer((head_dim,), "float32", scope="global")
             score = T.decl_buffer((page_size,), "float32", scope="global")
             stats = T.decl_buffer((3,), "float32", scope="global")  # running max, running sum, block max
-            stats[0] = T.float32(neg_inf)
+            stats[0] = T.float32(NEG_INF)
             stats[1] = T.float32(0)
             for d in T.vectorized(head_dim):
                 acc[d] = T.float32(0)
             for p in range(first_page(total, window, page_size), (total + page_size - 1) // page_size):
                 page = T.Cast("int64", page_table[layer, p])
-                stats[2] = T.float32(neg_inf)
+                stats[2] = T.float32(NEG_INF)
                 for o in range(page_size):
-                    score[o] = T.float32(neg_inf)
+                    score[o] = T.float32(NEG_INF)
                     if visible(p * page_size + o, total, window):
                         dot = T.decl_buffer((1,), "float32", scope="global")
                         dot[0] = T.float32(0)

@@ -235,7 +235,6 @@ def make_gemm_int8(qtype: str, N: int, K: int):
         x = T.match_buffer(var_x, (n, K), "float32")
         y = T.match_buffer(var_y, (n, N), "float32")
         xq = T.decl_buffer((tiles * TT, K), "int8")
-        xd = T.decl_buffer((NB, tiles * TT), "float32")        # token-minor: the tile's scales side by side
         xd8 = T.decl_buffer((NB, tiles * TT, 8), "float32")    # each scale in 8 lanes: one vmulps from memory
         xo = T.decl_buffer((F, NB, tiles * TT), "float32")     # activation sums x scale, token-minor
         for t in T.parallel(tiles * TT):
@@ -245,10 +244,11 @@ def make_gemm_int8(qtype: str, N: int, K: int):
                 if t < n:
                     for e in range(BLOCK):
                         amax[0] = T.max(amax[0], T.abs(x[t, b * BLOCK + e]))
-                xd[b, t] = amax[0] / T.float32(127)
-                xd8[b, t, T.ramp(0, 1, 8)] = T.Broadcast(xd[b, t], 8)
+                d = T.decl_buffer((1,), "float32", scope="local")
+                d[0] = amax[0] / T.float32(127)
+                xd8[b, t, T.ramp(0, 1, 8)] = T.Broadcast(d[0], 8)
                 inv = T.decl_buffer((1,), "float32", scope="local")
-                inv[0] = T.Select(amax[0] > T.float32(0), T.float32(1) / xd[b, t], T.float32(0))
+                inv[0] = T.Select(amax[0] > T.float32(0), T.float32(1) / d[0], T.float32(0))
                 for l in T.unroll(BLOCK):
                     xq[t, b * BLOCK + l] = T.Cast("int8", T.round(
                         x[T.min(t, n - 1), b * BLOCK + lane_element(l, qtype)] * inv[0]))
@@ -258,11 +258,11 @@ def make_gemm_int8(qtype: str, N: int, K: int):
                     for e in T.unroll(16):
                         tot[0] = tot[0] + T.Cast("int32", xq[t, b * BLOCK + element_lane(h * 16 + e, qtype)])
                     if F == 2:
-                        xo[h, b, t] = T.Cast("float32", tot[0]) * xd[b, t]
+                        xo[h, b, t] = T.Cast("float32", tot[0]) * d[0]
                     elif h == 0:
-                        xo[0, b, t] = T.Cast("float32", tot[0]) * xd[b, t]
+                        xo[0, b, t] = T.Cast("float32", tot[0]) * d[0]
                     else:
-                        xo[0, b, t] = xo[0, b, t] + T.Cast("float32", tot[0]) * xd[b, t]
+                        xo[0, b, t] = xo[0, b, t] + T.Cast("float32", tot[0]) * d[0]
         for c in T.parallel(CHUNKS):
             acc = T.decl_buffer((TT, 8), "float32", scope="local")
             off = T.decl_buffer((TT,), "float32", scope="local")
