@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
+from .lanes import lane_total
 from .quant_matmul import token_count
 
 
@@ -68,6 +69,62 @@ def online_softmax_page(stats, score, i, first_slot, total, window, page_size):
     for o in range(page_size):
         stats[i, 1] = stats[i, 1] + score[i, o]
     stats[i, 0] = stats[i, 3]
+
+
+@T.macro
+def page_scores(score, i0, sacc, q, t, h0, pool, page, kvh, first_slot, total, window, page_size, QP, OS, DC,
+                LANES, scale):
+    """q . k of query heads h0 .. h0 + QP of token t with every slot of a page (its first slot `first_slot`) into
+    score rows i0 .. i0 + QP, register-blocked as a small GEMM: QP heads x OS slots in 8 accumulators (QP + OS
+    loads per 8 FMAs, where one head and one slot at a time took two loads per FMA). Slots not visible score
+    NEG_INF (their contents may be anything: a select never propagates them)."""
+    for o0 in range(page_size // OS):
+        for a in T.unroll(QP * OS):
+            for l in T.vectorized(LANES):
+                sacc[a, l] = T.float32(0)
+        for dc in range(DC):
+            for qq in T.unroll(QP):
+                for ss in T.unroll(OS):
+                    for l in T.vectorized(LANES):
+                        sacc[qq * OS + ss, l] = sacc[qq * OS + ss, l] + q[t, h0 + qq, dc * LANES + l] \
+                            * f32(pool[page, 0, kvh, o0 * OS + ss, dc * LANES + l])
+        for qq in T.unroll(QP):
+            for ss in T.unroll(OS):
+                score[i0 + qq, o0 * OS + ss] = T.if_then_else(
+                    visible(first_slot + o0 * OS + ss, total, window),
+                    lane_total(sacc, qq * OS + ss) * T.float32(scale), T.float32(NEG_INF))
+
+
+@T.macro
+def add_page_values(acc, a0, vacc, score, stats, i0, pool, page, kvh, slots, head_dim, QP, VC, LANES):
+    """acc rows a0 .. a0 + QP, rescaled by their queries' softmax corrections (stats rows i0 .., column 4), plus
+    the page's first `slots` V rows weighted by score rows i0 ..: VC lanes at a time held in registers over the
+    slots, each V row loaded once for the QP queries."""
+    for dc in range(head_dim // VC):
+        for qq in T.unroll(QP):
+            for c in T.unroll(VC // LANES):
+                for l in T.vectorized(LANES):
+                    vacc[qq, c, l] = acc[a0 + qq, dc * VC + c * LANES + l] * stats[i0 + qq, 4]
+        for o in range(slots):
+            for qq in T.unroll(QP):
+                for c in T.unroll(VC // LANES):
+                    for l in T.vectorized(LANES):
+                        vacc[qq, c, l] = vacc[qq, c, l] + score[i0 + qq, o] * f32(
+                            pool[page, 1, kvh, o, dc * VC + c * LANES + l])
+        for qq in T.unroll(QP):
+            for c in T.unroll(VC // LANES):
+                for l in T.vectorized(LANES):
+                    acc[a0 + qq, dc * VC + c * LANES + l] = vacc[qq, c, l]
+
+
+def _register_blocks(group: int, DC: int, LANES: int, page_size: int) -> tuple[int, int, int]:
+    """(QP, OS, VC): query heads walked together (heads of one token share the causal mask), slots per q . k step
+    (QP x OS accumulators), V lanes per p . V pass (QP x VC / LANES accumulators)."""
+    QP = max(c for c in (1, 2, 3, 4) if group % c == 0)
+    OS = 8 // QP
+    VC = LANES * max(c for c in (1, 2, 4, 8) if DC % c == 0 and c * QP <= 8)
+    assert page_size % OS == 0
+    return QP, OS, VC
 
 
 def make_kv_append(kv_heads: int, head_dim: int, page_size: int, tokens: int | None = None,
@@ -131,10 +188,7 @@ def _paged_attention_tiled(heads, kv_heads, head_dim, page_size, scale, n, group
     DC = head_dim // LANES
     TB = max(1, min(8, 4096 // (group * head_dim)))    # the block's accumulators stay within 16 KB
     Q = TB * group
-    QP = max(c for c in (1, 2, 3, 4) if group % c == 0)   # query heads walked together
-    OS = 8 // QP                                       # slots per q . k step: QP x OS accumulators
-    VC = LANES * max(c for c in (1, 2, 4, 8) if DC % c == 0 and c * QP <= 8)   # V lanes per p . V pass
-    assert page_size % OS == 0
+    QP, OS, VC = _register_blocks(group, DC, LANES, page_size)
 
     @T.prim_func
     def paged_attention(var_q: T.handle, var_pool: T.handle, var_pt: T.handle, var_lens: T.handle,
@@ -153,8 +207,8 @@ def _paged_attention_tiled(heads, kv_heads, head_dim, page_size, scale, n, group
             held = T.meta_var(T.Cast("int64", kv_lens[layer]))
             acc = T.decl_buffer((Q, head_dim), "float32", scope="global")
             score = T.decl_buffer((Q, page_size), "float32", scope="global")
-            sacc = T.decl_buffer((QP * OS, LANES), "float32", scope="local")
-            vacc = T.decl_buffer((QP, VC // LANES, LANES), "float32", scope="local")
+            sacc = T.decl_buffer((QP * OS, LANES), "float32", scope="global")
+            vacc = T.decl_buffer((QP, VC // LANES, LANES), "float32", scope="global")
             # per query: running max, running sum, block max, new max, correction
             stats = T.decl_buffer((Q, 5), "float32", scope="global")
             for i in range(Q):
@@ -170,45 +224,13 @@ def _paged_attention_tiled(heads, kv_heads, head_dim, page_size, scale, n, group
                     h0 = T.meta_var(kvh * group + ip * QP % group)
                     total = T.meta_var(held + t + 1)
                     if t < n and p * page_size < total and p >= first_page(total, window, page_size):
-                        # q . k for every slot of the page; slots past `total` are masked below (their contents
-                        # may be anything, but a select never propagates them)
-                        for o0 in range(page_size // OS):
-                            for a in T.unroll(QP * OS):
-                                for l in T.vectorized(LANES):
-                                    sacc[a, l] = T.float32(0)
-                            for dc in range(DC):
-                                for qq in T.unroll(QP):
-                                    for ss in T.unroll(OS):
-                                        for l in T.vectorized(LANES):
-                                            sacc[qq * OS + ss, l] = sacc[qq * OS + ss, l] + q[t, h0 + qq, dc * LANES + l] \
-                                                * f32(pool[page, 0, kvh, o0 * OS + ss, dc * LANES + l])
-                            for qq in T.unroll(QP):
-                                for ss in T.unroll(OS):
-                                    score[ip * QP + qq, o0 * OS + ss] = T.if_then_else(
-                                        visible(p * page_size + o0 * OS + ss, total, window),
-                                        (((sacc[qq * OS + ss, 0] + sacc[qq * OS + ss, 1])
-                                          + (sacc[qq * OS + ss, 2] + sacc[qq * OS + ss, 3]))
-                                         + ((sacc[qq * OS + ss, 4] + sacc[qq * OS + ss, 5])
-                                            + (sacc[qq * OS + ss, 6] + sacc[qq * OS + ss, 7]))) * T.float32(scale),
-                                        T.float32(NEG_INF))
+                        page_scores(score, ip * QP, sacc, q, t, h0, pool, page, kvh, p * page_size, total, window,
+                                    page_size, QP, OS, DC, LANES, scale)
                         for qq in range(QP):
                             online_softmax_page(stats, score, ip * QP + qq, p * page_size, total, window, page_size)
-                        # p . V into the accumulators VC lanes at a time, held in registers over the page's slots
-                        for dc in range(head_dim // VC):
-                            for qq in T.unroll(QP):
-                                for c in T.unroll(VC // LANES):
-                                    for l in T.vectorized(LANES):
-                                        vacc[qq, c, l] = acc[ip * QP + qq, dc * VC + c * LANES + l] * stats[ip * QP + qq, 4]
-                            for o in range(T.min(T.Cast("int64", page_size), total - p * page_size)):
-                                for qq in T.unroll(QP):
-                                    for c in T.unroll(VC // LANES):
-                                        for l in T.vectorized(LANES):
-                                            vacc[qq, c, l] = vacc[qq, c, l] + score[ip * QP + qq, o] * f32(
-                                                pool[page, 1, kvh, o, dc * VC + c * LANES + l])
-                            for qq in T.unroll(QP):
-                                for c in T.unroll(VC // LANES):
-                                    for l in T.vectorized(LANES):
-                                        acc[ip * QP + qq, dc * VC + c * LANES + l] = vacc[qq, c, l]
+                        add_page_values(acc, ip * QP, vacc, score, stats, ip * QP, pool, page, kvh,
+                                        T.min(T.Cast("int64", page_size), total - p * page_size), head_dim, QP, VC,
+                                        LANES)
             for i in range(Q):
                 if blk * TB + i // group < n:
                     for d in T.vectorized(head_dim):
@@ -227,12 +249,13 @@ def _paged_attention_decode(heads, kv_heads, head_dim, page_size, scale, group, 
     """One token, split-K (flash-decoding): one task per (KV head, range of its visible pages) computes all `group`
     query heads of that KV head over its range, so each K/V row is read once in all; a second parallel loop
     merges the ranges' partial softmaxes. One task per query head instead read gemma3's single 256-wide KV head
-    four times and left a 2-thread CPU with 4 tasks to balance."""
+    four times and left a 2-thread CPU with 4 tasks to balance. Within a page the products are register-blocked
+    as in prefill (page_scores, add_page_values): one K row at a time for all heads kept q in registers that
+    spilled (gemma3: 4 heads x 256 dims), and each V row was loaded once per head."""
     pages, layers, max_pages = T.int64(), T.int64(), T.int64()
     DC = head_dim // LANES
     SP = decode_splits(kv_heads)
-    CH = 4 if DC % 4 == 0 else 2 if DC % 2 == 0 else 1
-    VC = LANES * CH
+    QP, OS, VC = _register_blocks(group, DC, LANES, page_size)
 
     @T.prim_func
     def paged_attention(var_q: T.handle, var_pool: T.handle, var_pt: T.handle, var_lens: T.handle,
@@ -246,80 +269,52 @@ def _paged_attention_decode(heads, kv_heads, head_dim, page_size, scale, group, 
         total = T.meta_var(T.Cast("int64", kv_lens[layer]) + 1)
         first = T.meta_var(first_page(total, window, page_size))
         count = T.meta_var((total + page_size - 1) // page_size - first)
-        # each range's unnormalized output and its softmax max and sum, per query head
-        part = T.decl_buffer((kv_heads * SP, group, head_dim), "float32")
-        part_stats = T.decl_buffer((kv_heads * SP, group, 2), "float32")
+        # each range's unnormalized output and its softmax max and sum, per query head: row (task, g) at
+        # task * group + g
+        part = T.decl_buffer((kv_heads * SP * group, head_dim), "float32")
+        part_stats = T.decl_buffer((kv_heads * SP * group, 2), "float32")
         for task in T.parallel(kv_heads * SP):
             kvh = T.meta_var(task // SP)
             sp = T.meta_var(task % SP)
             score = T.decl_buffer((group, page_size), "float32", scope="global")
-            dv = T.decl_buffer((group, CH, LANES), "float32", scope="global")
-            vacc = T.decl_buffer((VC // LANES, LANES), "float32", scope="global")
+            sacc = T.decl_buffer((QP * OS, LANES), "float32", scope="global")
+            vacc = T.decl_buffer((QP, VC // LANES, LANES), "float32", scope="global")
             # per query head: running max, running sum, page max, new max, correction
             stats = T.decl_buffer((group, 5), "float32", scope="global")
             for g in T.unroll(group):
                 stats[g, 0] = T.float32(NEG_INF)
                 stats[g, 1] = T.float32(0)
                 for d in T.vectorized(head_dim):
-                    part[task, g, d] = T.float32(0)
+                    part[task * group + g, d] = T.float32(0)
             for p in range(first + count * sp // SP, first + count * (sp + 1) // SP):
                 page = T.meta_var(T.Cast("int64", page_table[layer, p]))
-                # q . k for every slot of the page and every query head: each K row is loaded once; slots past
-                # `total` are masked (a select never propagates their contents).
-                for o in T.unroll(page_size):
-                    for g in T.unroll(group):
-                        # CH independent chains per head: one chain through dv waited on each FMA's latency
-                        for c in T.unroll(CH):
-                            for l in T.vectorized(LANES):
-                                dv[g, c, l] = q[0, kvh * group + g, c * LANES + l] * f32(pool[page, 0, kvh, o, c * LANES + l])
-                        for dc in T.unroll(DC // CH - 1):
-                            for c in T.unroll(CH):
-                                for l in T.vectorized(LANES):
-                                    dv[g, c, l] = dv[g, c, l] + q[0, kvh * group + g, ((dc + 1) * CH + c) * LANES + l] \
-                                        * f32(pool[page, 0, kvh, o, ((dc + 1) * CH + c) * LANES + l])
-                        for c in T.unroll(1, CH):
-                            for l in T.vectorized(LANES):
-                                dv[g, 0, l] = dv[g, 0, l] + dv[g, c, l]
-                        score[g, o] = T.if_then_else(
-                            visible(p * page_size + o, total, window),
-                            (((dv[g, 0, 0] + dv[g, 0, 1]) + (dv[g, 0, 2] + dv[g, 0, 3]))
-                             + ((dv[g, 0, 4] + dv[g, 0, 5]) + (dv[g, 0, 6] + dv[g, 0, 7]))) * T.float32(scale),
-                            T.float32(NEG_INF))
-                for g in T.unroll(group):
-                    online_softmax_page(stats, score, g, p * page_size, total, window, page_size)
-                    # the page's V rows into the output, VC lanes of it at a time: those accumulators stay in
-                    # registers over the page's slots (all head_dim lanes at once spilled)
-                    for dc in range(head_dim // VC):
-                        for c in T.unroll(VC // LANES):
-                            for l in T.vectorized(LANES):
-                                vacc[c, l] = part[task, g, dc * VC + c * LANES + l] * stats[g, 4]
-                        for o in range(T.min(T.Cast("int64", page_size), total - p * page_size)):
-                            for c in T.unroll(VC // LANES):
-                                for l in T.vectorized(LANES):
-                                    vacc[c, l] = vacc[c, l] + score[g, o] * f32(
-                                        pool[page, 1, kvh, o, dc * VC + c * LANES + l])
-                        for c in T.unroll(VC // LANES):
-                            for l in T.vectorized(LANES):
-                                part[task, g, dc * VC + c * LANES + l] = vacc[c, l]
+                for ip in range(group // QP):
+                    page_scores(score, ip * QP, sacc, q, 0, kvh * group + ip * QP, pool, page, kvh, p * page_size,
+                                total, window, page_size, QP, OS, DC, LANES, scale)
+                    for qq in range(QP):
+                        online_softmax_page(stats, score, ip * QP + qq, p * page_size, total, window, page_size)
+                    add_page_values(part, task * group + ip * QP, vacc, score, stats, ip * QP, pool, page, kvh,
+                                    T.min(T.Cast("int64", page_size), total - p * page_size), head_dim, QP, VC,
+                                    LANES)
             for g in T.unroll(group):
-                part_stats[task, g, 0] = stats[g, 0]
-                part_stats[task, g, 1] = stats[g, 1]
+                part_stats[task * group + g, 0] = stats[g, 0]
+                part_stats[task * group + g, 1] = stats[g, 1]
         for h in T.parallel(heads):
             # merge the ranges: rescale each to the common max (an empty range has max -3e38 and weight 0)
-            m = T.decl_buffer((2,), "float32", scope="local")
+            m = T.decl_buffer((2,), "float32", scope="global")
             m[0] = T.float32(NEG_INF)
             for sp in range(SP):
-                m[0] = T.max(m[0], part_stats[h // group * SP + sp, h % group, 0])
+                m[0] = T.max(m[0], part_stats[(h // group * SP + sp) * group + h % group, 0])
             m[1] = T.float32(0)
             for sp in range(SP):
-                m[1] = m[1] + part_stats[h // group * SP + sp, h % group, 1] \
-                    * T.exp(part_stats[h // group * SP + sp, h % group, 0] - m[0])
+                m[1] = m[1] + part_stats[(h // group * SP + sp) * group + h % group, 1] \
+                    * T.exp(part_stats[(h // group * SP + sp) * group + h % group, 0] - m[0])
             for d in T.vectorized(head_dim):
                 out[0, h, d] = T.float32(0)
             for sp in range(SP):
                 for d in T.vectorized(head_dim):
-                    out[0, h, d] = out[0, h, d] + part[h // group * SP + sp, h % group, d] * (
-                        T.exp(part_stats[h // group * SP + sp, h % group, 0] - m[0]) / m[1])
+                    out[0, h, d] = out[0, h, d] + part[(h // group * SP + sp) * group + h % group, d] * (
+                        T.exp(part_stats[(h // group * SP + sp) * group + h % group, 0] - m[0]) / m[1])
 
     return paged_attention
 

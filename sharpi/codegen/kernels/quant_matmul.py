@@ -10,6 +10,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ...common.quant_layout import BLOCK, LAYOUTS, QUANTIZED
+from .lanes import lane_total
 
 TILE = 8
 LANES = 8
@@ -123,7 +124,7 @@ def _quant_gemv(qtype, N, K):
                             acc[c, l] = acc[c, l] + dequant(qtype, qs, planar(s), g * R + r, b, c * LANES + l) * x[0, b * BLOCK + c * LANES + l]
                 for l in T.vectorized(LANES):
                     acc[0, l] = (acc[0, l] + acc[1, l]) + (acc[2, l] + acc[3, l])
-                y[0, g * R + r] = ((acc[0, 0] + acc[0, 1]) + (acc[0, 2] + acc[0, 3])) + ((acc[0, 4] + acc[0, 5]) + (acc[0, 6] + acc[0, 7]))
+                y[0, g * R + r] = lane_total(acc, 0)
 
     return quant_gemv
 
