@@ -28,6 +28,7 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from ...common.quant_layout import BLOCK, LAYOUTS
+from .lanes import lane_max, lane_total
 from .quant_matmul import cpu_quants, token_count
 
 INT8_DOT_TYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k")
@@ -91,17 +92,13 @@ def _unsigned_quants(qtype, qs, s, row, b):
     return T.reinterpret("int8x32", u)
 
 
-def _signed_activations(qtype, qs, xq, row, b):
-    x = xq[T.ramp(b * BLOCK, 1, BLOCK)]
-    if qtype == "q8_0":
-        return _intrin("int8x32", "llvm.x86.avx2.psign.b", x, qs[row, T.ramp(b * BLOCK, 1, BLOCK)])
-    return x
-
-
-def _block_dot(qtype, qs, s, xq, row, b):
-    """int32x8: partial sums of u_e * xq_e, lane i over the block's bytes 4i..4i+3."""
-    pairs = _intrin("int16x16", "llvm.x86.avx2.pmadd.ub.sw", _unsigned_quants(qtype, qs, s, row, b),
-                    _signed_activations(qtype, qs, xq, row, b))
+def _block_dot(qtype, qs, u, xq, t, row, b):
+    """int32x8: partial sums of u_e * xq_e for token t's activation block, lane i over the block's bytes 4i..4i+3;
+    `u` is the block's unsigned quants (an int8x32 expression: unpacked here or loaded from a register buffer)."""
+    x = xq[t, T.ramp(b * BLOCK, 1, BLOCK)]
+    if qtype == "q8_0":   # x takes w's sign, as |w| did
+        x = _intrin("int8x32", "llvm.x86.avx2.psign.b", x, qs[row, T.ramp(b * BLOCK, 1, BLOCK)])
+    pairs = _intrin("int16x16", "llvm.x86.avx2.pmadd.ub.sw", u, x)
     return _intrin("int32x8", "llvm.x86.avx2.pmadd.wd", pairs, T.Broadcast(T.int16(1), 16))
 
 
@@ -114,15 +111,92 @@ def _lane_scales(qtype, s, row, b):
     return T.Select(first, T.Broadcast(s[0, row, b], 8), T.Broadcast(s[1, row, b], 8))
 
 
-def _offset_term(qtype, s, xs, row, b):
-    """Scalar: what the offset or minimum adds to the block's dot, before the activation scale."""
+def _offset_fields(qtype) -> tuple[tuple[int, ...], float]:
+    """What a block's offset or minimum adds to its dot product, before the activation scale dx:
+    coefficient * sum_f s[field_f] * xsum_f, where xsum_f is the activation sum of the block (one field) or of
+    its half f (q6_k, whose halves have their own scales). Returns (fields, coefficient); q8_0 has none."""
     if qtype in _HAS_MIN:
-        return s[1, row, b] * (xs[0, b] + xs[1, b])
+        return (1,), 1.0
     if qtype == "q6_k":
-        return T.float32(-32) * (s[0, row, b] * xs[0, b] + s[1, row, b] * xs[1, b])
+        return (0, 1), -32.0
     if qtype in _ZERO:
-        return T.float32(-_ZERO[qtype]) * s[0, row, b] * (xs[0, b] + xs[1, b])
-    return T.float32(0)   # q8_0
+        return (0,), -float(_ZERO[qtype])
+    return (), 0.0
+
+
+def _activation_sums(qtype) -> int:
+    """How many activation sums per block the kernels keep for the offset term (at least one buffer row)."""
+    return max(1, len(_offset_fields(qtype)[0]))
+
+
+def _lane_chunks(qtype):
+    """The activation block in lane order as four float32x8 loads: (first element, stride, half) of lanes 8k ..
+    8k + 7 (lane_element: even elements then odd ones, or q8_0's natural order)."""
+    if qtype == "q8_0":
+        return [(0, 1, 0), (8, 1, 0), (16, 1, 1), (24, 1, 1)]
+    return [(0, 2, 0), (16, 2, 1), (1, 2, 0), (17, 2, 1)]
+
+
+def _chunk(x, src, b, first, stride):
+    return x[src, T.ramp(b * BLOCK + first, stride, 8)]
+
+
+def _abs_max8(x, src, b, qtype):
+    """float32x8: lane-wise max of |x| over the block's four chunks."""
+    m = [T.abs(_chunk(x, src, b, first, stride)) for first, stride, _ in _lane_chunks(qtype)]
+    return T.max(T.max(m[0], m[1]), T.max(m[2], m[3]))
+
+
+def _rounded(x, src, b, first, stride, inv):
+    return T.round(_chunk(x, src, b, first, stride) * T.Broadcast(inv, 8))
+
+
+def _quantized_block(x, src, b, qtype, inv):
+    """int8x32: the block's quants in lane order."""
+    chunks = [_rounded(x, src, b, first, stride, inv) for first, stride, _ in _lane_chunks(qtype)]
+    return T.Cast("int8x32", T.Shuffle(chunks, list(range(BLOCK))))
+
+
+def _half_sum8(x, src, b, qtype, inv, half):
+    """float32x8 whose lanes add up to the sum of the quants of elements 16 * half .. 16 * half + 15."""
+    first_a, first_b = [(first, stride) for first, stride, h in _lane_chunks(qtype) if h == half]
+    return _rounded(x, src, b, *first_a, inv) + _rounded(x, src, b, *first_b, inv)
+
+
+@T.macro
+def quantize_activation_block(x, src, valid, xq, xd8, xo, t, b, qtype, F):
+    """Block b of row `src` of x as int8 into row t of xq, in the lanes' element order (ggml's quantize_row_q8_0:
+    d = max|x| / 127, q = round(x / d), halves to even); d in the 8 lanes of xd8[b, t] (one vmulps from memory);
+    the activation sums times d into xo[f, b, t], per half (F = 2) or per block (F = 1). Rows not `valid`
+    (a GEMM tile's padding) come out zero. Vectorized in float32x8 chunks: the scalar form was ~0.1 us a block,
+    serial before every decode matmul's parallel loop."""
+    lanes8 = T.decl_buffer((8,), "float32", scope="global")
+    sums8 = T.decl_buffer((2, 8), "float32", scope="global")
+    amax = T.decl_buffer((1,), "float32", scope="global")
+    amax[0] = T.float32(0)
+    if valid:
+        lanes8[T.ramp(0, 1, 8)] = _abs_max8(x, src, b, qtype)
+        amax[0] = lane_max(lanes8)
+    d = T.decl_buffer((1,), "float32", scope="global")
+    d[0] = amax[0] / T.float32(127)
+    xd8[b, t, T.ramp(0, 1, 8)] = T.Broadcast(d[0], 8)
+    inv = T.decl_buffer((1,), "float32", scope="global")
+    inv[0] = T.Select(amax[0] > T.float32(0), T.float32(1) / d[0], T.float32(0))
+    xq[t, T.ramp(b * BLOCK, 1, BLOCK)] = _quantized_block(x, src, b, qtype, inv[0])
+    sums8[0, T.ramp(0, 1, 8)] = _half_sum8(x, src, b, qtype, inv[0], 0)
+    sums8[1, T.ramp(0, 1, 8)] = _half_sum8(x, src, b, qtype, inv[0], 1)
+    xo[0, b, t] = lane_total(sums8, 0) * d[0]
+    if F == 2:
+        xo[1, b, t] = lane_total(sums8, 1) * d[0]
+    else:
+        # each half scaled, then added (not (sum0 + sum1) * d): one rounding fewer would be as good, but the int8
+        # path amplifies any 1-ulp change (see tests/test_int8_matmuls.py) and this keeps prefill's results
+        # those of the evaluations already committed
+        xo[0, b, t] = xo[0, b, t] + lane_total(sums8, 1) * d[0]
+
+
+def _span(start, lanes):
+    return start if lanes == 1 else T.ramp(start, 1, lanes)
 
 
 TASKS = 64   # parallel tasks per GEMV: enough to balance two to a few dozen threads; a task per row would
@@ -130,82 +204,83 @@ TASKS = 64   # parallel tasks per GEMV: enough to balance two to a few dozen thr
 
 
 def make_gemv_int8(qtype: str, N: int, K: int):
-    """PrimFunc (x [1, K] f32, *weight parts as the CPU kernels take them, y [1, N] f32)."""
+    """PrimFunc (x [1, K] f32, *weight parts as the CPU kernels take them, y [1, N] f32).
+
+    The row x is quantized once (serially: K values, about a microsecond); then each task takes a chunk of output
+    rows and per row runs A independent chains of block dot products (FMA latency), and the offset term as one
+    short dot product of the row's offset scales with the activation sums (VO blocks a vector instruction)."""
     assert qtype in INT8_DOT_TYPES, qtype
     NB = K // BLOCK
     qs_shape, qs_dtype = cpu_quants(qtype, N, K)
     S = LAYOUTS[qtype][1][2](N, K)[0]
     CHUNKS = min(TASKS, N)
     ROWS = (N + CHUNKS - 1) // CHUNKS   # the last chunk may be short
-    A = 4 if NB % 4 == 0 else 2 if NB % 2 == 0 else 1   # independent accumulator chains (FMA latency)
-    has_offset = qtype != "q8_0"
+    A = 4 if NB % 4 == 0 else 2 if NB % 2 == 0 else 1
+    VO = 8 if NB % 8 == 0 else 4 if NB % 4 == 0 else 2 if NB % 2 == 0 else 1
+    fields, coefficient = _offset_fields(qtype)
+    F = _activation_sums(qtype)
 
     @T.prim_func
     def quant_gemv_int8(x: T.Buffer((1, K), "float32"), qs: T.Buffer(qs_shape, qs_dtype),
                         s: T.Buffer((S, N, NB), "float32"), y: T.Buffer((1, N), "float32")):
         T.func_attr({"tirx.noalias": True, "op_pattern": 8})
-        xq = T.decl_buffer((K,), "int8")
-        xd = T.decl_buffer((NB,), "float32")
-        xs = T.decl_buffer((2, NB), "float32")
-        for b in range(NB):   # quantize the activations (serial: K values, well under a microsecond)
-            amax = T.decl_buffer((1,), "float32", scope="local")
-            amax[0] = T.float32(0)
-            for e in range(BLOCK):
-                amax[0] = T.max(amax[0], T.abs(x[0, b * BLOCK + e]))
-            xd[b] = amax[0] / T.float32(127)
-            inv = T.decl_buffer((1,), "float32", scope="local")
-            inv[0] = T.Select(amax[0] > T.float32(0), T.float32(1) / xd[b], T.float32(0))
-            for l in T.unroll(BLOCK):
-                xq[b * BLOCK + l] = T.Cast("int8", T.round(x[0, b * BLOCK + lane_element(l, qtype)] * inv[0]))
-            for h in T.unroll(2):
-                tot = T.decl_buffer((1,), "int32", scope="local")
-                tot[0] = 0
-                for e in T.unroll(16):
-                    tot[0] = tot[0] + T.Cast("int32", xq[b * BLOCK + element_lane(h * 16 + e, qtype)])
-                xs[h, b] = T.Cast("float32", tot[0])
+        xq = T.decl_buffer((1, K), "int8")
+        xd8 = T.decl_buffer((NB, 1, 8), "float32")
+        xo = T.decl_buffer((F, NB, 1), "float32")
+        xo_blocks = T.decl_buffer((F, NB), "float32", data=xo.data)   # the same sums, blocks as the last axis
+        for b in range(NB):
+            quantize_activation_block(x, 0, True, xq, xd8, xo, 0, b, qtype, F)
         for c in T.parallel(CHUNKS):
-            # one task per chunk of rows, not per row: the accumulators are allocated once per task
-            acc = T.decl_buffer((A, 8), "float32", scope="local")
-            off = T.decl_buffer((A,), "float32", scope="local")
+            # one task per chunk of rows: enough tasks to balance the threads, few enough that a task's setup
+            # does not count
+            acc = T.decl_buffer((A, 8), "float32", scope="global")
+            off = T.decl_buffer((VO,), "float32", scope="global")
             for i in range(T.min(ROWS, N - c * ROWS)):
+                row = T.meta_var(c * ROWS + i)
                 for a in T.unroll(A):
                     acc[a, T.ramp(0, 1, 8)] = T.Broadcast(T.float32(0), 8)
-                    off[a] = T.float32(0)
                 for bb in range(NB // A):
                     for a in T.unroll(A):
                         acc[a, T.ramp(0, 1, 8)] = acc[a, T.ramp(0, 1, 8)] + T.Cast("float32x8", _block_dot(
-                            qtype, qs, s, xq, c * ROWS + i, bb * A + a)) * (
-                                _lane_scales(qtype, s, c * ROWS + i, bb * A + a) * T.Broadcast(xd[bb * A + a], 8))
-                        if has_offset:
-                            off[a] = off[a] + _offset_term(qtype, s, xs, c * ROWS + i, bb * A + a) * xd[bb * A + a]
+                            qtype, qs, _unsigned_quants(qtype, qs, s, row, bb * A + a), xq, 0, row, bb * A + a)) * (
+                                _lane_scales(qtype, s, row, bb * A + a) * xd8[bb * A + a, 0, T.ramp(0, 1, 8)])
                 for a in T.unroll(1, A):
                     acc[0, T.ramp(0, 1, 8)] = acc[0, T.ramp(0, 1, 8)] + acc[a, T.ramp(0, 1, 8)]
-                    off[0] = off[0] + off[a]
-                y[0, c * ROWS + i] = (((acc[0, 0] + acc[0, 1]) + (acc[0, 2] + acc[0, 3]))
-                                      + ((acc[0, 4] + acc[0, 5]) + (acc[0, 6] + acc[0, 7])) + off[0])
+                if len(fields) == 0:
+                    y[0, row] = lane_total(acc, 0)
+                else:
+                    off[_span(0, VO)] = T.Broadcast(T.float32(0), VO) if VO > 1 else T.float32(0)
+                    for ob in range(NB // VO):
+                        off[_span(0, VO)] = off[_span(0, VO)] + _offset_scales_by_sums(s, xo_blocks, fields, row,
+                                                                                       _span(ob * VO, VO))
+                    y[0, row] = lane_total(acc, 0) + T.float32(coefficient) * lane_total(off, lanes=VO)
 
     return quant_gemv_int8
+
+
+def _offset_scales_by_sums(s, sums, fields, row, blocks):
+    """sum_f s[field_f, row, blocks] * sums[f, blocks]: the offset scales of a span of blocks times the activation
+    sums (the GEMV's offset term, without the coefficient)."""
+    total = None
+    for f, field in enumerate(fields):
+        term = s[field, row, blocks] * sums[f, blocks]
+        total = term if total is None else total + term
+    return total
 
 
 GEMM_TILE = 8   # tokens per tile: 8 float accumulators + the block's unpacked quants stay in the 16 AVX2 registers
 
 
-def _offset_sums(qtype) -> int:
-    """How many activation sums per block the GEMM keeps for the offset term: one per half-block for q6_k (its
-    halves have their own scales), else one for the block."""
-    return 2 if qtype == "q6_k" else 1
-
-
 def _tile_offset(qtype, s, xo, row, b, t0, TT):
-    """float32 x TT: what block b's offset or minimum adds to row `row` for tokens t0.. t0 + TT (_offset_term, with
-    the activation sums x scales xo stored token-minor)."""
-    sums = lambda f: xo[f, b, T.ramp(t0, 1, TT)]   # noqa: E731
-    if qtype in _HAS_MIN:
-        return T.Broadcast(s[1, row, b], TT) * sums(0)
-    if qtype == "q6_k":
-        return T.Broadcast(T.float32(-32) * s[0, row, b], TT) * sums(0) + \
-            T.Broadcast(T.float32(-32) * s[1, row, b], TT) * sums(1)
-    return T.Broadcast(T.float32(-_ZERO[qtype]) * s[0, row, b], TT) * sums(0)
+    """float32 x TT: what block b's offset or minimum adds to row `row` for tokens t0 .. t0 + TT (_offset_fields,
+    with the activation sums x scales xo stored token-minor)."""
+    fields, coefficient = _offset_fields(qtype)
+    total = None
+    for f, field in enumerate(fields):
+        scale = s[field, row, b] if coefficient == 1.0 else T.float32(coefficient) * s[field, row, b]
+        term = T.Broadcast(scale, TT) * xo[f, b, T.ramp(t0, 1, TT)]
+        total = term if total is None else total + term
+    return total
 
 
 def make_gemm_int8(qtype: str, N: int, K: int):
@@ -223,7 +298,7 @@ def make_gemm_int8(qtype: str, N: int, K: int):
     TT = GEMM_TILE
     CHUNKS = min(TASKS, N)
     ROWS = (N + CHUNKS - 1) // CHUNKS
-    F = _offset_sums(qtype)
+    F = _activation_sums(qtype)
     has_offset = qtype != "q8_0"
     n = token_count(None)
     tiles = (n + TT - 1) // TT
@@ -239,61 +314,29 @@ def make_gemm_int8(qtype: str, N: int, K: int):
         xo = T.decl_buffer((F, NB, tiles * TT), "float32")     # activation sums x scale, token-minor
         for t in T.parallel(tiles * TT):
             for b in range(NB):
-                amax = T.decl_buffer((1,), "float32", scope="local")
-                amax[0] = T.float32(0)
-                if t < n:
-                    for e in range(BLOCK):
-                        amax[0] = T.max(amax[0], T.abs(x[t, b * BLOCK + e]))
-                d = T.decl_buffer((1,), "float32", scope="local")
-                d[0] = amax[0] / T.float32(127)
-                xd8[b, t, T.ramp(0, 1, 8)] = T.Broadcast(d[0], 8)
-                inv = T.decl_buffer((1,), "float32", scope="local")
-                inv[0] = T.Select(amax[0] > T.float32(0), T.float32(1) / d[0], T.float32(0))
-                for l in T.unroll(BLOCK):
-                    xq[t, b * BLOCK + l] = T.Cast("int8", T.round(
-                        x[T.min(t, n - 1), b * BLOCK + lane_element(l, qtype)] * inv[0]))
-                for h in T.unroll(2):
-                    tot = T.decl_buffer((1,), "int32", scope="local")
-                    tot[0] = 0
-                    for e in T.unroll(16):
-                        tot[0] = tot[0] + T.Cast("int32", xq[t, b * BLOCK + element_lane(h * 16 + e, qtype)])
-                    if F == 2:
-                        xo[h, b, t] = T.Cast("float32", tot[0]) * d[0]
-                    elif h == 0:
-                        xo[0, b, t] = T.Cast("float32", tot[0]) * d[0]
-                    else:
-                        xo[0, b, t] = xo[0, b, t] + T.Cast("float32", tot[0]) * d[0]
+                quantize_activation_block(x, T.min(t, n - 1), t < n, xq, xd8, xo, t, b, qtype, F)
         for c in T.parallel(CHUNKS):
-            acc = T.decl_buffer((TT, 8), "float32", scope="local")
-            off = T.decl_buffer((TT,), "float32", scope="local")
-            u = T.decl_buffer((BLOCK,), "int8", scope="local")
+            acc = T.decl_buffer((TT, 8), "float32", scope="global")
+            off = T.decl_buffer((TT,), "float32", scope="global")
+            u = T.decl_buffer((BLOCK,), "int8", scope="global")
             for tt in range(tiles):
                 for i in range(T.min(ROWS, N - c * ROWS)):
-                    row = c * ROWS + i
+                    row = T.meta_var(c * ROWS + i)
                     for t in T.unroll(TT):
                         acc[t, T.ramp(0, 1, 8)] = T.Broadcast(T.float32(0), 8)
                     off[T.ramp(0, 1, TT)] = T.Broadcast(T.float32(0), TT)
                     for b in range(NB):
                         u[T.ramp(0, 1, BLOCK)] = _unsigned_quants(qtype, qs, s, row, b)
                         for t in T.unroll(TT):
-                            acc[t, T.ramp(0, 1, 8)] = acc[t, T.ramp(0, 1, 8)] + T.Cast("float32x8", _tile_dot(
-                                qtype, qs, u, xq, tt * TT + t, row, b)) * (
+                            acc[t, T.ramp(0, 1, 8)] = acc[t, T.ramp(0, 1, 8)] + T.Cast("float32x8", _block_dot(
+                                qtype, qs, u[T.ramp(0, 1, BLOCK)], xq, tt * TT + t, row, b)) * (
                                     _lane_scales(qtype, s, row, b) * xd8[b, tt * TT + t, T.ramp(0, 1, 8)])
                         if has_offset:
                             off[T.ramp(0, 1, TT)] = off[T.ramp(0, 1, TT)] + _tile_offset(qtype, s, xo, row, b,
                                                                                          tt * TT, TT)
                     for t in T.unroll(TT):
                         if tt * TT + t < n:
-                            y[tt * TT + t, row] = (((acc[t, 0] + acc[t, 1]) + (acc[t, 2] + acc[t, 3]))
-                                                   + ((acc[t, 4] + acc[t, 5]) + (acc[t, 6] + acc[t, 7])) + off[t])
+                            y[tt * TT + t, row] = lane_total(acc, t) + off[t]
 
     return quant_gemm_int8
 
-
-def _tile_dot(qtype, qs, u, xq, t, row, b):
-    """int32x8: _block_dot for token t of the tile, the block's unsigned quants already in `u`."""
-    x = xq[t, T.ramp(b * BLOCK, 1, BLOCK)]
-    if qtype == "q8_0":
-        x = _intrin("int8x32", "llvm.x86.avx2.psign.b", x, qs[row, T.ramp(b * BLOCK, 1, BLOCK)])
-    pairs = _intrin("int16x16", "llvm.x86.avx2.pmadd.ub.sw", u[T.ramp(0, 1, BLOCK)], x)
-    return _intrin("int32x8", "llvm.x86.avx2.pmadd.wd", pairs, T.Broadcast(T.int16(1), 16))
