@@ -1,4 +1,6 @@
 """Each kernel family against numpy on random data, with awkward sizes."""
+import re
+
 import numpy as np
 import pytest
 import tvm
@@ -30,6 +32,19 @@ def _build(prim):
 
 def _t(a):
     return tvm.runtime.tensor(np.ascontiguousarray(a), DEV)
+
+
+def workspace_requests(prim) -> list:
+    """The sizes a compiled kernel asks TVMBackendAllocWorkspace for (ints, or the LLVM value of a size known only
+    at run time). TVM serves a scratch buffer that way when it is not a "global" one under 1 KB, every time its
+    scope is entered: in a parallel loop's body that is a call pair per task."""
+    ir = _build(prim).mod.inspect_source("ll")
+    callees = set(re.findall(r"(%[\w.]+) = load ptr, ptr @__TVMBackendAllocWorkspace", ir))
+    sizes = []
+    for callee, size in re.findall(r"call ptr (%[\w.]+)\(i32 \d+, i32 %[\w.]+, i64 ([\w%.]+)", ir):
+        if callee in callees:
+            sizes.append(int(size) if size.isdigit() else size)
+    return sizes
 
 
 def _weight(qtype_name, n, k, rng):
@@ -173,6 +188,15 @@ def test_prefill_attention_query_passes(held, new, window, heads, kv_heads, d, r
         _t(q), pool, _t(table), _t(lens), layer, out)
     np.testing.assert_allclose(out.numpy(), _attention_reference(q, k_all, v_all, held, window), rtol=1e-4,
                                atol=1e-5)
+
+
+@pytest.mark.parametrize("tokens", [1, None])
+def test_attention_scratch_stays_on_the_stack(tokens):
+    """Only buffers of 1 KB or more may come from the workspace allocator (a call pair per task when declared in a
+    parallel loop): the register-blocking accumulators must be stack arrays. Changing their scope back to "local"
+    made this fail."""
+    sizes = workspace_requests(make_paged_attention(4, 1, 256, 16, 0.0625, tokens, window=512))
+    assert all(not isinstance(size, int) or size >= 1024 for size in sizes), sizes
 
 
 @pytest.mark.parametrize("held,window", [(300, 0), (300, 100), (130, 0)])
