@@ -30,7 +30,7 @@ def tiny(request, tmp_path_factory):
     name = request.param
     d = tmp_path_factory.mktemp(name)
     path = write_tiny_llama(d / f"{name}.gguf", layers=2, dim=64, heads=4, kv_heads=2, **ARCHS[name])
-    model = sharpi.load(sharpi.compile(str(path), target="llvm", output=d / "art"))
+    model = sharpi.load(sharpi.compile(str(path), target="llvm", output=d / "art", matmuls="float"))   # the exact path
     ids = [int(i) for i in np.random.default_rng(0).integers(0, model.config.vocab_size, 40)]
     ref = NumpyReference(path)
     return name, model, ref, ids, ref.forward(ids)

@@ -1,5 +1,5 @@
 """SmolLM2 compiled with the default matmuls on an AVX2 CPU, int8 (prefill and decode multiply int8-quantized
-activations, quant_matmul_int8): the kernels are in the artifact, the conformance checks pass at its int8
+activations, quant_matmul_int8; the KV cache f16): the kernels are in the artifact, the conformance checks pass at its int8
 tolerance, its log-probs stay close to the float artifact's (and are not identical: the int8 path really runs),
 and bad combinations are refused before any work."""
 import numpy as np
@@ -22,6 +22,9 @@ def smollm2_int8(smollm2_gguf, tmp_path_factory):
 def test_artifact_records_and_uses_int8_matmuls(smollm2_int8, smollm2):
     assert smollm2_int8.manifest.target["matmuls"] == "int8"
     assert smollm2.manifest.target["matmuls"] == "float"
+    # the default's KV cache is f16 as llama.cpp's (half the bytes); the exact float path keeps it f32
+    assert smollm2_int8.manifest.kv_dtype == "float16" and smollm2.manifest.kv_dtype == "float32"
+    assert smollm2_int8._pool.page_bytes * 2 == smollm2._pool.page_bytes
     kernels = smollm2_int8.manifest.kernels
     assert any(k.startswith("gemv_int8_q4_1") for k in kernels) and any(k.startswith("gemm_int8_q4_1") for k in kernels)
     assert not any(k.startswith(("gemv_int8", "gemm_int8")) for k in smollm2.manifest.kernels)

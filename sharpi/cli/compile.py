@@ -23,7 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "throughout, exact to the numpy reference")
     p.add_argument("--max-context", type=int, default=None, help="context length (default: the GGUF's)")
     p.add_argument("--kv-dtype", default=None, help="the KV cache's element type: f32 or f16 (half the memory; "
-                                                     "Vulkan needs shader-f16); default f16 for cuda, else f32")
+                                                     "Vulkan needs shader-f16); default f16 for cuda and for int8 "
+                                                     "matmuls, else f32")
     p.add_argument("--snapkv", default=None, help="on (default) or off: whether the SnapKV ops are compiled in")
     add_snapkv_flags(p)
     p.add_argument("--dump-ir", default=None, metavar="FILE", help="write the Relax IR after the passes to FILE")
