@@ -46,6 +46,8 @@ def rows_for(name: str, prompts: list[int], gen: int, repeats: int, budget: int,
         engines = {"llama.cpp": lambda: bench_llama_cpp(gguf, n, gen, first.threads, 1, prompt_ids(first, n))}
         for d, model in models.items():
             label = "sharpi" if d == "float" else f"sharpi, {d} matmuls"
+            if str(model.manifest.kv_dtype) == "float16":   # the int8 default's KV cache, as llama.cpp's
+                label += ", f16 KV"
             engines[label] = lambda m=model: bench_sharpi(m, n, gen, 1, {"snapkv_budget": 0})
             if budget and n > budget:
                 engines[f"{label}, SnapKV {budget}"] = lambda m=model: bench_sharpi(m, n, gen, 1,
