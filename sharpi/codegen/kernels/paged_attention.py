@@ -257,6 +257,10 @@ def _paged_attention_decode(heads, kv_heads, head_dim, page_size, scale, group, 
     SP = decode_splits(kv_heads)
     QP, OS, VC = _register_blocks(group, DC, LANES, page_size)
 
+    def part_row(h, sp):
+        """The row of part / part_stats holding query head h's partial result over range sp."""
+        return (h // group * SP + sp) * group + h % group
+
     @T.prim_func
     def paged_attention(var_q: T.handle, var_pool: T.handle, var_pt: T.handle, var_lens: T.handle,
                         layer: T.int64, var_out: T.handle):
@@ -304,17 +308,16 @@ def _paged_attention_decode(heads, kv_heads, head_dim, page_size, scale, group, 
             m = T.decl_buffer((2,), "float32", scope="global")
             m[0] = T.float32(NEG_INF)
             for sp in range(SP):
-                m[0] = T.max(m[0], part_stats[(h // group * SP + sp) * group + h % group, 0])
+                m[0] = T.max(m[0], part_stats[part_row(h, sp), 0])
             m[1] = T.float32(0)
             for sp in range(SP):
-                m[1] = m[1] + part_stats[(h // group * SP + sp) * group + h % group, 1] \
-                    * T.exp(part_stats[(h // group * SP + sp) * group + h % group, 0] - m[0])
+                m[1] = m[1] + part_stats[part_row(h, sp), 1] * T.exp(part_stats[part_row(h, sp), 0] - m[0])
             for d in T.vectorized(head_dim):
                 out[0, h, d] = T.float32(0)
             for sp in range(SP):
                 for d in T.vectorized(head_dim):
-                    out[0, h, d] = out[0, h, d] + part[(h // group * SP + sp) * group + h % group, d] * (
-                        T.exp(part_stats[(h // group * SP + sp) * group + h % group, 0] - m[0]) / m[1])
+                    out[0, h, d] = out[0, h, d] + part[part_row(h, sp), d] * (
+                        T.exp(part_stats[part_row(h, sp), 0] - m[0]) / m[1])
 
     return paged_attention
 

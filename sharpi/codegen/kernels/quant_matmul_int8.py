@@ -199,8 +199,8 @@ def _span(start, lanes):
     return start if lanes == 1 else T.ramp(start, 1, lanes)
 
 
-TASKS = 64   # parallel tasks per GEMV: enough to balance two to a few dozen threads; a task per row would
-             # allocate its accumulators per row
+TASKS = 64   # parallel tasks per GEMV and GEMM: enough to balance two to a few dozen threads, few enough that a
+             # task's setup (its accumulators, the parallel loop's bookkeeping) does not count
 
 
 def make_gemv_int8(qtype: str, N: int, K: int):
@@ -231,8 +231,6 @@ def make_gemv_int8(qtype: str, N: int, K: int):
         for b in range(NB):
             quantize_activation_block(x, 0, True, xq, xd8, xo, 0, b, qtype, F)
         for c in T.parallel(CHUNKS):
-            # one task per chunk of rows: enough tasks to balance the threads, few enough that a task's setup
-            # does not count
             acc = T.decl_buffer((A, 8), "float32", scope="global")
             off = T.decl_buffer((VO,), "float32", scope="global")
             for i in range(T.min(ROWS, N - c * ROWS)):
