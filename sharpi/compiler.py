@@ -1,23 +1,22 @@
 """The compiler driver: frontend -> ir_passes -> codegen, with a compile cache.
 
-Compiles are cached under $SHARPI_HOME/cache, keyed by the GGUF's sha256, the target (with its mcpu), the
-options and the sharpi version; a cached compile is copied to the output directory.
+Compiles are cached under $SHARPI_HOME/cache (compile_cache: keyed by the GGUF's sha256, the resolved options and
+the compiler's source; bounded by $SHARPI_CACHE_GB); a cached compile is copied to the output directory.
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .common.errors import ConfigError
-from .common.manifest import FORMAT_VERSION, Manifest, file_sha256
+from . import compile_cache
+from .common.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, file_sha256
 from .common.ops import PAGE_SIZE, SELECT_PARAMS
-from .common.settings import parse_positive_int, sharpi_home
+from .common.settings import parse_positive_int
 from .common.version import __version__
 
 TARGETS = ("llvm", "cuda", "vulkan")
@@ -140,16 +139,22 @@ def compile(model: str | Path, target: str = "llvm", output: str | Path | None =
         nvcc_path()                        # no nvcc: say so before any work
         resolved = replace(options, arch=arch or DEFAULT_ARCH)
     gguf_sha256 = file_sha256(gguf_path)   # the cache key needs only the bytes, not a parse of the GGUF
-    cached = _cache_dir(gguf_path, gguf_sha256, resolved) if use_cache else None
-    if cached is not None and (cached / "manifest.json").is_file() and dump_ir is None:
+    cached = compile_cache.entry_dir(gguf_path, gguf_sha256, resolved) if use_cache else None
+    if cached is not None and (cached / MANIFEST_NAME).is_file() and dump_ir is None:
         _log(show_progress, f"sharpi: using the cached compile {cached.name}")
+        compile_cache.mark_used(cached)
         _copy_artifact(cached, output)
         return output
+    if cached is not None:
+        compile_cache.limit_bytes()        # a bad SHARPI_CACHE_GB fails now, not after the compile
     gguf = GGUFFile(gguf_path)
     built = _compile_uncached(gguf, gguf_sha256, resolved, output if cached is None else cached, show_progress,
                               dump_ir)
     if cached is not None:
         _copy_artifact(built, output)
+        for entry in compile_cache.prune(keep=cached):
+            _log(show_progress, f"sharpi: compile cache over {compile_cache.limit_bytes() / 2**30:g} GiB "
+                                f"(SHARPI_CACHE_GB); deleted the least recently used {entry.path.name}")
     return output
 
 
@@ -354,24 +359,6 @@ def _build_vulkan(mod, cfg, staging: Path, bar) -> tuple[dict, list[str]]:
     write_plan(plan, staging)
     bar.update(1)
     return {"kind": "vulkan", "shader": "wgsl", "activations": "float32"}, sorted(plan.kernels)
-
-
-def _code_fingerprint() -> str:
-    """A hash of the compiler's own source, so a changed kernel or pass never reuses a stale cached compile (the
-    runtime, CLI, test and evaluation code do not shape an artifact)."""
-    root = Path(__file__).parent
-    digest = hashlib.sha256()
-    for path in sorted(p for p in root.rglob("*.py") if not {"runtime", "cli", "testing", "eval"} & set(p.parts)):
-        digest.update(str(path.relative_to(root)).encode())
-        digest.update(path.read_bytes())
-    return digest.hexdigest()
-
-
-def _cache_dir(gguf_path: Path, gguf_sha256: str, options: CompileOptions) -> Path:
-    key = json.dumps({"gguf": gguf_sha256, "options": asdict(options), "sharpi": __version__,
-                      "format": FORMAT_VERSION, "code": _code_fingerprint()}, sort_keys=True)
-    digest = hashlib.sha256(key.encode()).hexdigest()[:24]
-    return sharpi_home() / "cache" / f"{gguf_path.stem}-{options.target}-{digest}"
 
 
 def _check_output_dir(output: Path) -> None:

@@ -20,7 +20,7 @@ import pytest
 
 import sharpi
 from sharpi.cli import main as main_cli
-from tiny_gguf import write_tiny_llama
+from tiny_gguf import fake_llvm_build, write_tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -143,19 +143,6 @@ def home(tmp_path, monkeypatch) -> Path:
     return tmp_path / "home"
 
 
-def _fake_llvm_build(tiny_artifact: Path, then=None):
-    """Stands in for the LLVM build (seconds of TVM): copies the tiny artifact's library into the staging folder;
-    `then(staging)` may interrupt after that."""
-    manifest = json.loads((tiny_artifact / "manifest.json").read_text())
-
-    def build(mod, cfg, options, staging, bar):
-        shutil.copy(tiny_artifact / "model.so", staging / "model.so")
-        if then is not None:
-            then(staging)
-        return manifest["target"], manifest["kernels"]
-    return build
-
-
 def _interrupt(*args, **kwargs):
     raise KeyboardInterrupt
 
@@ -178,9 +165,9 @@ def test_interrupted_compile_leaves_no_artifact_and_no_staging(where, use_cache,
     from sharpi.codegen import artifact
 
     if where == "codegen":       # mid-build: the library half there
-        monkeypatch.setattr(compiler, "_build_llvm", _fake_llvm_build(tiny_artifact, then=_interrupt))
+        monkeypatch.setattr(compiler, "_build_llvm", fake_llvm_build(tiny_artifact, then=_interrupt))
     else:                        # the library built, the weights half written
-        monkeypatch.setattr(compiler, "_build_llvm", _fake_llvm_build(tiny_artifact))
+        monkeypatch.setattr(compiler, "_build_llvm", fake_llvm_build(tiny_artifact))
         monkeypatch.setattr(artifact, "write_weights", _half_written_weights)
     output = tmp_path / "out" / "tiny"
     with pytest.raises(KeyboardInterrupt):
@@ -199,7 +186,7 @@ def test_interrupted_recompile_keeps_the_earlier_artifact(tiny_gguf, tiny_artifa
     from sharpi.codegen import artifact
 
     output = Path(shutil.copytree(tiny_artifact, tmp_path / "out" / "tiny"))
-    monkeypatch.setattr(compiler, "_build_llvm", _fake_llvm_build(tiny_artifact))
+    monkeypatch.setattr(compiler, "_build_llvm", fake_llvm_build(tiny_artifact))
     monkeypatch.setattr(artifact, "write_weights", _half_written_weights)
     with pytest.raises(KeyboardInterrupt):
         sharpi.compile(str(tiny_gguf), output=output, use_cache=False)
@@ -214,7 +201,7 @@ def test_interrupted_move_into_place_restores_the_earlier_artifact(tiny_gguf, ti
     from sharpi import compiler
 
     output = Path(shutil.copytree(tiny_artifact, tmp_path / "out" / "tiny"))
-    monkeypatch.setattr(compiler, "_build_llvm", _fake_llvm_build(tiny_artifact))
+    monkeypatch.setattr(compiler, "_build_llvm", fake_llvm_build(tiny_artifact))
     real_rename = Path.rename
 
     def rename(self, target):

@@ -1,4 +1,4 @@
-"""sharpi fetch | inspect | run | chat | adapters | bench | eval: use compiled artifacts and known models."""
+"""sharpi fetch | inspect | run | chat | adapters | bench | eval | cache: use compiled artifacts and known models."""
 from __future__ import annotations
 
 import argparse
@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_device_flags(b)
 
     add_eval_parser(sub)
+
+    k = sub.add_parser("cache", help="list the compile cache's artifacts (least recently used first), or clear it")
+    k.add_argument("--clear", action="store_true", help="delete every cached compile")
     return p
 
 
@@ -143,8 +146,26 @@ def _check_bench_flags(args) -> None:
         raise ConfigError(f"--gguf {args.gguf} does not exist or is not a file.")
 
 
+def cmd_cache(args) -> int:
+    import time
+
+    from .. import compile_cache
+    limit = compile_cache.limit_bytes()
+    listed = compile_cache.clear() if args.clear else compile_cache.entries()
+    for entry in listed:
+        used = time.strftime("%Y-%m-%d %H:%M", time.localtime(entry.last_used))
+        print(f"{entry.nbytes / 2**20:8.1f} MiB  last used {used}  {entry.path.name}")
+    total = sum(e.nbytes for e in listed) / 2**30
+    if args.clear:
+        print(f"deleted {len(listed)} cached compiles ({total:.2f} GiB) from {compile_cache.cache_root()}")
+    else:
+        print(f"{len(listed)} cached compiles, {total:.2f} GiB of {limit / 2**30:g} GiB (SHARPI_CACHE_GB) "
+              f"in {compile_cache.cache_root()}")
+    return 0
+
+
 COMMANDS = {"fetch": cmd_fetch, "inspect": cmd_inspect, "run": cmd_run, "chat": cmd_chat, "adapters": cmd_adapters,
-            "bench": cmd_bench, "eval": cmd_eval}
+            "bench": cmd_bench, "eval": cmd_eval, "cache": cmd_cache}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,0 +1,131 @@
+"""The compile cache: one artifact per (GGUF bytes, compile options, compiler source) under $SHARPI_HOME/cache.
+
+A key changes with every compiler edit or upgrade, so without a bound the entries of old versions pile up (a
+gemma3 CPU artifact is ~290 MB; a CI machine reached 9 GB in a day). After each new entry the least recently used
+ones are deleted until the cache fits $SHARPI_CACHE_GB (default 5). An entry's directory mtime is its last use.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .common.errors import ConfigError
+from .common.manifest import FORMAT_VERSION, MANIFEST_NAME
+from .common.settings import sharpi_home
+from .common.version import __version__
+
+DEFAULT_LIMIT_GB = 5.0
+STALE_STAGING_S = 24 * 3600      # a staging folder this old is a compile that died, not one under way
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    path: Path
+    nbytes: int
+    last_used: float             # seconds since the epoch
+
+
+def cache_root() -> Path:
+    return sharpi_home() / "cache"
+
+
+def code_fingerprint() -> str:
+    """A hash of the compiler's own source, so a changed kernel or pass never reuses a stale cached compile (the
+    runtime, CLI, test and evaluation code do not shape an artifact)."""
+    root = Path(__file__).parent
+    digest = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*.py") if not {"runtime", "cli", "testing", "eval"} & set(p.parts)):
+        digest.update(str(path.relative_to(root)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def entry_dir(gguf_path: Path, gguf_sha256: str, options) -> Path:
+    """Where the compile of this GGUF with these (resolved) CompileOptions is cached."""
+    key = json.dumps({"gguf": gguf_sha256, "options": asdict(options), "sharpi": __version__,
+                      "format": FORMAT_VERSION, "code": code_fingerprint()}, sort_keys=True)
+    digest = hashlib.sha256(key.encode()).hexdigest()[:24]
+    return cache_root() / f"{gguf_path.stem}-{options.target}-{digest}"
+
+
+def mark_used(entry: Path) -> None:
+    try:
+        os.utime(entry)
+    except OSError:              # a read-only cache still serves its entries
+        pass
+
+
+def limit_bytes() -> int:
+    """$SHARPI_CACHE_GB as bytes (a positive number of GiB; fractions allowed)."""
+    value = os.environ.get("SHARPI_CACHE_GB")
+    if value is None:
+        return int(DEFAULT_LIMIT_GB * 2**30)
+    try:
+        gib = float(value)
+    except ValueError:
+        gib = float("nan")
+    if not gib > 0:
+        raise ConfigError(f"SHARPI_CACHE_GB must be a positive number of GiB, got {value!r}.")
+    return int(gib * 2**30)
+
+
+def entries() -> list[CacheEntry]:
+    """The cached artifacts, least recently used first (folders the cache did not write are not listed)."""
+    root = cache_root()
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.iterdir():
+        if path.is_dir() and (path / MANIFEST_NAME).is_file():
+            found.append(CacheEntry(path, _tree_bytes(path), path.stat().st_mtime))
+    return sorted(found, key=lambda e: e.last_used)
+
+
+def prune(keep: Path, limit: int | None = None) -> list[CacheEntry]:
+    """Delete least recently used entries (never `keep`) until the cache fits `limit` bytes, and staging folders
+    of compiles that died; returns the entries deleted."""
+    limit = limit_bytes() if limit is None else limit
+    _remove_dead_staging()
+    listed = entries()
+    total = sum(e.nbytes for e in listed)
+    removed = []
+    for entry in listed:
+        if total <= limit:
+            break
+        if entry.path == keep:
+            continue
+        shutil.rmtree(entry.path, ignore_errors=True)
+        total -= entry.nbytes
+        removed.append(entry)
+    return removed
+
+
+def clear() -> list[CacheEntry]:
+    """Delete every cached artifact; returns what was deleted."""
+    listed = entries()
+    for entry in listed:
+        shutil.rmtree(entry.path, ignore_errors=True)
+    _remove_dead_staging()
+    return listed
+
+
+def _remove_dead_staging() -> None:
+    root = cache_root()
+    if not root.is_dir():
+        return
+    now = time.time()
+    for path in root.glob(".*.partial-*"):
+        try:
+            if now - path.stat().st_mtime >= STALE_STAGING_S:
+                shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            pass
+
+
+def _tree_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())

@@ -1,0 +1,101 @@
+"""The compile cache stays within $SHARPI_CACHE_GB: after a new entry, the least recently used ones go (a cache hit
+counts as a use); compiles that died leave staging folders that go after a day; `sharpi cache` lists and clears.
+The tiny llama is compiled for real once; the cached compiles under test use a stand-in for the LLVM build."""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+import sharpi
+from sharpi import compile_cache
+from sharpi.cli import main as main_cli
+from tiny_gguf import fake_llvm_build, write_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> Path:
+    return write_tiny_llama(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+
+
+@pytest.fixture(scope="module")
+def tiny_artifact(tiny_gguf, tmp_path_factory) -> Path:
+    return sharpi.compile(str(tiny_gguf), output=tmp_path_factory.mktemp("art") / "tiny")
+
+
+@pytest.fixture
+def home(tiny_artifact, tmp_path, monkeypatch) -> Path:
+    """An empty SHARPI_HOME, and compiles that copy the tiny artifact's library instead of running TVM."""
+    from sharpi import compiler
+    monkeypatch.setenv("SHARPI_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(compiler, "_build_llvm", fake_llvm_build(tiny_artifact))
+    return tmp_path / "home"
+
+
+def _compile(gguf: Path, out: Path, recency: int) -> Path:
+    """Each recency is another cache key (a run-time default in the manifest; the same kernels)."""
+    return sharpi.compile(str(gguf), output=out / f"r{recency}", snapkv_recency=recency)
+
+
+def _cached_recencies() -> list[int]:
+    import json
+    return sorted(json.loads((e.path / "manifest.json").read_text())["snapkv"]["defaults"]["recency"]
+                  for e in compile_cache.entries())
+
+
+def test_least_recently_used_entries_go_when_over_the_limit(tiny_gguf, home, tmp_path, monkeypatch):
+    _compile(tiny_gguf, tmp_path, 8)
+    entry_bytes = compile_cache.entries()[0].nbytes
+    monkeypatch.setenv("SHARPI_CACHE_GB", str(2.5 * entry_bytes / 2**30))       # room for two entries
+    _compile(tiny_gguf, tmp_path, 16)
+    assert _cached_recencies() == [8, 16]
+    older, newer = compile_cache.entries()
+    os.utime(older.path, (1, 1))                                             # make the order explicit
+    os.utime(newer.path, (2, 2))
+    _compile(tiny_gguf, tmp_path, 8)              # a cache hit: 8 is now the most recently used
+    _compile(tiny_gguf, tmp_path, 32)             # a third entry: 16 goes
+    assert _cached_recencies() == [8, 32]
+    for recency in (8, 16, 32):                   # every output is whole, the deleted entry's included
+        assert sharpi.load(tmp_path / f"r{recency}").manifest.snapkv["defaults"]["recency"] == recency
+
+
+def test_the_new_entry_stays_even_alone_over_the_limit(tiny_gguf, home, tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARPI_CACHE_GB", "1e-9")
+    _compile(tiny_gguf, tmp_path, 8)
+    _compile(tiny_gguf, tmp_path, 16)
+    assert _cached_recencies() == [16]
+
+
+def test_dead_staging_folders_go_and_live_ones_stay(tiny_gguf, home, tmp_path):
+    cache = home / "cache"
+    dead, live = cache / ".x.partial-dead", cache / ".y.partial-live"
+    for folder in (dead, live):
+        folder.mkdir(parents=True)
+        (folder / "model.so").write_bytes(b"half")
+    old = time.time() - compile_cache.STALE_STAGING_S - 60
+    os.utime(dead, (old, old))
+    _compile(tiny_gguf, tmp_path, 8)
+    assert not dead.exists() and live.exists()
+
+
+def test_bad_limit_is_one_sentence_before_any_compile(tiny_gguf, home, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SHARPI_CACHE_GB", "lots")
+    with pytest.raises(sharpi.ConfigError, match="SHARPI_CACHE_GB must be a positive number"):
+        _compile(tiny_gguf, tmp_path, 8)
+    assert not (home / "cache").exists() or compile_cache.entries() == []
+    assert main_cli.main(["cache"]) == 2
+    assert "SHARPI_CACHE_GB" in capsys.readouterr().err
+
+
+def test_cli_lists_and_clears(tiny_gguf, home, tmp_path, capsys):
+    _compile(tiny_gguf, tmp_path, 8)
+    _compile(tiny_gguf, tmp_path, 16)
+    assert main_cli.main(["cache"]) == 0
+    listing = capsys.readouterr().out
+    assert "2 cached compiles" in listing and listing.count("tiny-llvm-") == 2
+    assert main_cli.main(["cache", "--clear"]) == 0
+    assert "deleted 2 cached compiles" in capsys.readouterr().out
+    assert compile_cache.entries() == []
+    assert sharpi.load(tmp_path / "r8").manifest.snapkv["defaults"]["recency"] == 8
