@@ -5,6 +5,8 @@ the compiler's source; bounded by $SHARPI_CACHE_GB); a cached compile is copied 
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import math
 import shutil
 import sys
@@ -184,7 +186,7 @@ def _compile_uncached(gguf, gguf_sha256: str, options: CompileOptions, output: P
         _write_ir(dump_ir, mod)
     from .common.progress import progress_bar
     staging = artifact.staging_dir(output)
-    try:
+    with _writing(staging, output):
         with progress_bar(2, "compiling", show_progress, unit="step") as bar:
             if options.target == "vulkan":
                 target_info, kernels = _build_vulkan(mod, cfg, staging, bar)
@@ -204,9 +206,6 @@ def _compile_uncached(gguf, gguf_sha256: str, options: CompileOptions, output: P
             snapkv={"enabled": options.snapkv == "on", "max_window": settings.window,
                     "defaults": settings.to_dict(), "select_params": SELECT_PARAMS}, kv_dtype=options.kv_dtype)
         artifact.finalize(staging, output, manifest)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     detail = {"llvm": f" (mcpu {manifest.target.get('mcpu')})", "cuda": f" ({manifest.target.get('arch')})"}.get(
         options.target, "")
     _log(show_progress, f"sharpi: compiled {gguf.path.name} for {options.target}{detail} in "
@@ -265,7 +264,7 @@ def export_onnx(model: str | Path, output: str | Path | None = None, *, weights:
         _write_ir(dump_ir, mod)
     from .codegen.artifact import staging_dir
     staging = staging_dir(output)
-    try:
+    with _writing(staging, output):
         _log(show_progress, "sharpi: translating the Relax module to ONNX")
         signature = onnx_export.export_module(mod, cfg, table, staging, functions=tuple(functions),
                                               snapkv_settings=settings, weight_dtype=weights,
@@ -279,9 +278,6 @@ def export_onnx(model: str | Path, output: str | Path | None = None, *, weights:
         if output.exists():
             shutil.rmtree(output)
         staging.rename(output)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     _log(show_progress, f"sharpi: exported {gguf.path.name} to ONNX ({', '.join(functions)}) in "
                         f"{time.perf_counter() - started:.1f} s -> {output}")
     return output
@@ -361,6 +357,23 @@ def _build_vulkan(mod, cfg, staging: Path, bar) -> tuple[dict, list[str]]:
     return {"kind": "vulkan", "shader": "wgsl", "activations": "float32"}, sorted(plan.kernels)
 
 
+@contextlib.contextmanager
+def _writing(staging: Path, output: Path):
+    """Writing an artifact into `staging`: on any failure the staging folder goes; a file system that refuses
+    the writes (full, read-only, no permission) is one sentence, not a traceback."""
+    try:
+        yield
+    except BaseException as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(exc, OSError) and exc.errno in _REFUSED_WRITES:
+            raise ConfigError(f"The artifact cannot be written to {output}: {exc.strerror} "
+                              f"({exc.filename or output.parent}).") from None
+        raise
+
+
+_REFUSED_WRITES = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG}
+
+
 def _check_output_dir(output: Path) -> None:
     """Only an empty directory or an earlier artifact may be replaced: never a user's other files."""
     if output.exists() and not (output.is_dir() and (not any(output.iterdir()) or (output / "manifest.json").is_file())):
@@ -382,14 +395,20 @@ def _copy_artifact(source: Path, output: Path) -> None:
 
 
 def _copy_artifact_files(source: Path, output: Path) -> None:
+    """Copy beside `output` first and replace it only once the copy is whole: a full disk keeps the earlier
+    artifact and leaves no half copy."""
     if output.resolve() == source.resolve():
         return
-    if output.exists():
-        shutil.rmtree(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = output.with_name(f".{output.name}.partial")
     shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(source, tmp)
+    try:
+        shutil.copytree(source, tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if output.exists():
+        shutil.rmtree(output)
     tmp.rename(output)
 
 

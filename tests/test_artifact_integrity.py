@@ -1,10 +1,11 @@
 """Corrupted, partial and half-written artifacts (issue #10): loading one is an ArtifactError with one clear
 sentence, never a crash or a model that runs on damaged bytes; an interrupted compile leaves nothing at the
-output path that loads, and no staging folder behind. Uses a tiny llama compiled once per module (the compile
+output path that loads, and no staging folder behind; a full disk is one sentence and keeps the earlier artifact. Uses a tiny llama compiled once per module (the compile
 cache makes reruns fast); tests/test_errors.py covers a flipped weight byte, another format version and missing
 CPU features on SmolLM2."""
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -20,6 +21,7 @@ import pytest
 
 import sharpi
 from sharpi.cli import main as main_cli
+from sharpi.codegen.artifact import WEIGHTS
 from tiny_gguf import fake_llvm_build, write_tiny_llama
 
 
@@ -249,3 +251,59 @@ def test_killed_compile_leaves_nothing_that_loads(tiny_gguf, tiny_artifact, home
     with pytest.raises(sharpi.ArtifactError, match="not a sharpi artifact"):
         sharpi.load(output)
     assert all(name.startswith(".tiny.partial-") for name in _leftovers(output.parent))
+
+
+def _disk_full(*args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+@pytest.mark.parametrize("use_cache", [False, True], ids=["no-cache", "cache"])
+def test_full_disk_is_one_sentence_and_keeps_the_earlier_artifact(use_cache, tiny_gguf, tiny_artifact, tiny_logits,
+                                                                  home, tmp_path, monkeypatch, capsys):
+    from sharpi import compiler
+    from sharpi.cli import compile as compile_cli
+    from sharpi.codegen import artifact
+
+    output = Path(shutil.copytree(tiny_artifact, tmp_path / "out" / "tiny"))
+    monkeypatch.setattr(compiler, "_build_llvm", fake_llvm_build(tiny_artifact))
+    monkeypatch.setattr(artifact, "write_weights", _disk_full)
+    with pytest.raises(sharpi.ConfigError, match="cannot be written to .*: No space left on device"):
+        sharpi.compile(str(tiny_gguf), output=output, use_cache=use_cache)
+    args = [str(tiny_gguf), "-o", str(output), "--quiet"] + ([] if use_cache else ["--no-cache"])
+    assert compile_cli.main(args) == 2
+    assert capsys.readouterr().err.count("\n") == 1                 # one `error:` line, no traceback
+    np.testing.assert_array_equal(sharpi.load(output).score([1, 2, 3]), tiny_logits)
+    assert _leftovers(output.parent, home / "cache") == []
+    assert not (home / "cache").exists() or list((home / "cache").iterdir()) == []
+
+
+def test_full_disk_while_copying_from_the_cache_keeps_the_earlier_artifact(tiny_gguf, tiny_artifact, tiny_logits,
+                                                                         home, tmp_path, monkeypatch):
+    from sharpi import compiler
+
+    monkeypatch.setattr(compiler, "_build_llvm", fake_llvm_build(tiny_artifact))
+    sharpi.compile(str(tiny_gguf), output=tmp_path / "first")               # fills the cache
+    output = Path(shutil.copytree(tiny_artifact, tmp_path / "out" / "tiny"))
+    real_copytree = shutil.copytree
+
+    def copy_then_fill(source, target):                                     # the disk fills mid-copy
+        if Path(source).name == WEIGHTS:
+            Path(target).write_bytes(b"half")
+            _disk_full()
+        return shutil.copy2(source, target)
+    monkeypatch.setattr(shutil, "copytree", lambda src, dst: real_copytree(src, dst, copy_function=copy_then_fill))
+    with pytest.raises(sharpi.ConfigError, match="cannot be written to .*No space left on device"):
+        sharpi.compile(str(tiny_gguf), output=output)
+    monkeypatch.undo()
+    np.testing.assert_array_equal(sharpi.load(output).score([1, 2, 3]), tiny_logits)
+    assert _leftovers(output.parent) == []
+
+
+def test_full_disk_during_onnx_export_is_one_sentence(tiny_gguf, tmp_path, monkeypatch):
+    from sharpi.codegen import onnx_export
+
+    monkeypatch.setattr(onnx_export, "export_module", _disk_full)
+    output = tmp_path / "onnx"
+    with pytest.raises(sharpi.ConfigError, match="cannot be written to .*No space left on device"):
+        sharpi.export_onnx(str(tiny_gguf), output)
+    assert not output.exists() and _leftovers(tmp_path) == []
