@@ -1,8 +1,8 @@
 """Corrupted, partial and half-written artifacts (issue #10): loading one is an ArtifactError with one clear
 sentence, never a crash or a model that runs on damaged bytes; an interrupted compile leaves nothing at the
-output path that loads, and no staging folder behind; a full disk is one sentence and keeps the earlier artifact. Uses a tiny llama compiled once per module (the compile
-cache makes reruns fast); tests/test_errors.py covers a flipped weight byte, another format version and missing
-CPU features on SmolLM2."""
+output path that loads, and no staging folder behind; a full disk is one sentence and keeps the earlier artifact.
+Uses a tiny llama compiled once per module (the compile cache makes reruns fast); tests/test_errors.py covers a
+flipped weight byte, another format version and missing CPU features on SmolLM2."""
 from __future__ import annotations
 
 import errno
