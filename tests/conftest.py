@@ -64,6 +64,19 @@ def reference_logprobs(reference, golden):
     return log_softmax(reference.forward(golden["teacher_forced"]["ids"]))
 
 
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory) -> Path:
+    """A 2-layer llama with random weights (tests/tiny_gguf.py): for tests of the artifact's life, not numerics."""
+    from tiny_gguf import write_tiny_llama
+    return write_tiny_llama(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+
+
+@pytest.fixture(scope="session")
+def tiny_artifact(tiny_gguf, tmp_path_factory) -> Path:
+    import sharpi
+    return sharpi.compile(str(tiny_gguf), output=tmp_path_factory.mktemp("art") / "tiny")
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)

@@ -1,7 +1,7 @@
 """Corrupted, partial and half-written artifacts (issue #10): loading one is an ArtifactError with one clear
 sentence, never a crash or a model that runs on damaged bytes; an interrupted compile leaves nothing at the
 output path that loads, and no staging folder behind; a full disk is one sentence and keeps the earlier artifact.
-Uses a tiny llama compiled once per module (the compile cache makes reruns fast); tests/test_errors.py covers a
+Uses the tiny llama of conftest (compiled once a session); tests/test_errors.py covers a
 flipped weight byte, another format version and missing CPU features on SmolLM2."""
 from __future__ import annotations
 
@@ -22,17 +22,7 @@ import pytest
 import sharpi
 from sharpi.cli import main as main_cli
 from sharpi.codegen.artifact import WEIGHTS
-from tiny_gguf import fake_llvm_build, write_tiny_llama
-
-
-@pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory) -> Path:
-    return write_tiny_llama(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
-
-
-@pytest.fixture(scope="module")
-def tiny_artifact(tiny_gguf, tmp_path_factory) -> Path:
-    return sharpi.compile(str(tiny_gguf), output=tmp_path_factory.mktemp("art") / "tiny")
+from tiny_gguf import fake_llvm_build
 
 
 @pytest.fixture(scope="module")

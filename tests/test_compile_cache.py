@@ -1,6 +1,6 @@
 """The compile cache stays within $SHARPI_CACHE_GB: after a new entry, the least recently used ones go (a cache hit
 counts as a use); compiles that died leave staging folders that go after a day; `sharpi cache` lists and clears.
-The tiny llama is compiled for real once; the cached compiles under test use a stand-in for the LLVM build."""
+The tiny llama (conftest) is compiled for real once; the cached compiles under test use a stand-in for the LLVM build."""
 from __future__ import annotations
 
 import os
@@ -12,17 +12,7 @@ import pytest
 import sharpi
 from sharpi import compile_cache
 from sharpi.cli import main as main_cli
-from tiny_gguf import fake_llvm_build, write_tiny_llama
-
-
-@pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory) -> Path:
-    return write_tiny_llama(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
-
-
-@pytest.fixture(scope="module")
-def tiny_artifact(tiny_gguf, tmp_path_factory) -> Path:
-    return sharpi.compile(str(tiny_gguf), output=tmp_path_factory.mktemp("art") / "tiny")
+from tiny_gguf import fake_llvm_build
 
 
 @pytest.fixture
