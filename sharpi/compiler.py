@@ -22,7 +22,7 @@ from .common.settings import parse_positive_int
 from .common.version import __version__
 
 TARGETS = ("llvm", "cuda", "vulkan")
-KV_DTYPES = {"f32": "float32", "f16": "float16"}    # --kv-dtype names -> element types
+KV_DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}    # --kv-dtype names -> element types
 MATMULS = ("float", "int8")
 PREFILL_CHUNK = 512
 
@@ -69,6 +69,9 @@ class CompileOptions:
             raise ConfigError("--matmuls int8 applies to the llvm target only.")
         if self.kv_dtype not in KV_DTYPES.values():
             raise ConfigError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}.")
+        if self.kv_dtype == "bfloat16" and self.target == "vulkan":
+            raise ConfigError("--kv-dtype bf16 is not available on the vulkan target (WGSL has no bfloat16); "
+                              "use f16 or f32.")
         if self.max_context is not None:
             parse_positive_int(self.max_context, "--max-context")
 
@@ -85,7 +88,7 @@ def compile(model: str | Path, target: str = "llvm", output: str | Path | None =
     target: llvm (mcpu: the CPU, default this one; matmuls: "int8" (the default where the CPU has AVX2):
     the quantized matmuls multiply int8-quantized activations with integer dot products as llama.cpp does, or
     "float": float32 throughout, exact to the numpy reference), vulkan, or cuda (arch: sm_XY, default sm_80; cuda_graph: decode
-    as one captured CUDA graph); kv_dtype: the KV cache's element type, "f32" or "f16" (default f16 for cuda and
+    as one captured CUDA graph); kv_dtype: the KV cache's element type, "f32", "f16" or "bf16" (not on vulkan; default f16 for cuda and
     for llvm with int8 matmuls, else f32).
 
     snapkv decides whether the SnapKV ops exist; snapkv_window is also the largest window allowed at run time;

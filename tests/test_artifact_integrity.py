@@ -90,6 +90,7 @@ DAMAGE = {
                                            "is truncated"),
     "field of the wrong type": (_manifest(lambda m: m.update(page_size="16")), True,
                                 "page_size should be a JSON integer"),
+    "unknown KV cache type": (_manifest(lambda m: m.update(kv_dtype="float8")), True, "KV cache type"),
     "file name with a path": (_manifest(lambda m: m["files"].update({"../escape": "0" * 64})), True,
                               "plain file names"),
 }

@@ -77,3 +77,15 @@ def test_cuda_logits_match_cpu(smollm2_cuda_artifact, smollm2, golden):
                    for x, y in zip(pa, pb))
         assert same / sum(p.size for p in b.kept_positions) >= 0.99
 
+
+
+def test_bf16_kv_cache_builds_for_cuda(tmp_path):
+    """--kv-dtype bf16 on the cuda target: nvcc builds the attention, append, compaction and SnapKV kernels for a
+    bf16 pool (run only on a GPU machine, with the rest of the CUDA checks)."""
+    from sharpi.common.manifest import Manifest
+    path = write_tiny_llama(tmp_path / "tiny.gguf")
+    artifact = sharpi.compile(str(path), target="cuda", kv_dtype="bf16", output=tmp_path / "bf16")
+    m = Manifest.read(artifact)
+    assert m.kv_dtype == "bfloat16"
+    assert {"paged_attention_kvbf16", "kv_append_kvbf16", "kv_compact_kvbf16"} <= set(m.kernels), m.kernels
+    assert set(fatbin_entries((artifact / "model.so").read_bytes())) == {("elf", 80), ("ptx", 80)}

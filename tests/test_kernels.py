@@ -190,6 +190,36 @@ def test_prefill_attention_query_passes(held, new, window, heads, kv_heads, d, r
                                atol=1e-5)
 
 
+@pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("held,new,window", [(0, 23, 0), (30, 1, 0), (20, 17, 19)])
+def test_half_precision_kv_pool(kv_dtype, held, new, window, rng):
+    """An f16 or bf16 pool: append rounds K and V to nearest (ties to even, as numpy and ml_dtypes do), attention
+    reads them back as float32 (decode's split-K path and prefill's)."""
+    import ml_dtypes
+    half = np.dtype(ml_dtypes.bfloat16) if kv_dtype == "bfloat16" else np.dtype(np.float16)
+    heads, kv_heads, d, page, layer = 4, 2, 64, 16, 0
+    pages = (held + new + page - 1) // page
+    table = np.asarray([list(np.random.default_rng(2).permutation(pages) + 1)], np.int32)
+    pool = _t(np.zeros((pages + 1, 2, kv_heads, page, d), half))
+    k_all = (4 * rng.standard_normal((held + new, kv_heads, d))).astype(np.float32)
+    v_all = (4 * rng.standard_normal((held + new, kv_heads, d))).astype(np.float32)
+    lens = np.zeros(1, np.int32)
+    append = make_kv_append(kv_heads, d, page, kv_dtype=kv_dtype)
+    _build(append)(pool, _t(k_all[:held]), _t(v_all[:held]), _t(table), _t(lens), layer)
+    lens[0] = held
+    _build(append)(pool, _t(k_all[held:]), _t(v_all[held:]), _t(table), _t(lens), layer)
+    stored = pool.numpy()[table[0]].transpose(1, 0, 3, 2, 4).reshape(2, pages * page, kv_heads, d)
+    k_half, v_half = (x.astype(half).astype(np.float32) for x in (k_all, v_all))
+    np.testing.assert_array_equal(stored[0, :held + new].astype(np.float32), k_half)
+    np.testing.assert_array_equal(stored[1, :held + new].astype(np.float32), v_half)
+    q = rng.standard_normal((new, heads, d)).astype(np.float32)
+    out = _t(np.zeros((new, heads, d), np.float32))
+    _build(make_paged_attention(heads, kv_heads, d, page, d ** -0.5, 1 if new == 1 else None, kv_dtype=kv_dtype,
+                                window=window))(_t(q), pool, _t(table), _t(lens), layer, out)
+    np.testing.assert_allclose(out.numpy(), _attention_reference(q, k_half, v_half, held, window), rtol=1e-4,
+                               atol=1e-5)
+
+
 @pytest.mark.parametrize("tokens", [1, None])
 def test_attention_scratch_stays_on_the_stack(tokens):
     """Only buffers of 1 KB or more may come from the workspace allocator (a call pair per task when declared in a

@@ -63,19 +63,22 @@ def test_tiny_llama_on_vulkan_matches_reference(matrix_type, tmp_path):
             np.testing.assert_allclose(s.decode(ids[i]), expected[i], rtol=1e-3, atol=1e-3)
 
 
-@pytest.mark.parametrize("target", ["llvm", "vulkan"])
-def test_f16_kv_cache(target, tmp_path):
-    """--kv-dtype f16: half the KV bytes, logits within f16 rounding of the reference, eviction still works."""
+@pytest.mark.parametrize("target,kv_dtype,tolerance", [("llvm", "f16", 2e-2), ("vulkan", "f16", 2e-2),
+                                                       ("llvm", "bf16", 5e-2)])   # bf16: 8 bits of mantissa
+def test_half_precision_kv_cache(target, kv_dtype, tolerance, tmp_path):
+    """--kv-dtype f16 / bf16: half the KV bytes, logits within their rounding of the reference, eviction still
+    works."""
     path = write_tiny_llama(tmp_path / "tiny.gguf", matrix_type="Q8_0", layers=2, heads=4, kv_heads=2)
-    half = on_vulkan(lambda: sharpi.load(sharpi.compile(str(path), target=target, kv_dtype="f16",
-                                                        output=tmp_path / "f16", matmuls="float")))
+    half = on_vulkan(lambda: sharpi.load(sharpi.compile(str(path), target=target, kv_dtype=kv_dtype,
+                                                        output=tmp_path / kv_dtype, matmuls="float")))
     full = sharpi.load(sharpi.compile(str(path), target=target, output=tmp_path / "f32", matmuls="float"))
-    assert half.manifest.kv_dtype == "float16" and half._pool.page_bytes * 2 == full._pool.page_bytes
+    assert half.manifest.kv_dtype == {"f16": "float16", "bf16": "bfloat16"}[kv_dtype]
+    assert half._pool.page_bytes * 2 == full._pool.page_bytes
     ids = list(np.random.default_rng(1).integers(0, half.config.vocab_size, 40))
     expected = NumpyReference(path).forward(ids)
-    np.testing.assert_allclose(half.score(ids), expected, rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(half.score(ids), expected, rtol=tolerance, atol=tolerance)
     with half.session(snapkv_budget=24, snapkv_window=8, snapkv_recency=4) as s, \
             full.session(snapkv_budget=24, snapkv_window=8, snapkv_recency=4) as f:
         s.prefill(ids[:36]), f.prefill(ids[:36])
         assert s.kv_length == [24, 24] and s.kv_bytes * 2 == f.kv_bytes
-        np.testing.assert_allclose(s.decode(ids[36]), f.decode(ids[36]), rtol=2e-2, atol=2e-2)
+        np.testing.assert_allclose(s.decode(ids[36]), f.decode(ids[36]), rtol=tolerance, atol=tolerance)

@@ -22,9 +22,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "int8-quantized activations with integer dot products, as llama.cpp does; float: float32 "
                         "throughout, exact to the numpy reference")
     p.add_argument("--max-context", type=int, default=None, help="context length (default: the GGUF's)")
-    p.add_argument("--kv-dtype", default=None, help="the KV cache's element type: f32 or f16 (half the memory; "
-                                                     "Vulkan needs shader-f16); default f16 for cuda and for int8 "
-                                                     "matmuls, else f32")
+    p.add_argument("--kv-dtype", default=None, help="the KV cache's element type: f32, f16 (half the memory; Vulkan "
+                                                     "needs shader-f16) or bf16 (half the memory, f32's range; not "
+                                                     "on Vulkan); default f16 for cuda and for int8 matmuls, else "
+                                                     "f32")
     p.add_argument("--snapkv", default=None, help="on (default) or off: whether the SnapKV ops are compiled in")
     add_snapkv_flags(p)
     p.add_argument("--dump-ir", default=None, metavar="FILE", help="write the Relax IR after the passes to FILE")

@@ -16,6 +16,9 @@ PLAN = "plan.json"            # vulkan: the plan of calls; one .wgsl file per ke
 _JSON_NAMES = {dict: "object", int: "integer", list: "array", str: "string"}
 
 
+# bytes of a KV pool element (numpy itself knows "bfloat16" only once ml_dtypes is imported)
+KV_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+
 @dataclass
 class ParamEntry:
     name: str
@@ -42,7 +45,7 @@ class Manifest:
     params: list[ParamEntry]
     files: dict[str, str] = field(default_factory=dict)   # file name -> sha256
     snapkv: dict = field(default_factory=dict)
-    kv_dtype: str = "float32"    # the KV page pool's element type (float32 or float16)
+    kv_dtype: str = "float32"    # the KV page pool's element type (float32, float16 or bfloat16)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)

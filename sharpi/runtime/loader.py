@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from ..common.errors import ArtifactError
-from ..common.manifest import LIBRARY, MANIFEST_NAME, PLAN, WEIGHTS, Manifest, file_sha256
+from ..common.manifest import KV_ITEMSIZE, LIBRARY, MANIFEST_NAME, PLAN, WEIGHTS, Manifest, file_sha256
 
 
 def host_cpu_flags() -> set[str]:
@@ -40,6 +40,9 @@ def check_artifact(directory: Path, manifest: Manifest, verify_hashes: bool = Tr
             if file_sha256(directory / name) != expected:
                 raise ArtifactError(f"{directory}/{name} does not match the hash in the manifest "
                                     f"(corrupted or changed); compile it again.")
+    if manifest.kv_dtype not in KV_ITEMSIZE:
+        raise ArtifactError(f"{directory}/{MANIFEST_NAME} names a KV cache type sharpi does not know "
+                            f"({manifest.kv_dtype!r}); compile it again.")
     if kind != "llvm":
         return
     required = set(manifest.target.get("cpu_features", []))

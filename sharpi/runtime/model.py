@@ -11,7 +11,7 @@ import numpy as np
 from ..common.chat import render_chat
 from ..common.config import ModelConfig
 from ..common.errors import ArtifactError, ConfigError, ContextLengthError
-from ..common.manifest import Manifest
+from ..common.manifest import KV_ITEMSIZE, Manifest
 from ..common.ops import SELECT_PARAMS, SELECT_PARAMS_BEFORE_SINKS
 from ..common.settings import parse_positive_int, resolve_threads
 from ..common.tokenizer import Tokenizer, TokenizerInfo
@@ -51,7 +51,7 @@ class Model:
         backend can hold in one buffer (Vulkan's storage-binding limit) if that is less."""
         cfg, m = self.config, self._manifest
         sequences = parse_positive_int(sequences, "pool_sequences")
-        page_bytes = np.dtype(m.kv_dtype).itemsize * 2 * cfg.n_kv_heads * m.page_size * cfg.head_dim
+        page_bytes = KV_ITEMSIZE[m.kv_dtype] * 2 * cfg.n_kv_heads * m.page_size * cfg.head_dim
         pages = sequences * cfg.n_layers * m.max_pages
         shape = (pages, 2, cfg.n_kv_heads, m.page_size, cfg.head_dim)
         pages = self._backend.allocate_pool(shape, m.kv_dtype)
