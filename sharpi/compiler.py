@@ -14,8 +14,8 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .common.errors import ConfigError
 from . import compile_cache
+from .common.errors import ConfigError
 from .common.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, file_sha256
 from .common.ops import PAGE_SIZE, SELECT_PARAMS
 from .common.settings import parse_positive_int
@@ -87,9 +87,9 @@ def compile(model: str | Path, target: str = "llvm", output: str | Path | None =
 
     target: llvm (mcpu: the CPU, default this one; matmuls: "int8" (the default where the CPU has AVX2):
     the quantized matmuls multiply int8-quantized activations with integer dot products as llama.cpp does, or
-    "float": float32 throughout, exact to the numpy reference), vulkan, or cuda (arch: sm_XY, default sm_80; cuda_graph: decode
-    as one captured CUDA graph); kv_dtype: the KV cache's element type, "f32", "f16" or "bf16" (not on vulkan; default f16 for cuda and
-    for llvm with int8 matmuls, else f32).
+    "float": float32 throughout, exact to the numpy reference), vulkan, or cuda (arch: sm_XY, default sm_80;
+    cuda_graph: decode as one captured CUDA graph); kv_dtype: the KV cache's element type, "f32", "f16" or "bf16"
+    (not on vulkan; default f16 for cuda and for llvm with int8 matmuls, else f32).
 
     snapkv decides whether the SnapKV ops exist; snapkv_window is also the largest window allowed at run time;
     the other snapkv_* values become the artifact's run-time defaults. dump_ir writes the Relax IR after the

@@ -19,6 +19,7 @@ _JSON_NAMES = {dict: "object", int: "integer", list: "array", str: "string"}
 # bytes of a KV pool element (numpy itself knows "bfloat16" only once ml_dtypes is imported)
 KV_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
+
 @dataclass
 class ParamEntry:
     name: str
