@@ -66,8 +66,8 @@ def test_tiny_llama_on_vulkan_matches_reference(matrix_type, tmp_path):
 @pytest.mark.parametrize("target,kv_dtype,tolerance", [("llvm", "f16", 2e-2), ("vulkan", "f16", 2e-2),
                                                        ("llvm", "bf16", 5e-2)])   # bf16: 8 bits of mantissa
 def test_half_precision_kv_cache(target, kv_dtype, tolerance, tmp_path):
-    """--kv-dtype f16 / bf16: half the KV bytes, logits within their rounding of the reference, eviction still
-    works."""
+    """--kv-dtype f16 / bf16: half the KV bytes, logits within their rounding of the reference, eviction and
+    forks still work."""
     path = write_tiny_llama(tmp_path / "tiny.gguf", matrix_type="Q8_0", layers=2, heads=4, kv_heads=2)
     half = on_vulkan(lambda: sharpi.load(sharpi.compile(str(path), target=target, kv_dtype=kv_dtype,
                                                         output=tmp_path / kv_dtype, matmuls="float")))
@@ -82,3 +82,5 @@ def test_half_precision_kv_cache(target, kv_dtype, tolerance, tmp_path):
         s.prefill(ids[:36]), f.prefill(ids[:36])
         assert s.kv_length == [24, 24] and s.kv_bytes * 2 == f.kv_bytes
         np.testing.assert_allclose(s.decode(ids[36]), f.decode(ids[36]), rtol=tolerance, atol=tolerance)
+        with s.fork() as g:            # a fork copies pages through the pool's numpy view (bf16: no DLPack type)
+            np.testing.assert_array_equal(g.decode(ids[37]), s.decode(ids[37]))

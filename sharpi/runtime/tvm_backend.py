@@ -45,9 +45,15 @@ class TVMBackend:
         return int(shape[0])
 
     def pool_view(self) -> np.ndarray:
-        """The pool as a numpy array (zero-copy: CPU only)."""
+        """The pool as a numpy array (zero-copy: CPU only). numpy's DLPack import has no bfloat16, so a bf16
+        pool is taken as uint16 and relabelled with ml_dtypes' bfloat16 (TVM's own dependency)."""
         if self._pool_view is None:
-            self._pool_view = np.from_dlpack(self.pool)
+            if str(self.pool.dtype) == "bfloat16":
+                import ml_dtypes
+                bits = self.pool._create_view(tuple(int(d) for d in self.pool.shape), "uint16")
+                self._pool_view = np.from_dlpack(bits).view(ml_dtypes.bfloat16)
+            else:
+                self._pool_view = np.from_dlpack(self.pool)
         return self._pool_view
 
     def _page(self, page: int):
