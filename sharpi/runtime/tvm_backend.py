@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from ..common.errors import SharpiError
-from ..common.manifest import Manifest
+from ..common.manifest import KV_ITEMSIZE, Manifest
 from .loader import check_artifact, configure_threads, load_vm, load_weights
 
 
@@ -59,7 +59,7 @@ class TVMBackend:
     def _page(self, page: int):
         """One page of the pool as a TVM view (no copy), for device-side page copies."""
         shape, dtype = tuple(int(d) for d in self.pool.shape[1:]), str(self.pool.dtype)
-        size = np.dtype(dtype).itemsize * int(np.prod(shape))
+        size = KV_ITEMSIZE[dtype] * int(np.prod(shape))
         return self.pool._create_view(shape, dtype, relative_byte_offset=page * size)
 
     def copy_pages(self, src: list[int], dst: list[int]) -> None:
