@@ -69,7 +69,7 @@ def limit_bytes() -> int:
         gib = float(value)
     except ValueError:
         gib = float("nan")
-    if not gib > 0:
+    if not 0 < gib < float("inf"):
         raise ConfigError(f"SHARPI_CACHE_GB must be a positive number of GiB, got {value!r}.")
     return int(gib * 2**30)
 

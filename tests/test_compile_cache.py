@@ -70,8 +70,9 @@ def test_dead_staging_folders_go_and_live_ones_stay(tiny_gguf, home, tmp_path):
     assert not dead.exists() and live.exists()
 
 
-def test_bad_limit_is_one_sentence_before_any_compile(tiny_gguf, home, tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("SHARPI_CACHE_GB", "lots")
+@pytest.mark.parametrize("limit", ["lots", "0", "-1", "inf", "nan", ""])
+def test_bad_limit_is_one_sentence_before_any_compile(limit, tiny_gguf, home, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SHARPI_CACHE_GB", limit)
     with pytest.raises(sharpi.ConfigError, match="SHARPI_CACHE_GB must be a positive number"):
         _compile(tiny_gguf, tmp_path, 8)
     assert not (home / "cache").exists() or compile_cache.entries() == []
