@@ -22,7 +22,7 @@ import pytest
 import sharpi
 from sharpi.cli import main as main_cli
 from sharpi.codegen.artifact import WEIGHTS
-from tiny_gguf import fake_llvm_build
+from tiny_gguf import fake_llvm_build, write_tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -298,3 +298,16 @@ def test_full_disk_during_onnx_export_is_one_sentence(tiny_gguf, tmp_path, monke
     with pytest.raises(sharpi.ConfigError, match="cannot be written to .*No space left on device"):
         sharpi.export_onnx(str(tiny_gguf), output)
     assert not output.exists() and _leftovers(tmp_path) == []
+
+
+def test_artifact_compiled_again_into_the_same_folder_runs_its_own_kernels(tmp_path):
+    """dlopen hands back an already loaded library for a path it has opened before: loading a model compiled again
+    into the same folder (another weight type, other kernels) ran the first library's kernels, which refused the
+    new weights' shapes."""
+    from sharpi.testing.reference import NumpyReference
+    output = tmp_path / "art"
+    for matrix_type in ("Q4_0", "Q8_0"):
+        path = write_tiny_llama(tmp_path / f"tiny-{matrix_type}.gguf", matrix_type=matrix_type)
+        model = sharpi.load(sharpi.compile(str(path), output=output, matmuls="float"))
+        np.testing.assert_allclose(model.score([1, 2, 3]), NumpyReference(path).forward([1, 2, 3]), rtol=1e-3,
+                                   atol=1e-3)

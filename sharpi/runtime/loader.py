@@ -97,15 +97,30 @@ def load_weights(directory: Path, manifest: Manifest, device) -> list:
 
 
 def load_vm(directory: Path, device):
-    import tvm
     from tvm.runtime.vm import VirtualMachine
 
     try:
-        library = tvm.runtime.load_module(str(directory / LIBRARY))
+        library = _load_library(directory / LIBRARY)
     except Exception as exc:  # a corrupted or foreign .so; TVM's messages run over several lines
         reason = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
         raise ArtifactError(f"{directory}/{LIBRARY} could not be loaded ({reason}); compile it again.") from None
     return VirtualMachine(library, device)
+
+
+def _load_library(path: Path):
+    """dlopen the kernel library through a fresh symlink. dlopen matches an already loaded library by the path it
+    was opened with before it looks at the file, so an artifact compiled again into the same directory would run
+    the first library's kernels (a Q8_0 model calling Q4_0 kernels); under a name never used before, it matches by
+    the file's identity (device and inode), which a recompile changes: the old file, deleted, stays mapped. This
+    is tvm.runtime.load_module without its realpath(), which would undo the symlink."""
+    import tempfile
+
+    import tvm_ffi
+
+    with tempfile.TemporaryDirectory(prefix="sharpi-lib-") as folder:
+        link = Path(folder) / path.name
+        link.symlink_to(path.resolve())
+        return tvm_ffi.load_module(str(link))
 
 
 def configure_threads(threads: int) -> None:
