@@ -1,8 +1,10 @@
 """The compile cache stays within $SHARPI_CACHE_GB: after a new entry, the least recently used ones go (a cache hit
 counts as a use); compiles that died leave staging folders that go after a day; `sharpi cache` lists and clears.
-The tiny llama (conftest) is compiled for real once; the cached compiles under test use a stand-in for the LLVM build."""
+The tiny llama (conftest) is compiled for real once; the cached compiles under test use a stand-in for the LLVM
+build."""
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -30,7 +32,6 @@ def _compile(gguf: Path, out: Path, recency: int) -> Path:
 
 
 def _cached_recencies() -> list[int]:
-    import json
     return sorted(json.loads((e.path / "manifest.json").read_text())["snapkv"]["defaults"]["recency"]
                   for e in compile_cache.entries())
 
