@@ -150,15 +150,15 @@ def compile(model: str | Path, target: str = "llvm", output: str | Path | None =
         compile_cache.mark_used(cached)
         _copy_artifact(cached, output)
         return output
-    if cached is not None:
-        compile_cache.limit_bytes()        # a bad SHARPI_CACHE_GB fails now, not after the compile
+    # the cache's bound, read once: a bad SHARPI_CACHE_GB fails now, not after the compile
+    limit = compile_cache.limit_bytes() if cached is not None else None
     gguf = GGUFFile(gguf_path)
     built = _compile_uncached(gguf, gguf_sha256, resolved, output if cached is None else cached, show_progress,
                               dump_ir)
     if cached is not None:
         _copy_artifact(built, output)
-        for entry in compile_cache.prune(keep=cached):
-            _log(show_progress, f"sharpi: compile cache over {compile_cache.limit_bytes() / 2**30:g} GiB "
+        for entry in compile_cache.prune(keep=cached, limit=limit):
+            _log(show_progress, f"sharpi: compile cache over {limit / 2**30:g} GiB "
                                 f"(SHARPI_CACHE_GB); deleted the least recently used {entry.path.name}")
     return output
 
@@ -379,7 +379,7 @@ _REFUSED_WRITES = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.
 
 def _check_output_dir(output: Path) -> None:
     """Only an empty directory or an earlier artifact may be replaced: never a user's other files."""
-    if output.exists() and not (output.is_dir() and (not any(output.iterdir()) or (output / "manifest.json").is_file())):
+    if output.exists() and not (output.is_dir() and (not any(output.iterdir()) or (output / MANIFEST_NAME).is_file())):
         raise ConfigError(f"{output} exists and is not a sharpi artifact; choose another output directory.")
 
 
