@@ -3,7 +3,7 @@
 `import sharpi` stays light: the compiler (and tvm.relax) loads only when `sharpi.compile` is called.
 """
 from .common.errors import (ArtifactError, CompileError, ConfigError, ContextLengthError, FetchError, GGUFError,
-                            KeepSetError, ModelNotFoundError, SharpiError, TokenizerError,
+                            KeepSetError, ModelNotFoundError, NonFiniteLogitsError, SharpiError, TokenizerError,
                             UnsupportedArchitectureError, UnsupportedTensorTypeError)
 from .common.version import __version__
 
@@ -22,9 +22,19 @@ def export_onnx(model, output=None, **options):
 
 
 def load(directory, **options):
-    """Load a compiled artifact directory."""
+    """Load a compiled artifact directory (options: threads, verify, pool_sequences, adapter, expect_sha256).
+
+    An artifact is code: its kernel library is loaded into this process. Load only artifacts you built or trust,
+    and pin one you got from elsewhere with expect_sha256=artifact_sha256(...) of the copy you trust."""
     from .runtime.model import Model
     return Model(directory, **options)
+
+
+def artifact_sha256(directory) -> str:
+    """The sha256 of an artifact's manifest file, which lists the sha256 of every other file: the value to pin
+    with load(directory, expect_sha256=...) or --expect-sha256 (sharpi-compile prints it)."""
+    from .common.manifest import manifest_sha256
+    return manifest_sha256(directory)
 
 
 def fetch(name: str, show_progress: bool = True):
@@ -33,6 +43,7 @@ def fetch(name: str, show_progress: bool = True):
     return _fetch(name, show_progress=show_progress)
 
 
-__all__ = ["compile", "export_onnx", "load", "fetch", "SharpiError", "ArtifactError", "CompileError", "ConfigError",
-           "ContextLengthError", "FetchError", "GGUFError", "KeepSetError", "ModelNotFoundError", "TokenizerError",
-           "UnsupportedArchitectureError", "UnsupportedTensorTypeError", "__version__"]
+__all__ = ["compile", "export_onnx", "load", "artifact_sha256", "fetch", "SharpiError", "ArtifactError",
+           "CompileError", "ConfigError", "ContextLengthError", "FetchError", "GGUFError", "KeepSetError",
+           "ModelNotFoundError", "NonFiniteLogitsError", "TokenizerError", "UnsupportedArchitectureError",
+           "UnsupportedTensorTypeError", "__version__"]

@@ -10,17 +10,16 @@ import hashlib
 import json
 import os
 import shutil
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .common.errors import ConfigError
 from .common.manifest import FORMAT_VERSION, MANIFEST_NAME
+from .common.output_dir import abandoned
 from .common.settings import sharpi_home
 from .common.version import __version__
 
 DEFAULT_LIMIT_GB = 5.0
-STALE_STAGING_S = 24 * 3600      # a staging folder this old is a compile that died, not one under way
 
 
 @dataclass(frozen=True)
@@ -28,6 +27,7 @@ class CacheEntry:
     path: Path
     nbytes: int
     last_used: float             # seconds since the epoch
+    finished: bool = True        # False: the staging folder of a compile that was killed (no process holds it)
 
 
 def cache_root() -> Path:
@@ -74,15 +74,22 @@ def limit_bytes() -> int:
     return int(gib * 2**30)
 
 
-def entries() -> list[CacheEntry]:
-    """The cached artifacts, least recently used first (folders the cache did not write are not listed)."""
+def entries(*, unfinished: bool = False) -> list[CacheEntry]:
+    """The cached artifacts, least recently used first (folders the cache did not write are not listed); with
+    unfinished, also the staging folders of compiles that were killed (a compile under way holds a lock on its
+    folder and is never listed)."""
     root = cache_root()
     if not root.is_dir():
         return []
     found = []
     for path in root.iterdir():
-        if path.is_dir() and (path / MANIFEST_NAME).is_file():
-            found.append(CacheEntry(path, _tree_bytes(path), path.stat().st_mtime))
+        try:
+            if path.is_dir() and (path / MANIFEST_NAME).is_file() and not path.name.startswith("."):
+                found.append(CacheEntry(path, _tree_bytes(path), path.stat().st_mtime))
+            elif unfinished and path.name.startswith(".") and ".partial-" in path.name and abandoned(path):
+                found.append(CacheEntry(path, _tree_bytes(path), path.stat().st_mtime, finished=False))
+        except OSError:            # removed meanwhile by another process
+            continue
     return sorted(found, key=lambda e: e.last_used)
 
 
@@ -90,42 +97,35 @@ def prune(keep: Path, limit: int | None = None) -> list[CacheEntry]:
     """Delete least recently used entries (never `keep`) until the cache fits `limit` bytes, and staging folders
     of compiles that died; returns the entries deleted."""
     limit = limit_bytes() if limit is None else limit
-    _remove_dead_staging()
-    listed = entries()
+    listed = entries(unfinished=True)
+    removed = [e for e in listed if not e.finished]
+    listed = [e for e in listed if e.finished]
     total = sum(e.nbytes for e in listed)
-    removed = []
     for entry in listed:
         if total <= limit:
             break
         if entry.path == keep:
             continue
-        shutil.rmtree(entry.path, ignore_errors=True)
-        total -= entry.nbytes
         removed.append(entry)
+        total -= entry.nbytes
+    for entry in removed:
+        shutil.rmtree(entry.path, ignore_errors=True)
     return removed
 
 
 def clear() -> list[CacheEntry]:
-    """Delete every cached artifact; returns what was deleted."""
-    listed = entries()
+    """Delete every cached artifact and every killed compile's staging folder; returns what was deleted."""
+    listed = entries(unfinished=True)
     for entry in listed:
         shutil.rmtree(entry.path, ignore_errors=True)
-    _remove_dead_staging()
     return listed
 
 
-def _remove_dead_staging() -> None:
-    root = cache_root()
-    if not root.is_dir():
-        return
-    now = time.time()
-    for path in root.glob(".*.partial-*"):
+def _tree_bytes(path: Path) -> int:
+    total = 0
+    for p in path.rglob("*"):
         try:
-            if now - path.stat().st_mtime >= STALE_STAGING_S:
-                shutil.rmtree(path, ignore_errors=True)
+            total += p.stat().st_size if p.is_file() else 0
         except OSError:
             pass
-
-
-def _tree_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    return total

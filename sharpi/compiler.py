@@ -11,14 +11,17 @@ import math
 import shutil
 import sys
 import time
+import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from . import compile_cache
-from .common.errors import ConfigError
-from .common.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, file_sha256
+from .common.errors import ConfigError, SharpiWarning
+from .common.manifest import (ARTIFACT, FORMAT_VERSION, LIBRARY, MANIFEST_NAME, PLAN, TOKENIZER, WEIGHTS, Manifest,
+                              contract_json, file_sha256)
+from .common.output_dir import check_output_dir, install, staging_dir, writing_into
 from .common.ops import PAGE_SIZE, SELECT_PARAMS
-from .common.settings import parse_positive_int
+from .common.settings import home_folder, parse_positive_int
 from .common.version import __version__
 
 TARGETS = ("llvm", "cuda", "vulkan")
@@ -123,7 +126,7 @@ def compile(model: str | Path, target: str = "llvm", output: str | Path | None =
     options.validate()
     gguf_path = resolve_model(model, show_progress=show_progress)
     output = Path(output) if output is not None else Path(gguf_path.stem + f"-{target}")
-    _check_output_dir(output)
+    check_output_dir(output, ARTIFACT, _artifact_files(target))    # before any work: never a user's files
     resolved = options
     if target == "llvm":
         from .codegen.llvm import host_cpu, int8_dot_available, make_target
@@ -143,6 +146,8 @@ def compile(model: str | Path, target: str = "llvm", output: str | Path | None =
         from .codegen.cuda import DEFAULT_ARCH, nvcc_path
         nvcc_path()                        # no nvcc: say so before any work
         resolved = replace(options, arch=arch or DEFAULT_ARCH)
+    if use_cache:
+        home_folder("cache")               # SHARPI_HOME unusable: one sentence now, not after the compile
     gguf_sha256 = file_sha256(gguf_path)   # the cache key needs only the bytes, not a parse of the GGUF
     cached = compile_cache.entry_dir(gguf_path, gguf_sha256, resolved) if use_cache else None
     if cached is not None and (cached / MANIFEST_NAME).is_file() and dump_ir is None:
@@ -177,6 +182,7 @@ def _compile_uncached(gguf, gguf_sha256: str, options: CompileOptions, output: P
     load_weights, builder = frontend_for(cfg)
     options = _without_snapkv_if_all_local(options, cfg, show_progress)
     weights = load_weights(gguf, cfg, show_progress)
+    _warn_non_finite(weights, gguf.path.name)
     max_pages = math.ceil(max_context / PAGE_SIZE)
     mod = builder(cfg, weights, max_pages, kv_dtype=options.kv_dtype).build()
     functions = ["prefill", "prefill_logits", "decode"]
@@ -188,26 +194,26 @@ def _compile_uncached(gguf, gguf_sha256: str, options: CompileOptions, output: P
     if dump_ir is not None:
         _write_ir(dump_ir, mod)
     from .common.progress import progress_bar
-    staging = artifact.staging_dir(output)
+    staging = staging_dir(output)
     with _writing(staging, output):
-        with progress_bar(2, "compiling", show_progress, unit="step") as bar:
-            if options.target == "vulkan":
-                target_info, kernels = _build_vulkan(mod, cfg, staging, bar)
-            elif options.target == "cuda":
-                target_info, kernels = _build_cuda(mod, cfg, options, staging, bar)
-            else:
-                target_info, kernels = _build_llvm(mod, cfg, options, staging, bar)
-        params = artifact.write_weights(weights.arrays, weights.names, staging / artifact.WEIGHTS)
+        # the weights first: the kernel contract compiled into the library names every parameter
+        params = artifact.write_weights(weights.arrays, weights.names, staging / WEIGHTS)
         tokenizer.save(staging)
         manifest = Manifest(
             format_version=FORMAT_VERSION, sharpi_version=__version__,
             source={"name": gguf.path.name, "sha256": gguf_sha256, "size": gguf.path.stat().st_size},
-            config=cfg.to_dict(),
-            target=target_info,
+            config=cfg.to_dict(), target=_target_info(options),
             tokenizer=tok_info.to_dict(), page_size=PAGE_SIZE, max_context=max_context, max_pages=max_pages,
-            prefill_chunk=PREFILL_CHUNK, functions=functions, kernels=kernels, params=params,
+            prefill_chunk=PREFILL_CHUNK, functions=functions, kernels=[], params=params,
             snapkv={"enabled": options.snapkv == "on", "max_window": settings.window,
                     "defaults": settings.to_dict(), "select_params": SELECT_PARAMS}, kv_dtype=options.kv_dtype)
+        contract = contract_json(manifest.kernel_contract())
+        with progress_bar(2, "compiling", show_progress, unit="step") as bar:
+            build = {"vulkan": _build_vulkan, "cuda": _build_cuda}.get(options.target, _build_llvm)
+            manifest.kernels = build(mod, cfg, options, staging, bar, contract)
+        if options.target == "cuda":       # what the fatbin holds, read back from the build
+            manifest.target["images"] = [f"{kind}:{arch}" for kind, arch in
+                                         _cuda_images(staging / LIBRARY)]
         artifact.finalize(staging, output, manifest)
     detail = {"llvm": f" (mcpu {manifest.target.get('mcpu')})", "cuda": f" ({manifest.target.get('arch')})"}.get(
         options.target, "")
@@ -243,9 +249,7 @@ def export_onnx(model: str | Path, output: str | Path | None = None, *, weights:
         raise ConfigError(f"ONNX weights must be one of {', '.join(onnx_export.WEIGHT_DTYPES)}, got {weights!r}.")
     gguf_path = resolve_model(model, show_progress=show_progress)
     output = Path(output) if output is not None else Path(gguf_path.stem + "-onnx")
-    if output.exists() and not (output.is_dir() and (not any(output.iterdir())
-                                                     or (output / onnx_export.EXPORT_FILE).is_file())):
-        raise ConfigError(f"{output} exists and is not a sharpi ONNX export; choose another output directory.")
+    check_output_dir(output, onnx_export.EXPORT, [onnx_export.WEIGHTS_FILE, TOKENIZER, onnx_export.EXPORT_FILE])
     gguf = GGUFFile(gguf_path)
     cfg = config_from_gguf(gguf)
     if cfg.arch not in onnx_export.ARCHITECTURES:
@@ -256,6 +260,7 @@ def export_onnx(model: str | Path, output: str | Path | None = None, *, weights:
     options = _without_snapkv_if_all_local(options, cfg, show_progress)
     load_weights, builder = frontend_for(cfg)
     table = load_weights(gguf, cfg, show_progress)
+    _warn_non_finite(table, gguf.path.name)
     mod = builder(cfg, table, math.ceil(max_context / PAGE_SIZE), kv_dtype="float32").build()
     settings = options.snapkv_settings()
     if functions is None:
@@ -265,7 +270,6 @@ def export_onnx(model: str | Path, output: str | Path | None = None, *, weights:
         mod = snapkv_pass(mod)
     if dump_ir is not None:
         _write_ir(dump_ir, mod)
-    from .codegen.artifact import staging_dir
     staging = staging_dir(output)
     with _writing(staging, output):
         _log(show_progress, "sharpi: translating the Relax module to ONNX")
@@ -278,9 +282,7 @@ def export_onnx(model: str | Path, output: str | Path | None = None, *, weights:
             staging, signature, sharpi_version=__version__, weights_dtype=weights,
             source={"name": gguf.path.name, "sha256": file_sha256(gguf_path)}, config=cfg.to_dict(),
             tokenizer=tok_info.to_dict(), snapkv={"enabled": options.snapkv == "on", "defaults": settings.to_dict()})
-        if output.exists():
-            shutil.rmtree(output)
-        staging.rename(output)
+        install(staging, output, onnx_export.EXPORT)
     _log(show_progress, f"sharpi: exported {gguf.path.name} to ONNX ({', '.join(functions)}) in "
                         f"{time.perf_counter() - started:.1f} s -> {output}")
     return output
@@ -291,6 +293,16 @@ def _snapkv_fields(snapkv, **defaults) -> dict:
     asked for, and the given run-time defaults."""
     return {"snapkv": {True: "on", False: "off", None: "on"}.get(snapkv, snapkv), "snapkv_explicit": snapkv is not None,
             "snapkv_defaults": tuple((k, v) for k, v in defaults.items() if v is not None)}
+
+
+def _warn_non_finite(weights, name: str) -> None:
+    """Compiled anyway (the file may be what the user wants to study), but its logits will not be finite."""
+    bad = weights.non_finite
+    if bad:
+        shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+        warnings.warn(f"{name}: {len(bad)} tensor{'s' if len(bad) > 1 else ''} hold NaN or infinite values ({shown}): "
+                      f"the model's logits will not be finite, and running it will stop with an error.",
+                      SharpiWarning, stacklevel=3)
 
 
 def _max_context(options: CompileOptions, cfg) -> int:
@@ -313,24 +325,41 @@ def _without_snapkv_if_all_local(options: CompileOptions, cfg, show_progress: bo
     return replace(options, snapkv="off")
 
 
-def _build_llvm(mod, cfg, options: CompileOptions, staging: Path, bar) -> tuple[dict, list[str]]:
-    from .codegen import artifact
-    from .codegen.llvm import build, kernel_names, lower, make_target, required_cpu_features
+def _artifact_files(target: str) -> list[str]:
+    """The files an artifact for `target` is known to hold before it is built (Vulkan adds a .wgsl per kernel)."""
+    return [PLAN if target == "vulkan" else LIBRARY, WEIGHTS, TOKENIZER, MANIFEST_NAME]
+
+
+def _target_info(options: CompileOptions) -> dict:
+    """The manifest's target: what the kernels are built for (the CUDA images are added once they exist)."""
+    if options.target == "llvm":
+        from .codegen.llvm import make_target, required_cpu_features
+        target = make_target(options.mcpu)
+        return {"kind": "llvm", "mcpu": str(target.attrs["mcpu"]), "cpu_features": required_cpu_features(target),
+                "matmuls": options.matmuls}
+    if options.target == "cuda":
+        return {"kind": "cuda", "arch": options.arch, "images": [], "cuda_graph": options.cuda_graph}
+    return {"kind": "vulkan", "shader": "wgsl", "activations": "float32"}
+
+
+def _build_llvm(mod, cfg, options: CompileOptions, staging: Path, bar, contract: str) -> list[str]:
+    from .codegen.artifact import with_contract
+    from .codegen.llvm import build, kernel_names, lower, make_target
 
     target = make_target(options.mcpu)
     bar.set_postfix_str("attach kernels, legalize, fuse")
     lowered = lower(mod, cfg, target, int8_dot=options.matmuls == "int8")
     bar.update(1)
     bar.set_postfix_str("LLVM codegen")
-    build(lowered, target, staging / artifact.LIBRARY)
+    kernels = kernel_names(lowered)
+    build(with_contract(lowered, contract), target, staging / LIBRARY)
     bar.update(1)
-    info = {"kind": "llvm", "mcpu": str(target.attrs["mcpu"]), "cpu_features": required_cpu_features(target),
-            "matmuls": options.matmuls}
-    return info, kernel_names(lowered)
+    return kernels
 
 
-def _build_cuda(mod, cfg, options: CompileOptions, staging: Path, bar) -> tuple[dict, list[str]]:
-    from .codegen import artifact, cuda
+def _build_cuda(mod, cfg, options: CompileOptions, staging: Path, bar, contract: str) -> list[str]:
+    from .codegen import cuda
+    from .codegen.artifact import with_contract
     from .codegen.llvm import kernel_names
 
     target = cuda.make_target(options.arch)
@@ -338,15 +367,18 @@ def _build_cuda(mod, cfg, options: CompileOptions, staging: Path, bar) -> tuple[
     lowered = cuda.lower(mod, cfg, cuda_graph=options.cuda_graph)
     bar.update(1)
     bar.set_postfix_str("dlight schedules, CUDA codegen, nvcc")
-    cuda.build(lowered, target, staging / artifact.LIBRARY, cuda_graph=options.cuda_graph)
+    kernels = kernel_names(lowered)
+    cuda.build(with_contract(lowered, contract), target, staging / LIBRARY, cuda_graph=options.cuda_graph)
     bar.update(1)
-    images = cuda.fatbin_entries((staging / artifact.LIBRARY).read_bytes())
-    info = {"kind": "cuda", "arch": options.arch, "images": [f"{kind}:{arch}" for kind, arch in images],
-            "cuda_graph": options.cuda_graph}
-    return info, kernel_names(lowered)
+    return kernels
 
 
-def _build_vulkan(mod, cfg, staging: Path, bar) -> tuple[dict, list[str]]:
+def _cuda_images(library: Path) -> list[tuple[str, int]]:
+    from .codegen import cuda
+    return cuda.fatbin_entries(library.read_bytes())
+
+
+def _build_vulkan(mod, cfg, options: CompileOptions, staging: Path, bar, contract: str) -> list[str]:
     from .codegen.attach_kernels import attach_kernels
     from .codegen.vulkan import build_plan, write_plan
 
@@ -355,17 +387,19 @@ def _build_vulkan(mod, cfg, staging: Path, bar) -> tuple[dict, list[str]]:
     bar.update(1)
     bar.set_postfix_str("dlight schedules, WGSL codegen, plan")
     plan = build_plan(mod)
-    write_plan(plan, staging)
+    write_plan(plan, staging, contract)
     bar.update(1)
-    return {"kind": "vulkan", "shader": "wgsl", "activations": "float32"}, sorted(plan.kernels)
+    return sorted(plan.kernels)
 
 
 @contextlib.contextmanager
 def _writing(staging: Path, output: Path):
-    """Writing an artifact into `staging`: on any failure the staging folder goes; a file system that refuses
-    the writes (full, read-only, no permission) is one sentence, not a traceback."""
+    """Writing an artifact into `staging` (locked meanwhile, see output_dir.writing_into): on any failure the
+    staging folder goes; a file system that refuses the writes (full, read-only, no permission) is one sentence,
+    not a traceback."""
     try:
-        yield
+        with writing_into(staging):
+            yield
     except BaseException as exc:
         shutil.rmtree(staging, ignore_errors=True)
         if isinstance(exc, OSError) and exc.errno in _REFUSED_WRITES:
@@ -377,12 +411,6 @@ def _writing(staging: Path, output: Path):
 _REFUSED_WRITES = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG}
 
 
-def _check_output_dir(output: Path) -> None:
-    """Only an empty directory or an earlier artifact may be replaced: never a user's other files."""
-    if output.exists() and not (output.is_dir() and (not any(output.iterdir()) or (output / MANIFEST_NAME).is_file())):
-        raise ConfigError(f"{output} exists and is not a sharpi artifact; choose another output directory.")
-
-
 def _write_ir(path: str | Path, mod) -> None:
     try:
         Path(path).write_text(mod.script())
@@ -391,28 +419,16 @@ def _write_ir(path: str | Path, mod) -> None:
 
 
 def _copy_artifact(source: Path, output: Path) -> None:
-    try:
-        _copy_artifact_files(source, output)
-    except OSError as exc:
-        raise ConfigError(f"The artifact cannot be written to {output}: {exc.strerror or exc}.") from None
-
-
-def _copy_artifact_files(source: Path, output: Path) -> None:
-    """Copy beside `output` first and replace it only once the copy is whole: a full disk keeps the earlier
-    artifact and leaves no half copy."""
+    """A cached compile copied into place: file by file into a staging folder beside `output`, then installed as
+    a fresh compile is (a full disk keeps the earlier artifact and leaves no half copy)."""
     if output.resolve() == source.resolve():
         return
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.with_name(f".{output.name}.partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        shutil.copytree(source, tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if output.exists():
-        shutil.rmtree(output)
-    tmp.rename(output)
+    staging = staging_dir(output)
+    with _writing(staging, output):
+        for path in sorted(source.iterdir()):
+            if path.is_file():
+                shutil.copy2(path, staging / path.name)
+        install(staging, output, ARTIFACT)
 
 
 def _log(enabled: bool, message: str) -> None:

@@ -22,6 +22,7 @@ import pytest
 import sharpi
 from sharpi.cli import main as main_cli
 from sharpi.codegen.artifact import WEIGHTS
+from sharpi.common.manifest import content_digest
 from tiny_gguf import fake_llvm_build, write_tiny_llama
 
 
@@ -35,9 +36,12 @@ def copy(tiny_artifact, tmp_path) -> Path:
     return Path(shutil.copytree(tiny_artifact, tmp_path / "copy"))
 
 
-def _edit_manifest(art: Path, change) -> None:
+def _edit_manifest(art: Path, change, digest: bool = True) -> None:
+    """Change the manifest; with `digest`, recompute its digest as a deliberate edit would."""
     manifest = json.loads((art / "manifest.json").read_text())
     change(manifest)
+    if digest:
+        manifest["digest"] = content_digest(manifest)
     (art / "manifest.json").write_text(json.dumps(manifest))
 
 
@@ -60,8 +64,8 @@ def _remove(name: str):
     return lambda art: (art / name).unlink()
 
 
-def _manifest(change):
-    return lambda art: _edit_manifest(art, change)
+def _manifest(change, digest: bool = True):
+    return lambda art: _edit_manifest(art, change, digest)
 
 
 def _set_param_shape(manifest):
@@ -83,16 +87,20 @@ DAMAGE = {
     "tokenizer changed": (_flip("tokenizer.json", 10), True, "tokenizer.json does not match the hash"),
     "missing manifest": (_remove("manifest.json"), True, "not a sharpi artifact"),
     "half-written manifest": (_truncate("manifest.json"), True, "is not valid JSON"),
+    "manifest edited, digest not updated": (_manifest(lambda m: m.update(prefill_chunk=256), digest=False), True,
+                                            "manifest.json does not match its own digest"),
     "hash of weights dropped": (_manifest(lambda m: m["files"].pop("weights.bin")), True,
                                 "has no hash for weights.bin"),
-    "parameter entry inconsistent": (_manifest(_set_param_shape), True, "is inconsistent"),
+    "parameter entry inconsistent": (_manifest(_set_param_shape), True, "params[0].nbytes should be the bytes"),
     "parameter past the end, unverified": (_manifest(lambda m: m["params"][-1].update(offset=10**9)), False,
-                                           "is truncated"),
+                                           ".offset should be"),
     "field of the wrong type": (_manifest(lambda m: m.update(page_size="16")), True,
-                                "page_size should be a JSON integer"),
-    "unknown KV cache type": (_manifest(lambda m: m.update(kv_dtype="float8")), True, "KV cache type"),
+                                "page_size should be an integer in [1, 4096], got '16'"),
+    "unknown KV cache type": (_manifest(lambda m: m.update(kv_dtype="float8")), True, "kv_dtype should be one of"),
     "file name with a path": (_manifest(lambda m: m["files"].update({"../escape": "0" * 64})), True,
-                              "plain file names"),
+                              "files key should be a plain file name"),
+    "weights of another model size": (_manifest(lambda m: m["config"].update(vocab_size=300)), False,
+                                      "config.vocab_size is 300 there but 257 in model.so"),
 }
 
 
@@ -187,26 +195,31 @@ def test_interrupted_recompile_keeps_the_earlier_artifact(tiny_gguf, tiny_artifa
     assert _leftovers(output.parent) == []
 
 
-def test_interrupted_move_into_place_restores_the_earlier_artifact(tiny_gguf, tiny_artifact, tiny_logits, home,
-                                                                  tmp_path, monkeypatch):
-    """finalize() renames the old artifact aside, then the new one into place; interrupted between the two, it
-    puts the old one back."""
+@pytest.mark.parametrize("interrupted_at", [1, 4, 6])
+def test_interrupted_move_into_place_restores_the_earlier_artifact(interrupted_at, tiny_gguf, tiny_artifact,
+                                                                  tiny_logits, home, tmp_path, monkeypatch):
+    """Over an earlier artifact, its files are moved aside (the manifest first) and the new ones in (the
+    manifest last); interrupted after any move, the earlier artifact is put back, the user's file untouched."""
     from sharpi import compiler
+    from sharpi.common import output_dir
 
     output = Path(shutil.copytree(tiny_artifact, tmp_path / "out" / "tiny"))
+    (output / "notes.txt").write_text("mine")
     monkeypatch.setattr(compiler, "_build_llvm", fake_llvm_build(tiny_artifact))
-    real_rename = Path.rename
+    real_rename, calls = os.rename, []
 
-    def rename(self, target):
-        if ".partial-" in self.name and Path(target) == output:
+    def rename(source, target):
+        calls.append(source)
+        if len(calls) == interrupted_at:
             raise KeyboardInterrupt
-        return real_rename(self, target)
-    monkeypatch.setattr(Path, "rename", rename)
+        return real_rename(source, target)
+    monkeypatch.setattr(output_dir.os, "rename", rename)
     with pytest.raises(KeyboardInterrupt):
         sharpi.compile(str(tiny_gguf), output=output, use_cache=False)
     monkeypatch.undo()
     np.testing.assert_array_equal(sharpi.load(output).score([1, 2, 3]), tiny_logits)
-    assert _leftovers(output.parent) == []
+    assert (output / "notes.txt").read_text() == "mine"
+    assert _leftovers(output.parent, output) == []
 
 
 def test_killed_compile_leaves_nothing_that_loads(tiny_gguf, tiny_artifact, home, tmp_path):
@@ -220,7 +233,7 @@ def test_killed_compile_leaves_nothing_that_loads(tiny_gguf, tiny_artifact, home
         import sharpi
         from sharpi import compiler
 
-        def build(mod, cfg, options, staging, bar):
+        def build(mod, cfg, options, staging, bar, contract):
             shutil.copy({str(tiny_artifact / "model.so")!r}, staging / "model.so")
             Path({str(started)!r}).touch()
             time.sleep(60)
@@ -275,15 +288,15 @@ def test_full_disk_while_copying_from_the_cache_keeps_the_earlier_artifact(tiny_
     monkeypatch.setattr(compiler, "_build_llvm", fake_llvm_build(tiny_artifact))
     sharpi.compile(str(tiny_gguf), output=tmp_path / "first")               # fills the cache
     output = Path(shutil.copytree(tiny_artifact, tmp_path / "out" / "tiny"))
-    real_copytree = shutil.copytree
+    real_copy2 = shutil.copy2
 
     def copy_then_fill(source, target):                                     # the disk fills mid-copy
         if Path(source).name == WEIGHTS:
             Path(target).write_bytes(b"half")
             _disk_full()
-        return shutil.copy2(source, target)
-    monkeypatch.setattr(shutil, "copytree", lambda src, dst: real_copytree(src, dst, copy_function=copy_then_fill))
-    with pytest.raises(sharpi.ConfigError, match="cannot be written to .*No space left on device"):
+        return real_copy2(source, target)
+    monkeypatch.setattr(shutil, "copy2", copy_then_fill)
+    with pytest.raises(sharpi.ConfigError, match=r"cannot be written to .*: No space left on device \("):
         sharpi.compile(str(tiny_gguf), output=output)
     monkeypatch.undo()
     np.testing.assert_array_equal(sharpi.load(output).score([1, 2, 3]), tiny_logits)

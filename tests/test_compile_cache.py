@@ -1,5 +1,6 @@
 """The compile cache stays within $SHARPI_CACHE_GB: after a new entry, the least recently used ones go (a cache hit
-counts as a use); compiles that died leave staging folders that go after a day; `sharpi cache` lists and clears.
+counts as a use); compiles that were killed leave staging folders that go (a compile under way holds a lock on
+its own); `sharpi cache` lists and clears both.
 The tiny llama (conftest) is compiled for real once; the cached compiles under test use a stand-in for the LLVM
 build."""
 from __future__ import annotations
@@ -59,16 +60,36 @@ def test_the_new_entry_stays_even_alone_over_the_limit(tiny_gguf, home, tmp_path
     assert _cached_recencies() == [16]
 
 
-def test_dead_staging_folders_go_and_live_ones_stay(tiny_gguf, home, tmp_path):
-    cache = home / "cache"
-    dead, live = cache / ".x.partial-dead", cache / ".y.partial-live"
-    for folder in (dead, live):
+def _staging_folders(cache: Path) -> tuple[Path, Path, Path]:
+    """A killed compile's folder (old, unlocked), one under way (old, locked: see the callers) and a fresh one."""
+    dead, live, fresh = cache / ".x.partial-dead", cache / ".y.partial-live", cache / ".z.partial-fresh"
+    for folder in (dead, live, fresh):
         folder.mkdir(parents=True)
         (folder / "model.so").write_bytes(b"half")
-    old = time.time() - compile_cache.STALE_STAGING_S - 60
-    os.utime(dead, (old, old))
-    _compile(tiny_gguf, tmp_path, 8)
-    assert not dead.exists() and live.exists()
+    for folder in (dead, live):
+        os.utime(folder, (time.time() - 60, time.time() - 60))
+    return dead, live, fresh
+
+
+def test_killed_compiles_folders_go_and_live_ones_stay(tiny_gguf, home, tmp_path):
+    from sharpi.common.output_dir import writing_into
+    dead, live, fresh = _staging_folders(home / "cache")
+    with writing_into(live):
+        _compile(tiny_gguf, tmp_path, 8)
+    assert not dead.exists() and live.exists() and fresh.exists()
+
+
+def test_cli_lists_and_clears_killed_compiles(home, capsys):
+    from sharpi.common.output_dir import writing_into
+    dead, live, fresh = _staging_folders(home / "cache")
+    with writing_into(live):
+        assert main_cli.main(["cache"]) == 0
+        listing = capsys.readouterr().out
+        assert "0 cached compiles and 1 killed compiles' leftovers" in listing and dead.name in listing
+        assert live.name not in listing and fresh.name not in listing
+        assert main_cli.main(["cache", "--clear"]) == 0
+        assert "deleted 0 cached compiles and 1 killed compiles' leftovers" in capsys.readouterr().out
+    assert not dead.exists() and live.exists() and fresh.exists()
 
 
 @pytest.mark.parametrize("limit", ["lots", "0", "-1", "inf", "nan", ""])

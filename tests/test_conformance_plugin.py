@@ -18,7 +18,7 @@ import wgpu  # noqa: F401  (before any inner run: pytester drops the modules a r
              # import fails on the logger its first one registered)
 
 import sharpi
-from sharpi.common.manifest import file_sha256
+from sharpi.common.manifest import content_digest, file_sha256
 from sharpi.common.settings import sharpi_home
 from sharpi.testing import conformance, conformance_suite, pytest_plugin  # noqa: F401  (kept across inner runs)
 
@@ -68,6 +68,7 @@ def _corrupt(source: Path, destination: Path, *, rehash: bool) -> Path:
     del weights
     if rehash:
         manifest["files"]["weights.bin"] = file_sha256(destination / "weights.bin")
+        manifest["digest"] = content_digest(manifest)
         (destination / "manifest.json").write_text(json.dumps(manifest))
     return destination
 
@@ -115,6 +116,7 @@ def test_missing_gguf_is_a_clear_failure(warm, tmp_path, monkeypatch):
     shutil.copytree(warm, copy)
     manifest = json.loads((copy / "manifest.json").read_text())
     manifest["source"] = {**manifest["source"], "name": "elsewhere.gguf", "sha256": "0" * 64}
+    manifest["digest"] = content_digest(manifest)
     (copy / "manifest.json").write_text(json.dumps(manifest))
     suite = conformance.Suite(copy, gguf=str(tmp_path / "nope.gguf"))
     result = suite.run("teacher_forced_logits")

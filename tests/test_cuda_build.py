@@ -46,7 +46,7 @@ def test_arch_and_cuda_graph_are_chosen_and_validated(tmp_path, capsys, smollm2_
     assert set(fatbin_entries(library)) == {("elf", 90), ("ptx", 90)}
     assert b"decode_cuda_graph_capture" in library and b"decode_cuda_graph_capture1" not in library
     assert Manifest.read(artifact).target["cuda_graph"] is True
-    assert b"cuda_graph" not in (smollm2_cuda_artifact / "model.so").read_bytes()
+    assert b"cuda_graph_capture" not in (smollm2_cuda_artifact / "model.so").read_bytes()
     with pytest.raises(sharpi.ConfigError, match="--cuda-graph applies to the cuda target only"):
         sharpi.compile(str(path), target="llvm", cuda_graph=True, output=tmp_path / "bad")
     with pytest.raises(sharpi.ConfigError, match="not a CUDA architecture"):

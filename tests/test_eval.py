@@ -346,7 +346,7 @@ def test_cli_bad_arguments_exit_2_with_one_line(capsys, argv, words):
     (["--budgets", "0,32"], "recency"),
     (["--snapkv-budget", "256"], "--budgets"),
     (["--budgets", "0,128", "--snapkv-sinks", "0,64"], "recency + sinks (64 + 64)"),
-    (["--snapkv-sinks", "2,-1"], "snapkv_sinks must be >= 0"),
+    (["--snapkv-sinks", "2,-1"], "snapkv_sinks must be an integer in [0, "),
 ])
 def test_cli_bad_sweeps_exit_2_with_one_line(capsys, smollm2_artifact, tmp_path, flags, words):
     code, err = _cli(capsys, "passkey", str(smollm2_artifact), "--out", str(tmp_path / "r.json"), "--quiet", *flags)

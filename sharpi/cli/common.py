@@ -5,18 +5,21 @@ import argparse
 import contextlib
 import functools
 import sys
+import warnings
 
-from ..common.errors import ConfigError, SharpiError
+from ..common.errors import ConfigError, SharpiError, SharpiWarning
 
 EXIT_USER_ERROR = 2
 
 
 def user_errors_exit_2(main):
-    """Run a CLI entry point; a SharpiError (bad input) prints its sentence and exits 2, never a traceback."""
+    """Run a CLI entry point; a SharpiError (bad input) prints its sentence and exits 2, never a traceback; a
+    SharpiWarning is one `warning:` line."""
     @functools.wraps(main)
     def wrapper(argv=None):
         try:
-            with _usage_errors_as_config_errors():
+            with _usage_errors_as_config_errors(), warnings.catch_warnings():
+                warnings.showwarning = _print_warning     # the documented hook; catch_warnings restores it
                 return main(argv) or 0
         except SharpiError as exc:
             print(f"error: {exc}", file=sys.stderr)
@@ -25,6 +28,13 @@ def user_errors_exit_2(main):
             print("interrupted", file=sys.stderr)
             return 130
     return wrapper
+
+
+def _print_warning(message, category, filename, lineno, file=None, line=None):
+    if issubclass(category, SharpiWarning):
+        print(f"warning: {message}", file=sys.stderr)
+    else:
+        sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
 
 
 @contextlib.contextmanager
@@ -45,8 +55,13 @@ def _usage_errors_as_config_errors():
 
 
 def add_device_flags(parser) -> None:
+    """The flags of loading an artifact: threads, the Vulkan adapter, the pinned manifest sha256."""
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads for the kernels (default: SHARPI_NUM_THREADS or all available)")
+    parser.add_argument("--expect-sha256", default=None, metavar="HEX",
+                        help="refuse the artifact unless its manifest.json has this sha256 (sharpi-compile prints "
+                             "it; every file is then verified before anything is loaded). An artifact is code: pin "
+                             "one you did not build")
     parser.add_argument("--adapter", default=None,
                         help="vulkan artifacts: part of the adapter's name (default: SHARPI_VULKAN_ADAPTER or the "
                              "highest-performance adapter; `sharpi adapters` lists them)")
@@ -54,7 +69,7 @@ def add_device_flags(parser) -> None:
 
 def load_model(args):
     import sharpi
-    return sharpi.load(args.artifact, threads=args.threads, adapter=args.adapter)
+    return sharpi.load(args.artifact, threads=args.threads, adapter=args.adapter, expect_sha256=args.expect_sha256)
 
 
 def add_sampling_flags(parser) -> None:
@@ -77,11 +92,10 @@ def check_generation_flags(model, args) -> None:
     """The sampling and SnapKV flags, checked before any generation (chat would otherwise meet a bad value only
     after the first message)."""
     from ..common.settings import parse_positive_int
-    from ..runtime.model import check_sampling
     from ..runtime.sampling import SamplingParams
 
     parse_positive_int(args.max_tokens, "--max-tokens", allow_zero=True)
-    check_sampling(SamplingParams(**{k: v for k, v in sampling_kwargs(args).items() if k != "stop"}))
+    SamplingParams(**{k: v for k, v in sampling_kwargs(args).items() if k != "stop"}).validate()
     model.snapkv_settings(**{name: getattr(args, f"snapkv_{name}") for name in SNAPKV_FLAGS})
 
 

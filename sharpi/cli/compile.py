@@ -64,6 +64,9 @@ def main(argv=None) -> int:
                         max_context=args.max_context, snapkv=args.snapkv, dump_ir=args.dump_ir,
                         use_cache=not args.no_cache, show_progress=not args.quiet, **snapkv_kwargs(args))
     print(out)
+    from ..common.manifest import manifest_sha256
+    print(f"sharpi: manifest sha256 {manifest_sha256(out)} (an artifact is code: whoever loads this copy can pin it "
+          f"with --expect-sha256 or sharpi.load(..., expect_sha256=...))", file=sys.stderr)
     if args.check:        # --check (issue #11): exit code 1 if a check failed
         from ..frontend.fetch import resolve_model
         from ..testing.conformance import run_and_report

@@ -151,16 +151,21 @@ def cmd_cache(args) -> int:
 
     from .. import compile_cache
     limit = compile_cache.limit_bytes()
-    listed = compile_cache.clear() if args.clear else compile_cache.entries()
+    listed = compile_cache.clear() if args.clear else compile_cache.entries(unfinished=True)
     for entry in listed:
         used = time.strftime("%Y-%m-%d %H:%M", time.localtime(entry.last_used))
-        print(f"{entry.nbytes / 2**20:8.1f} MiB  last used {used}  {entry.path.name}")
+        what = "last used" if entry.finished else "killed compile, started"
+        print(f"{entry.nbytes / 2**20:8.1f} MiB  {what} {used}  {entry.path.name}")
     total = sum(e.nbytes for e in listed) / 2**30
+    killed = sum(not e.finished for e in listed)
+    compiles = f"{len(listed) - killed} cached compiles"
+    if killed:
+        compiles += f" and {killed} killed compiles' leftovers"
     if args.clear:
-        print(f"deleted {len(listed)} cached compiles ({total:.2f} GiB) from {compile_cache.cache_root()}")
+        print(f"deleted {compiles} ({total:.2f} GiB) from {compile_cache.cache_root()}")
     else:
-        print(f"{len(listed)} cached compiles, {total:.2f} GiB of {limit / 2**30:g} GiB (SHARPI_CACHE_GB) "
-              f"in {compile_cache.cache_root()}")
+        print(f"{compiles}, {total:.2f} GiB of {limit / 2**30:g} GiB (SHARPI_CACHE_GB) in "
+              f"{compile_cache.cache_root()}")
     return 0
 
 

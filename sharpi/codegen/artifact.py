@@ -1,26 +1,27 @@
 """Writing an artifact directory: kernels library, weights in kernel layout, tokenizer, manifest.
 
-Everything is written into a temporary sibling directory and renamed into place at the end, so an
-interrupted compile never leaves a half artifact behind that would load.
+Everything is written into a staging folder beside the output and moved into place at the end (common.output_dir:
+only an earlier artifact's own files are replaced, never a user's), so an interrupted compile never leaves a half
+artifact behind that would load.
 """
 from __future__ import annotations
 
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from ..common.errors import ConfigError
-from ..common.manifest import LIBRARY, WEIGHTS, Manifest, ParamEntry, file_sha256
-ALIGN = 64
+from ..common.manifest import (ARTIFACT, CONTRACT_FUNCTION, LIBRARY, PLAN, TOKENIZER, WEIGHT_ALIGN, WEIGHTS, Manifest,
+                               ParamEntry, file_sha256)
+from ..common.output_dir import install
+
+__all__ = ["LIBRARY", "PLAN", "TOKENIZER", "WEIGHTS", "write_weights", "finalize", "with_contract"]
 
 
 def write_weights(arrays: list[np.ndarray], names: list[str], path: Path) -> list[ParamEntry]:
     entries, offset = [], 0
     with open(path, "wb") as f:
         for name, array in zip(names, arrays):
-            pad = (-offset) % ALIGN
+            pad = (-offset) % WEIGHT_ALIGN
             f.write(b"\0" * pad)
             offset += pad
             data = np.ascontiguousarray(array)
@@ -31,32 +32,21 @@ def write_weights(arrays: list[np.ndarray], names: list[str], path: Path) -> lis
     return entries
 
 
-def staging_dir(output: Path) -> Path:
-    """A fresh hidden folder beside `output` (same file system, so the final rename is atomic)."""
-    try:
-        output.parent.mkdir(parents=True, exist_ok=True)
-        return Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-", dir=output.parent))
-    except OSError as exc:
-        raise ConfigError(f"Cannot write the artifact into {output.parent}: {exc.strerror or exc}.") from None
-
-
 def finalize(staging: Path, output: Path, manifest: Manifest) -> None:
-    """Hash every file, write the manifest last, and move the directory into place. An earlier artifact at
-    `output` is renamed aside first and deleted only once the new one is in place (deleting it in place could be
-    interrupted half-way and leave a half artifact there); if the move fails it is put back."""
+    """Hash every file, write the manifest last, and move the artifact into place (common.output_dir.install)."""
     manifest.files = {p.name: file_sha256(p) for p in sorted(staging.iterdir()) if p.is_file()}
     manifest.write(staging)
-    previous = None
-    try:
-        if output.exists():
-            previous = Path(tempfile.mkdtemp(prefix=f".{output.name}.old-", dir=output.parent))
-            output.rename(previous / output.name)
-        staging.rename(output)
-    except BaseException:
-        if previous is not None and (previous / output.name).exists() and not output.exists():
-            (previous / output.name).rename(output)
-        if previous is not None:
-            shutil.rmtree(previous, ignore_errors=True)
-        raise
-    if previous is not None:
-        shutil.rmtree(previous, ignore_errors=True)
+    install(staging, output, ARTIFACT)
+
+
+def with_contract(mod, contract: str):
+    """`mod` (changed in place) plus a Relax function CONTRACT_FUNCTION() -> str returning `contract` (the manifest's
+    kernel_contract as JSON): the runtime compares it with the manifest it loads, so a manifest that no longer
+    describes these kernels is refused before they run."""
+    from tvm import relax
+
+    bb = relax.BlockBuilder()
+    with bb.function(CONTRACT_FUNCTION, []):
+        bb.emit_func_output(relax.expr.String(contract))
+    mod[CONTRACT_FUNCTION] = bb.get()[CONTRACT_FUNCTION]
+    return mod

@@ -36,11 +36,13 @@ from pathlib import Path
 import numpy as np
 
 from ..common.errors import CompileError, ConfigError
+from ..common.output_dir import OutputKind
 
 OPSET = 18
 IR_VERSION = 8
 WEIGHTS_FILE = "weights.onnx.data"
 EXPORT_FILE = "sharpi-onnx.json"
+EXPORT_FORMAT = "sharpi-onnx"
 FORMAT_VERSION = 1
 WEIGHT_DTYPES = {"f32": "float32", "f16": "float16"}
 # GGUF architectures whose Relax functions have been checked through this export (against the numpy reference);
@@ -632,6 +634,25 @@ def export_module(mod, cfg, weights, directory: Path, *, functions=DEFAULT_FUNCT
 
 
 def write_export_manifest(directory: Path, signature: dict, **fields) -> None:
-    manifest = {"format": "sharpi-onnx", "format_version": FORMAT_VERSION, "opset": OPSET, "ir_version": IR_VERSION,
-                "weights_file": WEIGHTS_FILE, **fields, "functions": signature}
+    """sharpi-onnx.json, last: the format marker, what was exported, and every file of the export (so that a
+    later export into the same folder replaces those and nothing else)."""
+    files = sorted(p.name for p in Path(directory).iterdir() if p.is_file())
+    manifest = {"format": EXPORT_FORMAT, "format_version": FORMAT_VERSION, "opset": OPSET, "ir_version": IR_VERSION,
+                "weights_file": WEIGHTS_FILE, **fields, "functions": signature, "files": files}
     (Path(directory) / EXPORT_FILE).write_text(json.dumps(manifest, indent=1))
+
+
+def export_files(raw: dict) -> list[str] | None:
+    """The files an earlier export's sharpi-onnx.json lists (exports written before the list existed: its graphs,
+    the weights and the tokenizer), or None if `raw` is not sharpi's."""
+    if raw.get("format") != EXPORT_FORMAT:
+        return None
+    if isinstance(raw.get("files"), list):
+        return list(raw["files"])
+    functions = raw.get("functions")
+    if not isinstance(functions, dict) or not all(isinstance(f, dict) for f in functions.values()):
+        return None
+    return [f.get("file") for f in functions.values()] + [raw.get("weights_file"), "tokenizer.json"]
+
+
+EXPORT = OutputKind("sharpi ONNX export", EXPORT_FILE, export_files)

@@ -274,8 +274,9 @@ def _packed(call, names) -> dict:
     raise NotImplementedError(f"Vulkan plan: packed call {func}")
 
 
-def write_plan(plan: VulkanPlan, directory) -> None:
-    """plan.json and one .wgsl file per kernel into `directory`."""
+def write_plan(plan: VulkanPlan, directory, contract: str | None = None) -> None:
+    """plan.json and one .wgsl file per kernel into `directory`; `contract` (the manifest's kernel contract as
+    JSON) is recorded in the plan, which the runtime compares with the manifest it loads."""
     import json
     from pathlib import Path
 
@@ -283,4 +284,7 @@ def write_plan(plan: VulkanPlan, directory) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     for name, source in plan.sources.items():
         (directory / plan.kernels[name]["wgsl"]).write_text(source)
-    (directory / "plan.json").write_text(json.dumps(plan.to_json(), indent=1))
+    content = plan.to_json()
+    if contract is not None:
+        content["contract"] = contract
+    (directory / "plan.json").write_text(json.dumps(content, indent=1))

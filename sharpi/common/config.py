@@ -3,6 +3,13 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from . import schema
+
+# The largest size or context a model may declare: positions and page tables are int32 on the device, and a
+# context this long already needs a page table of 1M pages per layer.
+MAX_SIZE = 1 << 24
+ROPE_LAYOUTS = ("norm", "neox")
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -50,3 +57,23 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
         return cls(**d)
+
+    @staticmethod
+    def check_dict(d, path: str = "config") -> None:
+        """A schema.SchemaError unless `d` is a config sharpi could have written: every field of its type and in
+        range (so nothing downstream divides by zero or sizes a buffer from a hostile number)."""
+        size, count = schema.integer(1, MAX_SIZE), schema.integer(1, 4096)
+        positive = schema.number(0, 1e30, lo_open=True)
+        schema.record({
+            "arch": schema.text(64, r"[a-z0-9_]+"), "n_layers": count, "n_heads": count, "n_kv_heads": count,
+            "head_dim": count, "dim": size, "ffn_dim": size, "vocab_size": size, "context_length": size,
+            "rope_theta": positive, "rms_eps": schema.number(0, 1, lo_open=True),
+            "rope_layout": schema.one_of(*ROPE_LAYOUTS), "tied_embeddings": schema.boolean,
+            "qkv_bias": schema.boolean, "qk_norm": schema.boolean, "sliding_window": schema.integer(0, MAX_SIZE),
+            "swa_pattern": schema.integer(0, 4096), "rope_theta_local": schema.number(0, 1e30),
+            "attn_scale": schema.number(0, 1e6), "embed_scale": positive})(d, path)
+        if d["n_heads"] % d["n_kv_heads"]:
+            raise schema.SchemaError(f"{path}.n_kv_heads", f"a divisor of n_heads ({d['n_heads']})",
+                                     d["n_kv_heads"])
+        if d["head_dim"] % 2:
+            raise schema.SchemaError(f"{path}.head_dim", "even (RoPE rotates pairs)", d["head_dim"])

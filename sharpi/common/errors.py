@@ -47,3 +47,11 @@ class TokenizerError(SharpiError):
 
 class CompileError(SharpiError):
     """Compiling failed for a reason the user can act on (for example a missing toolchain)."""
+
+
+class NonFiniteLogitsError(SharpiError):
+    """The model computed NaN or infinite logits (non-finite weights, or a mislabelled tensor type in the GGUF)."""
+
+
+class SharpiWarning(UserWarning):
+    """Something the user should know that does not stop the work (the CLIs print it as one `warning:` line)."""

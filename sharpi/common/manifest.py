@@ -1,23 +1,45 @@
-"""The artifact's manifest: what was compiled, for which CPU, and the content hash of every file."""
+"""The artifact's manifest: what was compiled, for which CPU or GPU, and the content hash of every file.
+
+Reading one is the single place where an artifact's numbers enter the runtime, so `Manifest.read` checks all of
+it before anything is sized or indexed from it: its own digest (a sha256 over the manifest without the digest
+field, so a damaged or edited manifest is caught like any other damaged file), the schema (every field of its type
+and in range, every id inside the vocabulary, the parameter table laid out as `write_weights` lays it out), and
+the kernel contract: the fields the compiled kernels were built for (`kernel_contract`) are compiled into the
+kernel library (or the Vulkan plan), and the loader compares the two, so even an edit whose digest was recomputed,
+or one loaded with verify=False, is one ArtifactError sentence instead of a read past a buffer.
+"""
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .errors import ArtifactError
+from . import schema
+from .config import MAX_SIZE, ModelConfig
+from .errors import ArtifactError, ConfigError
+from .output_dir import MAX_MANIFEST_BYTES, OutputKind, plain_file_name
+from .snapkv_settings import ENV as SNAPKV_KNOBS
+from .snapkv_settings import MAX_WINDOW, parse_knob, settings_from
+from .tokenizer import TokenizerInfo
 
-FORMAT_VERSION = 1
+FORMAT = "sharpi-artifact"    # the format marker: a folder whose manifest says this is sharpi's to replace
+FORMAT_VERSION = 2            # 2: format marker, manifest digest, kernel contract
 MANIFEST_NAME = "manifest.json"
 LIBRARY = "model.so"          # the compiled kernels (llvm, cuda)
-WEIGHTS = "weights.bin"       # every parameter, in manifest order, 64-byte aligned
+WEIGHTS = "weights.bin"       # every parameter, in manifest order, WEIGHT_ALIGN-byte aligned
 PLAN = "plan.json"            # vulkan: the plan of calls; one .wgsl file per kernel beside it
-_JSON_NAMES = {dict: "object", int: "integer", list: "array", str: "string"}
-
+TOKENIZER = "tokenizer.json"
+WEIGHT_ALIGN = 64
+CONTRACT_FUNCTION = "sharpi_contract"   # the library's function returning kernel_contract() as JSON
+FUNCTIONS = ("prefill", "prefill_logits", "decode", "prefill_snapkv", "snapkv_select", "snapkv_compact")
+REQUIRED_FUNCTIONS = FUNCTIONS[:3]
+MAX_PREFILL_CHUNK = 8192
 
 # bytes of a KV pool element (numpy itself knows "bfloat16" only once ml_dtypes is imported)
 KV_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+PARAM_ITEMSIZE = {"float32": 4, "float16": 2, "uint32": 4, "uint16": 2, "int32": 4, "uint8": 1, "int8": 1}
 
 
 @dataclass
@@ -35,7 +57,7 @@ class Manifest:
     sharpi_version: str
     source: dict                 # {"name", "sha256", "size"}
     config: dict                 # ModelConfig.to_dict()
-    target: dict                 # {"kind", "mcpu", "cpu_features"}
+    target: dict                 # {"kind", ...}: see _TARGETS
     tokenizer: dict              # TokenizerInfo.to_dict()
     page_size: int
     max_context: int
@@ -47,47 +69,106 @@ class Manifest:
     files: dict[str, str] = field(default_factory=dict)   # file name -> sha256
     snapkv: dict = field(default_factory=dict)
     kv_dtype: str = "float32"    # the KV page pool's element type (float32, float16 or bfloat16)
+    format: str = FORMAT
+    digest: str = ""             # sha256 of the manifest's canonical JSON without this field (set by to_json)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1)
+        content = asdict(self)
+        content["digest"] = self.digest = content_digest(content)
+        return json.dumps(content, indent=1)
 
     def write(self, directory: Path) -> None:
         (Path(directory) / MANIFEST_NAME).write_text(self.to_json())
 
-    @classmethod
-    def read(cls, directory: Path) -> "Manifest":
-        path = Path(directory) / MANIFEST_NAME
-        if not path.is_file():
-            raise ArtifactError(f"{directory} is not a sharpi artifact (it has no {MANIFEST_NAME}).")
-        try:
-            raw = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            raise ArtifactError(f"{path} is not valid JSON: {exc}.") from None
-        version = raw.get("format_version") if isinstance(raw, dict) else None
-        if version != FORMAT_VERSION:
-            raise ArtifactError(f"{directory} has artifact format version {version}, but this sharpi reads "
-                                f"version {FORMAT_VERSION}; compile it again with this sharpi.")
-        try:
-            raw["params"] = [ParamEntry(**p) for p in raw["params"]]
-            manifest = cls(**raw)
-        except (TypeError, KeyError) as exc:
-            raise ArtifactError(f"{path} is missing or has unexpected fields: {exc}.") from None
-        manifest._check_types(path)
-        return manifest
+    def kernel_contract(self) -> dict:
+        """What the compiled kernels were built for; compiled into them and compared at load."""
+        return kernel_contract(asdict(self))
 
-    def _check_types(self, path: Path) -> None:
-        """The JSON types of the fields the runtime reads without further checks (a hand-edited or damaged
-        manifest would otherwise fail deep inside the loader)."""
-        kinds = {"source": dict, "config": dict, "target": dict, "tokenizer": dict, "files": dict, "snapkv": dict,
-                 "page_size": int, "max_context": int, "max_pages": int, "prefill_chunk": int, "functions": list,
-                 "kernels": list, "kv_dtype": str}
-        for name, kind in kinds.items():
-            value = getattr(self, name)
-            if not isinstance(value, kind) or isinstance(value, bool):
-                raise ArtifactError(f"{path} is corrupted: {name} should be a JSON {_JSON_NAMES[kind]}.")
-        if not all(isinstance(k, str) and isinstance(v, str) and "/" not in k and k not in ("", ".", "..")
-                   for k, v in self.files.items()):
-            raise ArtifactError(f"{path} is corrupted: files should map plain file names to sha256 strings.")
+    @classmethod
+    def read(cls, directory: Path, *, verify_digest: bool = True, expect_sha256: str | None = None) -> "Manifest":
+        """Read and check a manifest (see the module doc); ArtifactError with one sentence for any problem.
+        expect_sha256: the sha256 of the manifest file's bytes the caller pinned (see manifest_sha256)."""
+        path = Path(directory) / MANIFEST_NAME
+        data = _read_bytes(Path(directory), path)
+        if expect_sha256 is not None:
+            actual = hashlib.sha256(data).hexdigest()
+            if actual != check_pin(expect_sha256):
+                raise ArtifactError(f"{path} has sha256 {actual}, not the pinned {expect_sha256.lower()}: this is "
+                                    f"not the artifact you pinned (changed, replaced or another build); nothing "
+                                    f"of it was loaded.")
+        raw = _parse(data, path)
+        if verify_digest and raw.get("digest") != content_digest(raw):
+            raise ArtifactError(f"{path} does not match its own digest (corrupted or changed); compile it again.")
+        try:
+            check_manifest_dict(raw)
+        except schema.SchemaError as exc:
+            raise ArtifactError(f"{path} is corrupted: {exc}; compile it again.") from None
+        raw = dict(raw, params=[ParamEntry(**p) for p in raw["params"]])
+        return cls(**raw)
+
+
+def content_digest(content: dict) -> str:
+    """sha256 of a manifest's canonical JSON (sorted keys, no spaces) without its digest field."""
+    body = {k: v for k, v in content.items() if k != "digest"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def kernel_contract(content: dict) -> dict:
+    """The manifest fields the compiled kernels depend on, from a manifest dict: sizes, types, the parameter
+    table's names, dtypes and shapes, the functions, the target (without the CUDA images, which describe the
+    build's output), the SnapKV ops' shape."""
+    snapkv = content.get("snapkv") or {}
+    return {"format_version": content["format_version"], "config": content["config"],
+            "target": {k: v for k, v in content["target"].items() if k != "images"},
+            "page_size": content["page_size"], "max_context": content["max_context"],
+            "max_pages": content["max_pages"], "functions": content["functions"], "kv_dtype": content["kv_dtype"],
+            "params": [[p["name"], p["dtype"], p["shape"]] for p in content["params"]],
+            "snapkv": {k: snapkv.get(k) for k in ("enabled", "max_window", "select_params")}}
+
+
+def contract_json(contract: dict) -> str:
+    return json.dumps(contract, sort_keys=True, separators=(",", ":"))
+
+
+def check_contract(directory: Path, manifest: Manifest, compiled: str | None, where: str) -> None:
+    """ArtifactError unless the contract compiled into `where` (a JSON string; None: it has none) equals the
+    manifest's."""
+    if compiled is None:
+        raise ArtifactError(f"{directory}/{where} has no kernel contract ({CONTRACT_FUNCTION}); compile it again.")
+    try:
+        theirs = json.loads(compiled)
+    except ValueError:
+        raise ArtifactError(f"{directory}/{where} holds a damaged kernel contract; compile it again.") from None
+    found = schema.first_difference(manifest.kernel_contract(), theirs)
+    if found:
+        at, mine, built = found
+        raise ArtifactError(f"{directory}/{MANIFEST_NAME} does not match the kernels it describes: {at} is "
+                            f"{schema.shown(mine)} there but {schema.shown(built)} in {where} (edited or "
+                            f"damaged); compile it again.")
+
+
+def manifest_sha256(directory: Path) -> str:
+    """The sha256 of an artifact's manifest file: the value to pin with sharpi.load(..., expect_sha256=...). The
+    manifest holds the sha256 of every other file, so pinning it pins the whole artifact."""
+    path = Path(directory) / MANIFEST_NAME
+    return hashlib.sha256(_read_bytes(Path(directory), path)).hexdigest()
+
+
+def check_pin(value) -> str:
+    if not isinstance(value, str) or not schema.SHA256.fullmatch(value.strip().lower()):
+        raise ConfigError(f"expect_sha256 must be a sha256 (64 hex digits), got {schema.shown(value)}.")
+    return value.strip().lower()
+
+
+def listed_files(raw: dict) -> list[str] | None:
+    """The files a sharpi manifest (of this or an earlier format version) lists, or None if `raw` is not one."""
+    marked = raw.get("format") == FORMAT or (raw.get("format_version") == 1 and isinstance(raw.get("sharpi_version"),
+                                                                                           str))
+    files = raw.get("files")
+    return sorted(files) if marked and isinstance(files, dict) else None
+
+
+ARTIFACT = OutputKind("sharpi artifact", MANIFEST_NAME, listed_files)
 
 
 def file_sha256(path: Path, progress=None) -> str:
@@ -99,3 +180,164 @@ def file_sha256(path: Path, progress=None) -> str:
             if progress is not None:
                 progress.update(len(chunk))
     return digest.hexdigest()
+
+
+# -- reading and the schema ---------------------------------------------------------------------------------------
+def _read_bytes(directory: Path, path: Path) -> bytes:
+    if not path.is_file():
+        raise ArtifactError(f"{directory} is not a sharpi artifact (it has no {MANIFEST_NAME}).")
+    try:
+        size = path.stat().st_size
+        if size > MAX_MANIFEST_BYTES:
+            raise ArtifactError(f"{path} is {size >> 20} MiB, far larger than any manifest sharpi writes; it is "
+                                f"not one.")
+        return path.read_bytes()
+    except OSError as exc:
+        raise ArtifactError(f"{path} cannot be read: {exc.strerror or exc}.") from None
+
+
+def _parse(data: bytes, path: Path) -> dict:
+    try:
+        raw = json.loads(data, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as exc:
+        reason = (exc.msg if isinstance(exc, json.JSONDecodeError) else
+                  "nested too deeply" if isinstance(exc, RecursionError) else str(exc))
+        raise ArtifactError(f"{path} is not valid JSON ({reason}).") from None
+    if not isinstance(raw, dict):
+        raise ArtifactError(f"{path} is not a sharpi manifest (not a JSON object).")
+    version = raw.get("format_version")
+    if raw.get("format") != FORMAT and version != 1:
+        raise ArtifactError(f"{path} is not a sharpi manifest (its format marker is "
+                            f"{schema.shown(raw.get('format'))}, not {FORMAT!r}).")
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise ArtifactError(f"{path} is corrupted: format_version should be an integer, got "
+                            f"{schema.shown(version)}; compile it again.")
+    if version != FORMAT_VERSION:
+        raise ArtifactError(f"{path.parent} has artifact format version {version}, but this sharpi reads version "
+                            f"{FORMAT_VERSION}; compile it again with this sharpi.")
+    return raw
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+_PLAIN_NAME = schema.text(255)
+_CPU_FEATURE = schema.text(32, r"[a-z0-9_.]+")
+_TARGETS = {
+    "llvm": schema.record({"kind": schema.one_of("llvm"), "mcpu": schema.text(64, r"[A-Za-z0-9_.+-]+"),
+                           "cpu_features": schema.array(_CPU_FEATURE, 64, unique=True),
+                           "matmuls": schema.one_of("float", "int8")}),
+    "cuda": schema.record({"kind": schema.one_of("cuda"), "arch": schema.text(8, r"sm_[0-9]{2,3}a?"),
+                           "images": schema.array(schema.text(32, r"[a-z]+:[0-9]+"), 64),
+                           "cuda_graph": schema.boolean}),
+    "vulkan": schema.record({"kind": schema.one_of("vulkan"), "shader": schema.one_of("wgsl"),
+                             "activations": schema.one_of("float32")}),
+}
+
+
+def _target(value, path):
+    kind = value.get("kind") if isinstance(value, dict) else None
+    if not isinstance(kind, str) or kind not in _TARGETS:
+        raise schema.SchemaError(f"{path}.kind", f"one of {', '.join(_TARGETS)}", kind)
+    _TARGETS[kind](value, path)
+
+
+def _plain_name(value, path):
+    if not plain_file_name(value) or len(value) > 255:
+        raise schema.SchemaError(path, "a plain file name (no folder in it)", value)
+
+
+_PARAM = schema.record({"name": schema.text(256), "dtype": schema.one_of(*PARAM_ITEMSIZE),
+                        "shape": schema.array(schema.integer(0, 1 << 40), 4),
+                        "offset": schema.integer(0, 1 << 50), "nbytes": schema.integer(0, 1 << 50)})
+
+
+def _snapkv_defaults(value, path):
+    """The artifact's run-time SnapKV defaults: the knobs sharpi-compile took, each in its range."""
+    if not isinstance(value, dict) or set(value) - set(SNAPKV_KNOBS):
+        raise schema.SchemaError(path, f"an object of SnapKV settings ({', '.join(SNAPKV_KNOBS)})", value)
+    for knob, setting in value.items():
+        where = f"{path}.{knob}"
+        if knob == "budget" and setting is None:
+            continue
+        if knob in ("pooling", "granularity") and not isinstance(setting, str) or \
+                knob not in ("pooling", "granularity") and (isinstance(setting, bool) or not isinstance(setting, int)):
+            raise schema.SchemaError(where, "a SnapKV setting of its type", setting)
+        try:
+            parse_knob(knob, setting, where)
+        except ConfigError as exc:
+            raise schema.SchemaError(where, "", setting, str(exc).rstrip(".")) from None
+    try:
+        settings_from(defaults={}, env={}, **value)
+    except ConfigError as exc:
+        raise schema.SchemaError(path, "", value, f"{path}: {str(exc).rstrip('.')}") from None
+
+
+_SNAPKV = schema.record({"enabled": schema.boolean, "max_window": schema.integer(1, MAX_WINDOW),
+                         "defaults": _snapkv_defaults, "select_params": schema.one_of(6, 7)})
+_TOP = schema.record({
+    "format": schema.one_of(FORMAT), "format_version": schema.one_of(FORMAT_VERSION),
+    "sharpi_version": schema.text(64), "digest": schema.sha256_hex,
+    "source": schema.record({"name": _plain_name, "sha256": schema.sha256_hex, "size": schema.integer(0, 1 << 50)}),
+    "config": lambda v, p: ModelConfig.check_dict(v, p),
+    "target": _target, "tokenizer": lambda v, p: None,          # checked below, against the vocabulary
+    "page_size": schema.integer(1, 4096), "max_context": schema.integer(1, MAX_SIZE),
+    "max_pages": schema.integer(1, MAX_SIZE), "prefill_chunk": schema.integer(1, MAX_PREFILL_CHUNK),
+    "functions": schema.array(schema.one_of(*FUNCTIONS), len(FUNCTIONS), unique=True),
+    "kernels": schema.array(schema.text(256), 100_000), "params": schema.array(_PARAM, 1_000_000),
+    "files": schema.mapping(_plain_name, schema.sha256_hex, 100_000),
+    "snapkv": _SNAPKV, "kv_dtype": schema.one_of(*KV_ITEMSIZE)})
+
+
+def check_manifest_dict(raw: dict) -> None:
+    """A schema.SchemaError naming the first field of `raw` (a parsed manifest) that sharpi could not have
+    written: of the wrong type, out of range, or inconsistent with another field."""
+    _TOP(raw, "")
+    cfg = raw["config"]
+    TokenizerInfo.check_dict(raw["tokenizer"], cfg["vocab_size"])
+    if raw["max_context"] > cfg["context_length"]:
+        raise schema.SchemaError("max_context", f"at most the model's context_length ({cfg['context_length']})",
+                                 raw["max_context"])
+    if raw["max_pages"] != math.ceil(raw["max_context"] / raw["page_size"]):
+        raise schema.SchemaError("max_pages", "max_context / page_size, rounded up", raw["max_pages"])
+    missing = [f for f in REQUIRED_FUNCTIONS if f not in raw["functions"]]
+    if missing:
+        raise schema.SchemaError("functions", f"a list holding {', '.join(missing)}", raw["functions"])
+    _check_snapkv(raw["snapkv"], "prefill_snapkv" in raw["functions"])
+    _check_params(raw["params"])
+
+
+def _check_snapkv(snapkv: dict, compiled: bool) -> None:
+    if snapkv["enabled"] != compiled:
+        raise schema.SchemaError("snapkv.enabled", f"{str(compiled).lower()} (the functions "
+                                 f"{'hold' if compiled else 'lack'} the SnapKV ops)", snapkv["enabled"])
+    window = settings_from(defaults={}, env={}, **snapkv["defaults"]).window
+    if window > snapkv["max_window"]:
+        raise schema.SchemaError("snapkv.defaults.window", f"at most max_window ({snapkv['max_window']})", window)
+
+
+def _check_params(params: list) -> None:
+    """Names unique; each entry's bytes what its shape and dtype need; laid out back to back at WEIGHT_ALIGN
+    as write_weights writes them (the file's size is checked against the last one by the loader)."""
+    end, seen = 0, set()
+    for i, p in enumerate(params):
+        where = f"params[{i}]"
+        if p["name"] in seen:
+            raise schema.SchemaError(f"{where}.name", "unique", p["name"])
+        seen.add(p["name"])
+        count = math.prod(p["shape"])
+        if p["nbytes"] != count * PARAM_ITEMSIZE[p["dtype"]]:
+            raise schema.SchemaError(f"{where}.nbytes", f"the bytes of shape {p['shape']} in {p['dtype']}",
+                                     p["nbytes"])
+        expected = end + (-end) % WEIGHT_ALIGN
+        if p["offset"] != expected:
+            raise schema.SchemaError(f"{where}.offset", f"{expected} (right after the previous parameter)",
+                                     p["offset"])
+        end = p["offset"] + p["nbytes"]
+
+
+def weights_size(manifest: Manifest) -> int:
+    """The size weights.bin has: the end of the last parameter."""
+    last = manifest.params[-1] if manifest.params else None
+    return last.offset + last.nbytes if last else 0

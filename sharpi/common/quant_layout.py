@@ -43,6 +43,9 @@ LAYOUTS = {
     "f16": [("w", "float16", lambda n, k: (n, k))],
     "bf16": [("w", "uint16", lambda n, k: (n, k))],
 }
+# How many leading planes of a quantized type's `s` part hold float values (scales, offsets); the planes after them
+# hold bit fields stored as f32 bits (qh, h0, h1), which are not numbers.
+FLOAT_PLANES = {"q4_0": 1, "q4_1": 2, "q5_0": 1, "q5_1": 2, "q8_0": 1, "q4_k": 2, "q5_k": 2, "q6_k": 2}
 QUANTIZED = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k")
 K_QUANTS = ("q4_k", "q5_k", "q6_k")
 SUPER_BLOCK = 256   # the K-quants' super-block: their tensors need K % 256 == 0

@@ -5,12 +5,21 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, replace
 
+from .config import MAX_SIZE
 from .errors import ConfigError
+from .settings import parse_int
 
 POOLINGS = ("max", "avg", "none")
 GRANULARITIES = ("kv-head", "shared")
 GPU_TARGETS = ("cuda", "vulkan")
 AUTO_MIN_CACHE_BYTES = 256 * 2**20
+# Ranges the kernels honour: positions, budgets and counts are int32 there and never exceed a context (MAX_SIZE);
+# the window's queries are captured in one prefill chunk, so it stays a chunk's size; the select kernel pools each
+# position over `kernel` neighbours (O(prompt x kernel)), and the measured useful kernels are 5-31.
+MAX_WINDOW = 4096
+MAX_KERNEL = 255
+RANGES = {"budget": (0, MAX_SIZE), "window": (1, MAX_WINDOW), "recency": (0, MAX_SIZE), "sinks": (0, MAX_SIZE),
+          "kernel": (1, MAX_KERNEL)}
 ENV = {"budget": "SHARPI_SNAPKV_BUDGET", "window": "SHARPI_SNAPKV_WINDOW", "recency": "SHARPI_SNAPKV_RECENCY",
        "pooling": "SHARPI_SNAPKV_POOLING", "kernel": "SHARPI_SNAPKV_KERNEL",
        "granularity": "SHARPI_SNAPKV_GRANULARITY", "sinks": "SHARPI_SNAPKV_SINKS"}
@@ -39,38 +48,26 @@ def auto_budget(max_seq_len: int, full_cache_bytes: int, target: str) -> int:
 
 
 def parse_budget(value, source: str) -> int | None:
-    text = str(value).strip().lower()
-    if text == "auto":
+    if isinstance(value, str) and value.strip().lower() == "auto":
         return None
+    lo, hi = RANGES["budget"]
     try:
-        number = int(text)
-    except ValueError:
-        raise ConfigError(f"{source} must be 'auto', 0 (off) or a positive integer, got {value!r}.") from None
-    if number < 0:
-        raise ConfigError(f"{source} must be 'auto', 0 (off) or a positive integer, got {number}.")
-    return number
+        return parse_int(value, source, lo, hi)
+    except ConfigError:
+        raise ConfigError(f"{source} must be 'auto', 0 (off) or an integer in [1, {hi}], got {value!r}.") from None
 
 
-def _parse_int(value, source: str, lowest: int) -> int:
-    try:
-        number = int(str(value).strip())
-    except ValueError:
-        raise ConfigError(f"{source} must be an integer, got {value!r}.") from None
-    if number < lowest:
-        raise ConfigError(f"{source} must be >= {lowest}, got {number}.")
-    return number
-
-
-def _parse_field(field: str, value, source: str):
+def parse_knob(field: str, value, source: str):
+    """One SnapKV knob's value (`source`: how the user spelled it), or a ConfigError giving its range."""
     if field == "budget":
         return parse_budget(value, source)
-    if field in ("window", "recency", "sinks"):
-        return _parse_int(value, source, 1 if field == "window" else 0)
-    if field == "kernel":
-        number = _parse_int(value, source, 1)
-        if number % 2 == 0:
+    if field in RANGES:
+        number = parse_int(value, source, *RANGES[field])
+        if field == "kernel" and number % 2 == 0:
             raise ConfigError(f"{source} must be odd (the pooling window is centred), got {number}.")
         return number
+    if not isinstance(value, str):
+        raise ConfigError(f"{source} must be a string, got {value!r}.")
     choices = POOLINGS if field == "pooling" else GRANULARITIES
     text = str(value).strip().lower()
     if text not in choices:
@@ -85,12 +82,12 @@ def settings_from(defaults: dict | None = None, env: dict | None = None, **argum
     changes = {}
     for field, var in ENV.items():
         if var in env:
-            changes[field] = _parse_field(field, env[var], var)
+            changes[field] = parse_knob(field, env[var], var)
     for field, value in arguments.items():
         if field not in ENV:
             raise ConfigError(f"Unknown SnapKV option {field!r}; options are {', '.join(ENV)}.")
         if value is not None:
-            changes[field] = _parse_field(field, value, f"snapkv_{field}")
+            changes[field] = parse_knob(field, value, f"snapkv_{field}")
     settings = replace(settings, **changes)
     if settings.pooling == "none" and "kernel" not in changes:
         settings = replace(settings, kernel=1)

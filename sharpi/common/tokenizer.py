@@ -15,7 +15,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .errors import TokenizerError
+from . import schema
+from .errors import ConfigError, TokenizerError
+
+MAX_CHAT_TEMPLATE = 1 << 20         # characters; real templates are a few KB
+TOKENIZER_MODELS = ("gpt2", "llama")
 
 # GGUF token types (llama.cpp's llama_token_type)
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
@@ -57,6 +61,21 @@ class TokenizerInfo:
     @classmethod
     def from_dict(cls, d: dict) -> "TokenizerInfo":
         return cls(**d)
+
+    @staticmethod
+    def check_dict(d, vocab_size: int, path: str = "tokenizer") -> None:
+        """A schema.SchemaError unless `d` is tokenizer info sharpi could have written for a vocabulary of
+        `vocab_size` (every id it names inside it)."""
+        token_id = schema.integer(0, vocab_size - 1)
+        piece = schema.optional(schema.text(4096))
+        schema.record({"model": schema.one_of(*TOKENIZER_MODELS), "pre": schema.text(64),
+                       "bos_id": schema.optional(token_id), "eos_id": schema.optional(token_id),
+                       "add_bos": schema.boolean,
+                       "stop_ids": schema.array(token_id, 4096, unique=True),
+                       "chat_template": schema.optional(schema.text(MAX_CHAT_TEMPLATE)), "bos_token": piece,
+                       "eos_token": piece})(d, path)
+        if d["add_bos"] and d["bos_id"] is None:
+            raise schema.SchemaError(f"{path}.bos_id", "a token id (add_bos is true)", None)
 
 
 def build_from_gguf_metadata(meta: dict) -> tuple["Tokenizer", TokenizerInfo]:
@@ -236,8 +255,9 @@ class Tokenizer:
         return self._hf.decode(ids, skip_special_tokens=not special)
 
     def _checked_ids(self, ids) -> list[int]:
-        """The ids as ints, or TokenizerError naming the first one outside the vocabulary."""
-        ids = [int(i) for i in ids]
+        """The ids as ints, or TokenizerError naming the first one that is not an integer or outside the
+        vocabulary."""
+        ids = token_ids(ids, "detokenize()")
         size = self._vocab_size
         bad = [i for i in ids if not 0 <= i < size]
         if bad:
@@ -260,8 +280,16 @@ class Tokenizer:
 
     @classmethod
     def load(cls, directory: Path, info: TokenizerInfo) -> "Tokenizer":
+        """The tokenizer saved in an artifact; a file the `tokenizers` library cannot read is a TokenizerError."""
         from tokenizers import Tokenizer as HFTokenizer
-        return cls(HFTokenizer.from_file(str(Path(directory) / "tokenizer.json")), info)
+        path = Path(directory) / "tokenizer.json"
+        try:
+            hf = HFTokenizer.from_file(str(path))
+        except Exception as exc:     # the library raises plain Exceptions with multi-line messages
+            reason = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+            raise TokenizerError(f"{path} cannot be read by the tokenizers library "
+                                 f"({schema.shown(reason, 120)}).") from None
+        return cls(hf, info)
 
 
 class TextStream:
@@ -281,3 +309,23 @@ class TextStream:
         piece = self._stream.step(self._tokenizer._hf, token_id) or ""
         self.text += piece
         return piece
+
+
+def token_ids(ids, what: str) -> list[int]:
+    """A sequence of token ids as a list of ints: Python or numpy integers only (not bools, floats, bytes or a
+    str, which iterate into something else), or a ConfigError saying what `what` takes and was given."""
+    import numbers
+
+    import numpy as np
+
+    wrong = f"{what} must be a sequence of integer token ids, got {type(ids).__name__}"
+    if isinstance(ids, (str, bytes, bytearray, memoryview, dict)) or isinstance(ids, np.ndarray) and ids.ndim != 1:
+        raise ConfigError(f"{wrong}.")
+    try:
+        items = list(ids)
+    except TypeError:
+        raise ConfigError(f"{wrong}.") from None
+    for i in items:
+        if isinstance(i, (bool, np.bool_)) or not isinstance(i, numbers.Integral):
+            raise ConfigError(f"{what} must hold integer token ids, got {schema.shown(i)} ({type(i).__name__}).")
+    return [int(i) for i in items]

@@ -4,8 +4,9 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from ..common.config import ModelConfig
+from ..common.config import MAX_SIZE, ModelConfig
 from ..common.errors import GGUFError, UnsupportedArchitectureError
+from ..common.schema import SchemaError
 from .gguf_file import GGUFFile
 
 # Architectures with a frontend module, and the RoPE layout each uses (llama.cpp's llama_model_rope_type).
@@ -13,9 +14,6 @@ LLAMA_FAMILY = {"llama": "norm", "gemma3": "neox", "qwen2": "neox", "qwen3": "ne
 # gemma3 facts llama.cpp hard-codes rather than reading from the GGUF (src/llama-model.cpp)
 GEMMA3_SWA_PATTERN = 6             # every 6th layer (index % 6 == 5) is global, the others local
 GEMMA3_LOCAL_ROPE_BASE = 10000.0
-# The largest size or context a model may declare: positions and page tables are int32 on the device, and a
-# context this long already needs a page table of 1M pages per layer.
-MAX_SIZE = 1 << 24
 
 
 def config_from_gguf(gguf: GGUFFile) -> ModelConfig:
@@ -112,6 +110,14 @@ def _validate(cfg: ModelConfig, gguf: GGUFFile) -> None:
         raise GGUFError(f"{name}: head_count {cfg.n_heads} is not a multiple of head_count_kv {cfg.n_kv_heads}.")
     if cfg.head_dim % 2:
         raise GGUFError(f"{name}: head dimension {cfg.head_dim} is odd, so RoPE cannot pair it.")
+    try:
+        ModelConfig.check_dict(cfg.to_dict())      # the ranges an artifact's manifest is held to at load
+    except SchemaError as exc:
+        raise GGUFError(f"{name}: the model's {exc}.") from None
+    tokens = gguf.metadata.get("tokenizer.ggml.tokens")
+    if isinstance(tokens, list) and len(tokens) != cfg.vocab_size:
+        raise GGUFError(f"{name} has {len(tokens)} tokens in its vocabulary but {cfg.vocab_size} rows of "
+                        f"embeddings (token_embd.weight, {cfg.arch}.vocab_size); they must agree.")
     # Checked tensor by tensor, so a huge block_count stops at the first layer the file lacks.
     for tname, shape in _expected_shapes(cfg):
         t = gguf.tensor(tname)

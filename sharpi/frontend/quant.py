@@ -5,7 +5,7 @@ import warnings
 
 import numpy as np
 
-from ..common.errors import UnsupportedTensorTypeError
+from ..common.errors import SharpiWarning, UnsupportedTensorTypeError
 from ..common.quant_layout import BLOCK, EXPANDED_TYPE, K_QUANTS, NATIVE_TYPES, SUPER_BLOCK
 from .gguf_file import GGUFTensor
 
@@ -20,7 +20,7 @@ def layout_of(t: GGUFTensor) -> str:
         return NATIVE_TYPES[t.type_name]
     _check_dequantizable(t)
     warnings.warn(f"{t.name}: GGUF type {t.type_name} has no fused kernel in sharpi yet; "
-                  f"it is expanded to {EXPANDED_TYPE} at load.", stacklevel=2)
+                  f"it is expanded to {EXPANDED_TYPE} at load.", SharpiWarning, stacklevel=2)
     return EXPANDED_TYPE
 
 

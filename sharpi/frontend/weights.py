@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..common.progress import progress_bar
+from ..common.quant_layout import FLOAT_PLANES
 from .gguf_file import GGUFFile
 from .quant import layout_of, repack
 
@@ -17,11 +18,14 @@ class WeightTable:
     names: list[str] = field(default_factory=list)
     tensors: dict[str, tuple[str, list[int]]] = field(default_factory=dict)
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)     # logical (dequantized) shape
+    non_finite: list[str] = field(default_factory=list)    # tensors holding NaN or infinite weights or scales
 
     def add_matrix(self, gguf: GGUFFile, name: str) -> None:
         t = gguf.tensor(name)
         qtype = layout_of(t)
         parts = repack(t)
+        if not all_finite(qtype, parts):
+            self.non_finite.append(name)
         self.tensors[name] = (qtype, self._append(name, parts))
         self.shapes[name] = tuple(t.shape)
 
@@ -31,6 +35,8 @@ class WeightTable:
 
         t = gguf.tensor(name)
         data = np.asarray(dequantize(t.data, GGMLQuantizationType(t.type_id)), dtype=np.float32).reshape(t.shape)
+        if not np.isfinite(data).all():
+            self.non_finite.append(name)
         self.tensors[name] = ("f32", self._append(name, {"w": np.ascontiguousarray(data)}))
         self.shapes[name] = tuple(t.shape)
 
@@ -44,6 +50,17 @@ class WeightTable:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays)
+
+
+def all_finite(qtype: str, parts: dict[str, np.ndarray]) -> bool:
+    """Whether a repacked tensor's weights are all finite: its float planes (scales and offsets of the quantized
+    types, every weight of the dense ones; bf16's bits by their exponent)."""
+    if qtype in FLOAT_PLANES:
+        return bool(np.isfinite(parts["s"][:FLOAT_PLANES[qtype]]).all())
+    w = parts["w"]
+    if qtype == "bf16":
+        return not bool(((w & 0x7F80) == 0x7F80).any())
+    return bool(np.isfinite(w).all())
 
 
 def load_weights(gguf: GGUFFile, matrices: list[str], vectors: list[str], show_progress: bool) -> WeightTable:

@@ -17,12 +17,16 @@ import math
 
 import numpy as np
 
-from ..common.errors import ContextLengthError, KeepSetError
+from ..common.errors import ContextLengthError, KeepSetError, SharpiError
 
 
 class PoolExhaustedError(ContextLengthError):
     """The page pool has no room for more tokens: the sessions of this model hold all its pages. Closing a session
     (or loading the model with a larger pool_sequences) makes room; nothing was changed by the refused call."""
+
+
+class PoolAllocationError(SharpiError):
+    """The device cannot hold the page pool a model was loaded with (pool_sequences full-context sequences)."""
 
 
 class PagePool:

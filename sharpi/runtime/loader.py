@@ -7,7 +7,8 @@ from pathlib import Path
 import numpy as np
 
 from ..common.errors import ArtifactError
-from ..common.manifest import KV_ITEMSIZE, LIBRARY, MANIFEST_NAME, PLAN, WEIGHTS, Manifest, file_sha256
+from ..common.manifest import (CONTRACT_FUNCTION, LIBRARY, MANIFEST_NAME, PLAN, TOKENIZER, WEIGHTS, Manifest,
+                               check_contract, file_sha256, weights_size)
 
 
 def host_cpu_flags() -> set[str]:
@@ -23,11 +24,12 @@ def host_cpu_flags() -> set[str]:
 
 def check_artifact(directory: Path, manifest: Manifest, verify_hashes: bool = True) -> None:
     """An ArtifactError for an artifact that is incomplete (a file missing, e.g. a kernel of a Vulkan plan),
-    corrupted (a file whose sha256 differs from the manifest's; checked when verify_hashes) or built for a CPU
-    this one is not."""
+    corrupted (a file whose sha256 differs from the manifest's, checked when verify_hashes; a weights file of
+    another size than its parameters take, always) or built for a CPU this one is not. Nothing is loaded before
+    these checks pass."""
     kind = manifest.target.get("kind")
     code = {"vulkan": PLAN}.get(kind, LIBRARY)
-    needed = (code, WEIGHTS, "tokenizer.json")
+    needed = (code, WEIGHTS, TOKENIZER)
     for name in dict.fromkeys([*needed, *manifest.files]):        # presence is cheap: always checked
         if not (directory / name).is_file():
             raise ArtifactError(f"{directory} is incomplete: {name} is missing; compile it again.")
@@ -40,9 +42,11 @@ def check_artifact(directory: Path, manifest: Manifest, verify_hashes: bool = Tr
             if file_sha256(directory / name) != expected:
                 raise ArtifactError(f"{directory}/{name} does not match the hash in the manifest "
                                     f"(corrupted or changed); compile it again.")
-    if manifest.kv_dtype not in KV_ITEMSIZE:
-        raise ArtifactError(f"{directory}/{MANIFEST_NAME} names a KV cache type sharpi does not know "
-                            f"({manifest.kv_dtype!r}); compile it again.")
+    size, expected = (directory / WEIGHTS).stat().st_size, weights_size(manifest)
+    if size != expected:
+        state = "empty" if size == 0 else "truncated" if size < expected else "longer than its parameters"
+        raise ArtifactError(f"{directory}/{WEIGHTS} is {state} ({size} bytes; the manifest's parameters take "
+                            f"{expected}); compile it again.")
     if kind != "llvm":
         return
     required = set(manifest.target.get("cpu_features", []))
@@ -54,39 +58,19 @@ def check_artifact(directory: Path, manifest: Manifest, verify_hashes: bool = Tr
 
 
 def weight_arrays(directory: Path, manifest: Manifest):
-    """(param entry, numpy view into the mapped weights file) for every parameter, in order; a parameter that ends
-    past the file is an ArtifactError. Views are valid only while iterating: callers copy each one (to a device)."""
+    """(param entry, numpy view into the mapped weights file) for every parameter, in order (their layout and the
+    file's size were checked by Manifest.read and check_artifact). Views are valid only while iterating: callers
+    copy each one (to a device)."""
     size = (directory / WEIGHTS).stat().st_size
     if size == 0:           # numpy cannot map an empty file
-        if any(p.nbytes for p in manifest.params):
-            raise ArtifactError(f"{directory}/{WEIGHTS} is empty; compile it again.")
-        yield from ((p, np.zeros(p.shape, _param_dtype(directory, p))) for p in manifest.params)
+        yield from ((p, np.zeros(p.shape, p.dtype)) for p in manifest.params)
         return
     mapped = np.memmap(directory / WEIGHTS, dtype=np.uint8, mode="r", shape=(size,))
     try:
         for p in manifest.params:
-            dtype = _param_dtype(directory, p)
-            if p.offset + p.nbytes > size:
-                raise ArtifactError(f"{directory}/{WEIGHTS} is truncated ({p.name} ends past the file).")
-            yield p, mapped[p.offset:p.offset + p.nbytes].view(dtype).reshape(p.shape)
+            yield p, mapped[p.offset:p.offset + p.nbytes].view(p.dtype).reshape(p.shape)
     finally:
         del mapped
-
-
-def _param_dtype(directory: Path, p) -> np.dtype:
-    """The entry's dtype, after checking that its byte count is what its shape and dtype need (a manifest edited
-    or damaged by hand would otherwise fail inside numpy)."""
-    try:
-        dtype = np.dtype(p.dtype)
-        consistent = (all(isinstance(d, int) and d >= 0 for d in p.shape) and isinstance(p.offset, int)
-                      and p.offset >= 0 and p.nbytes == int(np.prod(p.shape, dtype=object)) * dtype.itemsize)
-    except (TypeError, ValueError):
-        consistent = False
-    if not consistent:
-        raise ArtifactError(f"{directory}/{MANIFEST_NAME} is corrupted: the entry of parameter {p.name} is "
-                            f"inconsistent (dtype {p.dtype!r}, shape {p.shape!r}, {p.nbytes!r} bytes); compile it "
-                            f"again.")
-    return dtype
 
 
 def load_weights(directory: Path, manifest: Manifest, device) -> list:
@@ -96,15 +80,26 @@ def load_weights(directory: Path, manifest: Manifest, device) -> list:
     return [tvm.runtime.tensor(array, device) for _, array in weight_arrays(directory, manifest)]
 
 
-def load_vm(directory: Path, device):
+def load_vm(directory: Path, manifest: Manifest, device):
+    """The Relax VM of the artifact's library, once the kernel contract compiled into it matches the manifest."""
     from tvm.runtime.vm import VirtualMachine
 
     try:
-        library = _load_library(directory / LIBRARY)
+        vm = VirtualMachine(_load_library(directory / LIBRARY), device)
     except Exception as exc:  # a corrupted or foreign .so; TVM's messages run over several lines
-        reason = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
-        raise ArtifactError(f"{directory}/{LIBRARY} could not be loaded ({reason}); compile it again.") from None
-    return VirtualMachine(library, device)
+        raise ArtifactError(f"{directory}/{LIBRARY} could not be loaded ({first_line(exc)}); compile it "
+                            f"again.") from None
+    try:
+        compiled = str(vm[CONTRACT_FUNCTION]())
+    except Exception:         # no such function (or not one returning the contract)
+        compiled = None
+    check_contract(directory, manifest, compiled, LIBRARY)
+    return vm
+
+
+def first_line(exc: Exception) -> str:
+    """The first non-empty line of an exception's message (TVM's run over many lines)."""
+    return next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
 
 
 def _load_library(path: Path):

@@ -13,11 +13,13 @@ from ..common.config import ModelConfig
 from ..common.errors import ArtifactError, ConfigError, ContextLengthError
 from ..common.manifest import KV_ITEMSIZE, Manifest
 from ..common.ops import SELECT_PARAMS, SELECT_PARAMS_BEFORE_SINKS
-from ..common.settings import parse_positive_int, resolve_threads
-from ..common.tokenizer import Tokenizer, TokenizerInfo
+from ..common.settings import MAX_COUNT, parse_int, parse_positive_int, resolve_threads
+from ..common.tokenizer import Tokenizer, TokenizerInfo, token_ids
 from .kv_cache import PagePool
 from .sampling import Sampler, SamplingParams
 from .session import Session
+
+MAX_POOL_SEQUENCES = 4096
 
 
 @dataclass
@@ -30,15 +32,27 @@ class GenerationResult:
 
 class Model:
     def __init__(self, directory: str | Path, *, threads: int | None = None, verify: bool = True,
-                 pool_sequences: int = 4, adapter: str | None = None):
+                 pool_sequences: int = 4, adapter: str | None = None, expect_sha256: str | None = None):
         """Load an artifact. threads: CPU threads (llvm); adapter: part of the Vulkan adapter's name to use
-        (default: the highest-performance one, or $SHARPI_VULKAN_ADAPTER)."""
+        (default: the highest-performance one, or $SHARPI_VULKAN_ADAPTER). verify: check every file's sha256
+        (and the manifest's digest) before loading; without it, the manifest is still checked in full.
+        expect_sha256: the sha256 of the manifest file (sharpi.artifact_sha256; sharpi-compile prints it) that
+        this artifact must have: an artifact is code (its kernel library is loaded into this process), so pin
+        one you did not build yourself; every file is then verified, whatever `verify` says, before any of it
+        is loaded."""
         self.path = Path(directory)
-        self._manifest = Manifest.read(self.path)
+        if not isinstance(verify, bool):
+            raise ConfigError(f"verify must be True or False, got {verify!r}.")
+        verify = verify or expect_sha256 is not None
         self.threads = resolve_threads(threads)
+        pool_sequences = parse_positive_int(pool_sequences, "pool_sequences", highest=MAX_POOL_SEQUENCES)
+        self._manifest = Manifest.read(self.path, verify_digest=verify, expect_sha256=expect_sha256)
         self._backend = _open_backend(self.path, self._manifest, self.threads, verify, adapter)
         self.config = ModelConfig.from_dict(self._manifest.config)
         self.tokenizer = Tokenizer.load(self.path, TokenizerInfo.from_dict(self._manifest.tokenizer))
+        if self.tokenizer.vocab_size > self.config.vocab_size:
+            raise ArtifactError(f"{self.path}/tokenizer.json has {self.tokenizer.vocab_size} tokens, more than the "
+                                f"model's {self.config.vocab_size}; compile it again.")
         self._pool = self._make_pool(pool_sequences)
         # Sessions may run on several threads; the VM and the page pool are not thread-safe, so every forward
         # (and every pool change) holds this lock (see Session). Reentrant: eviction runs inside a prefill.
@@ -50,7 +64,6 @@ class Model:
         """Room for `sequences` full-context sequences (sessions and forks share it), or as many pages as the
         backend can hold in one buffer (Vulkan's storage-binding limit) if that is less."""
         cfg, m = self.config, self._manifest
-        sequences = parse_positive_int(sequences, "pool_sequences")
         page_bytes = KV_ITEMSIZE[m.kv_dtype] * 2 * cfg.n_kv_heads * m.page_size * cfg.head_dim
         pages = sequences * cfg.n_layers * m.max_pages
         shape = (pages, 2, cfg.n_kv_heads, m.page_size, cfg.head_dim)
@@ -152,14 +165,17 @@ class _Generation:
     """The generation loop as an iterator of text pieces; `.result` holds the GenerationResult at the end."""
 
     def __init__(self, model: Model, session: Session, prompt, max_tokens, params, stop, special):
-        if not isinstance(max_tokens, int) or max_tokens < 0:
-            raise ConfigError(f"max_tokens must be an integer >= 0, got {max_tokens!r}.")
-        self.model, self.session, self.max_tokens = model, session, max_tokens
-        check_sampling(params)
+        self.model, self.session = model, session
+        self.max_tokens = parse_int(max_tokens, "max_tokens", 0, MAX_COUNT, text=False)
         self.sampler = Sampler(params)
-        self.stop = [stop] if isinstance(stop, str) else list(stop or [])
+        self.stop = _stop_strings(stop)
+        if not isinstance(special, bool):
+            raise ConfigError(f"special must be True or False, got {special!r}.")
         self.special = special
-        self.prompt_ids = (model.tokenize(prompt) if isinstance(prompt, str) else [int(i) for i in prompt])
+        if isinstance(prompt, str):
+            self.prompt_ids = model.tokenize(prompt)
+        else:
+            self.prompt_ids = token_ids(prompt, "The prompt (a str, or token ids)")
         if not self.prompt_ids:
             raise ConfigError("The prompt is empty.")
         if len(self.prompt_ids) > model.max_context:
@@ -217,12 +233,13 @@ class _Generation:
                    "decode_tok_s": n_decode / max(t2 - t1, 1e-9) if n_decode else 0.0})
 
 
-def check_sampling(params: SamplingParams) -> None:
-    """SamplingParams.validate() plus the seed, which numpy would refuse only when the first token is drawn."""
-    params.validate()
-    seed = params.seed
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-        raise ConfigError(f"seed must be an integer >= 0, got {seed!r}.")
+def _stop_strings(stop) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) for s in stops):
+        raise ConfigError(f"stop must be a string or a list of strings, got {stop!r}.")
+    return list(stops)
 
 
 def _open_backend(path: Path, manifest: Manifest, threads: int, verify: bool, adapter: str | None):

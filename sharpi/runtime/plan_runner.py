@@ -32,15 +32,23 @@ class DeviceTensor:
         return int(np.prod(self.shape)) * np.dtype(self.dtype).itemsize
 
 
+def read_plan(directory: Path) -> dict:
+    """plan.json as a dict (ArtifactError if it cannot be read or parsed)."""
+    try:
+        plan = json.loads((Path(directory) / "plan.json").read_text())
+    except (OSError, ValueError, RecursionError) as exc:
+        raise ArtifactError(f"{directory} has no readable plan.json: {exc}.") from None
+    if not isinstance(plan, dict):
+        raise ArtifactError(f"{directory}/plan.json is not a sharpi plan (not a JSON object).")
+    return plan
+
+
 class VulkanPlanRunner:
     """Loads plan.json + WGSL from a directory and runs its functions on one Vulkan device."""
 
-    def __init__(self, directory, adapter_name: str | None = None):
+    def __init__(self, directory, adapter_name: str | None = None, plan: dict | None = None):
         self.directory = Path(directory)
-        try:
-            self.plan = json.loads((self.directory / "plan.json").read_text())
-        except (OSError, ValueError) as exc:
-            raise ArtifactError(f"{self.directory} has no readable plan.json: {exc}.") from None
+        self.plan = read_plan(self.directory) if plan is None else plan
         need_f16 = any(b["dtype"] == "float16" for k in self.plan["kernels"].values() for b in k["buffers"])
         self.adapter, self.device = open_device(adapter_name, need_f16)
         self._wgpu = _wgpu()

@@ -1,11 +1,22 @@
-"""Token sampling from logits (numpy): greedy, temperature, top-k, top-p, min-p, repetition penalty."""
+"""Token sampling from logits (numpy): greedy, temperature, top-k, top-p, min-p, repetition penalty.
+
+Every accepted value is numerically safe: logits are taken in float64 and shifted so that the largest is 0 before
+the temperature divides them (a temperature near zero sends the others to -inf, never to inf - inf = NaN), and a
+repetition penalty near zero that lifts a seen token's logit past float64's range is clipped to it.
+"""
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..common.errors import ConfigError
+from ..common.settings import MAX_COUNT
+
+MAX_SEED = 2**64 - 1
+_FINITE = float(np.finfo(np.float64).max)
 
 
 @dataclass(frozen=True)
@@ -18,14 +29,24 @@ class SamplingParams:
     seed: int | None = None
 
     def validate(self) -> None:
-        checks = [(self.temperature >= 0, "temperature must be >= 0"),
-                  (isinstance(self.top_k, int) and self.top_k >= 0, "top_k must be an integer >= 0"),
-                  (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
-                  (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
-                  (self.repeat_penalty > 0, "repeat_penalty must be > 0")]
-        for ok, message in checks:
+        """A ConfigError naming the first value outside its range (numbers must be finite; top_k and seed
+        integers)."""
+        def real(x):
+            return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+        def integer(x, hi):
+            return isinstance(x, numbers.Integral) and not isinstance(x, bool) and 0 <= x <= hi
+
+        checks = [(real(self.temperature) and self.temperature >= 0, "temperature must be a finite number >= 0"),
+                  (integer(self.top_k, MAX_COUNT), f"top_k must be an integer in [0, {MAX_COUNT}]"),
+                  (real(self.top_p) and 0 < self.top_p <= 1, "top_p must be a number in (0, 1]"),
+                  (real(self.min_p) and 0 <= self.min_p <= 1, "min_p must be a number in [0, 1]"),
+                  (real(self.repeat_penalty) and self.repeat_penalty > 0,
+                   "repeat_penalty must be a finite number > 0"),
+                  (self.seed is None or integer(self.seed, MAX_SEED), f"seed must be an integer in [0, {MAX_SEED}]")]
+        for (ok, message), name in zip(checks, ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "seed")):
             if not ok:
-                raise ConfigError(f"{message}.")
+                raise ConfigError(f"{message}, got {getattr(self, name)!r}.")
 
 
 class Sampler:
@@ -40,17 +61,20 @@ class Sampler:
         if p.repeat_penalty != 1.0 and history:
             seen = np.unique(np.asarray(history, dtype=np.int64))
             vals = z[seen]
-            z[seen] = np.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty)
+            with np.errstate(over="ignore"):
+                z[seen] = np.clip(np.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty),
+                                  -_FINITE, _FINITE)
         if p.temperature == 0.0:
             return int(np.argmax(z))
-        z /= p.temperature
+        with np.errstate(over="ignore", under="ignore"):
+            z = (z - z.max()) / p.temperature        # <= 0, the largest exactly 0: exp() never overflows
         if p.top_k > 0 and p.top_k < z.size:
             cutoff = np.partition(z, -p.top_k)[-p.top_k]
             z[z < cutoff] = -np.inf
-        probs = np.exp(z - z.max())
-        probs /= probs.sum()
+        probs = np.exp(z)                             # the largest is 1, so the sum is >= 1
         if p.min_p > 0:
-            probs[probs < p.min_p * probs.max()] = 0
+            probs[probs < p.min_p] = 0                # the largest probability is 1 before normalizing
+        probs /= probs.sum()
         if p.top_p < 1.0:
             order = np.argsort(-probs, kind="stable")
             cumulative = np.cumsum(probs[order])
@@ -58,5 +82,5 @@ class Sampler:
             mask = np.zeros_like(probs, dtype=bool)
             mask[order[keep]] = True
             probs[~mask] = 0
-        probs /= probs.sum()
+            probs /= probs.sum()
         return int(self.rng.choice(probs.size, p=probs))

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..common import ops
-from ..common.errors import ConfigError, ContextLengthError
+from ..common.errors import ConfigError, ContextLengthError, NonFiniteLogitsError
 from ..common.snapkv_settings import SnapKVSettings
 from .kv_cache import PoolExhaustedError, SequenceCache
 
@@ -232,4 +232,17 @@ class Session:
             out = self._model._backend.forward(function, ids, positions, cache.page_table(), cache.kv_lens(),
                                                extra)
             cache.advance(len(ids))
+        _check_finite(out[0] if function == "prefill_snapkv" else out, positions)
         return out
+
+
+def _check_finite(logits: np.ndarray, positions: np.ndarray) -> None:
+    """A NonFiniteLogitsError if the model computed NaN or infinite logits: sampling or scoring them would give
+    garbage (or numpy's own errors), and the cause lies in the model, which a user should hear about."""
+    if np.isfinite(logits).all():
+        return
+    rows = np.flatnonzero(~np.isfinite(logits).reshape(len(logits), -1).all(axis=1))
+    at = positions[-len(logits):][rows[0]]
+    raise NonFiniteLogitsError(f"The model's logits are not finite (NaN or infinite) at position {at}: its weights "
+                               f"hold NaN or infinite values, or a tensor's type in the GGUF is mislabelled "
+                               f"(sharpi-compile warns of non-finite weights).")

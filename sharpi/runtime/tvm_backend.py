@@ -8,7 +8,8 @@ import numpy as np
 
 from ..common.errors import SharpiError
 from ..common.manifest import KV_ITEMSIZE, Manifest
-from .loader import check_artifact, configure_threads, load_vm, load_weights
+from .kv_cache import PoolAllocationError
+from .loader import check_artifact, configure_threads, first_line, load_vm, load_weights
 
 
 class CudaUnavailableError(SharpiError):
@@ -28,8 +29,8 @@ class TVMBackend:
             configure_threads(threads)
             self.device = tvm.cpu()
             self.description = f"CPU ({manifest.target.get('mcpu')}, {threads} threads)"
+        self._vm = load_vm(directory, manifest, self.device)       # checks the kernel contract first
         self.weights = load_weights(directory, manifest, self.device)
-        self._vm = load_vm(directory, self.device)
         self.functions = {name: self._vm[name] for name in manifest.functions}
         self.pool = None
         self._pool_view = None
@@ -41,7 +42,13 @@ class TVMBackend:
         cost no resident memory (the OS maps them when a kernel first writes them)."""
         import tvm
 
-        self.pool = tvm.runtime.empty(shape, dtype, self.device)
+        try:
+            self.pool = tvm.runtime.empty(shape, dtype, self.device)
+        except Exception as exc:       # TVM's out-of-memory is a plain error with a multi-line message
+            nbytes = KV_ITEMSIZE[dtype] * int(np.prod(shape, dtype=object))
+            raise PoolAllocationError(f"The KV page pool ({nbytes / 2**30:.1f} GiB for {shape[0]} pages) cannot be "
+                                      f"allocated on {self.description} ({first_line(exc)}); load the model with "
+                                      f"fewer pool_sequences.") from None
         return int(shape[0])
 
     def pool_view(self) -> np.ndarray:

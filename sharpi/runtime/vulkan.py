@@ -6,7 +6,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .plan_runner import DeviceTensor, VulkanPlanRunner
+from ..common.manifest import PLAN, check_contract
+from .plan_runner import DeviceTensor, VulkanPlanRunner, read_plan
 from .wgpu_device import VulkanUnavailableError, list_adapters, open_device
 
 __all__ = ["VulkanBackend", "VulkanPlanRunner", "VulkanUnavailableError", "list_adapters", "open_device"]
@@ -23,7 +24,9 @@ class VulkanBackend:
         from .loader import check_artifact
 
         check_artifact(directory, manifest, verify_hashes=verify)
-        self.runner = VulkanPlanRunner(directory, adapter or os.environ.get("SHARPI_VULKAN_ADAPTER") or None)
+        plan = read_plan(directory)
+        check_contract(directory, manifest, plan.get("contract"), PLAN)
+        self.runner = VulkanPlanRunner(directory, adapter or os.environ.get("SHARPI_VULKAN_ADAPTER") or None, plan)
         info = self.runner.adapter.info
         self.description = f"Vulkan: {info['device']} ({info['adapter_type']})"
         self.functions = set(manifest.functions) & set(self.runner.plan["functions"])
