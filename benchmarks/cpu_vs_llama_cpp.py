@@ -1,63 +1,73 @@
 """sharpi vs llama.cpp on the CPU, side by side in one run (the CPU speed issue's benchmark): the same GGUF, the
 same thread count, prefill at 512 and 4096 tokens and decode after each, sharpi also with SnapKV (budget 1024)
-after the long prompt. Medians of --repeats runs; a Markdown table with the ratios (sharpi / llama.cpp) is
-printed and, with --out, written with a description of the machine.
+after the long prompt. Every engine runs in a process of its own (sharpi.cli.bench.time_in_process: TVM's and
+llama.cpp's thread pools in one process spin against each other), one run each per round, --repeats rounds,
+medians; a Markdown table with the ratios (sharpi / llama.cpp) is printed and, with --out, written with a
+description of the machine, and a bar chart of the ratios beside it (--plot, needs matplotlib).
 
     python benchmarks/cpu_vs_llama_cpp.py [--models smollm2-135m,gemma3-270m] [--prompts 512,4096] [--gen 64]
-        [--repeats 3] [--budget 1024] [--matmuls float,int8] [--out benchmarks/cpu.md]
+        [--repeats 3] [--budget 1024] [--matmuls float,int8] [--threads N] [--out benchmarks/cpu.md] [--plot P]
 
---matmuls compiles one artifact per value (sharpi-compile --matmuls) and times each beside the
-same llama.cpp run.
-
-Needs llama-cpp-python. Run it on a quiet machine: the engines are timed in the same process, taking turns (one
-run each per round), so a noisy neighbour hurts all of them, if not always equally.
+--matmuls compiles one artifact per value (sharpi-compile --matmuls) and times each beside the same llama.cpp
+run. Needs llama-cpp-python (built as ../shared/anchors/README.md says). Run it on a quiet machine.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
 
 import sharpi
-from sharpi.cli.bench import bench_llama_cpp, bench_sharpi, find_gguf, prompt_ids
+from sharpi.cli.bench import artifact_tokenizer, find_gguf, prompt_ids, rounds
+from sharpi.common.settings import resolve_threads
 
 
 def machine() -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    cpu = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
+               platform.processor())
+    flags = next((set(line.split(":", 1)[1].split()) for line in info.splitlines() if line.startswith("flags")), set())
+    isa = "AVX-512 + VNNI" if {"avx512f", "avx512_vnni"} <= flags else "AVX2" if "avx2" in flags else "no AVX2"
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    return f"{cpu}, {os.cpu_count()} logical CPUs, load average {load:.1f} at the start, Python {platform.python_version()}"
+    return (f"{cpu} ({isa}; LLVM's name for it: {sharpi_cpu()}), {os.cpu_count()} logical CPUs, load average "
+            f"{load:.1f} at the start, Python {platform.python_version()}")
 
 
-def rows_for(name: str, prompts: list[int], gen: int, repeats: int, budget: int, matmuls: list[str]) -> list[dict]:
-    """Every engine once per round, `repeats` rounds, medians per engine: a slow spell of the shared machine then
-    lands on all engines alike instead of on whichever ran its repeats during it."""
-    models = {m: sharpi.load(sharpi.compile(name, target="llvm", output=f"/tmp/sharpi-cpu-bench-{name}-{m}",
-                                            matmuls=m)) for m in matmuls}
-    first = models[matmuls[0]]
-    gguf = find_gguf(first, None)
+def sharpi_cpu() -> str:
+    from sharpi.codegen.llvm import host_cpu
+    return host_cpu()
+
+
+def llama_cpp_info() -> str:
+    import llama_cpp
+    system = llama_cpp.llama_print_system_info().decode()
+    return f"llama-cpp-python {llama_cpp.__version__}: {system.strip()}"
+
+
+def rows_for(name: str, prompts: list[int], gen: int, repeats: int, budget: int, matmuls: list[str],
+             threads: int) -> list[dict]:
+    artifacts = {m: sharpi.compile(name, target="llvm", output=f"/tmp/sharpi-cpu-bench-{name}-{m}", matmuls=m)
+                 for m in matmuls}
+    tokenizer, manifest = artifact_tokenizer(artifacts[matmuls[0]])
+    gguf = find_gguf(manifest, None)
     rows = []
     for n in prompts:
         print(f"{name}: {n}-token prompt", file=sys.stderr, flush=True)
-        engines = {"llama.cpp": lambda: bench_llama_cpp(gguf, n, gen, first.threads, 1, prompt_ids(first, n))}
-        for d, model in models.items():
-            label = "sharpi" if d == "float" else f"sharpi, {d} matmuls"
-            if str(model.manifest.kv_dtype) == "float16":   # the int8 default's KV cache, as llama.cpp's
+        tokens = prompt_ids(tokenizer, n)
+        common = {"tokens": tokens, "gen": gen, "threads": threads}
+        specs = {"llama.cpp": {"engine": "llama.cpp", "gguf": str(gguf), **common}}
+        for m, path in artifacts.items():
+            label = "sharpi" if m == "float" else f"sharpi, {m} matmuls"
+            if artifact_tokenizer(path)[1].kv_dtype == "float16":     # the int8 default's KV cache, as llama.cpp's
                 label += ", f16 KV"
-            engines[label] = lambda m=model: bench_sharpi(m, n, gen, 1, {"snapkv_budget": 0})
+            sharpi_spec = {"engine": "sharpi", "artifact": str(path), **common}
+            specs[label] = {**sharpi_spec, "snapkv": {"snapkv_budget": 0}}
             if budget and n > budget:
-                engines[f"{label}, SnapKV {budget}"] = lambda m=model: bench_sharpi(m, n, gen, 1,
-                                                                                     {"snapkv_budget": budget})
-        samples = {label: [] for label in engines}
-        for _ in range(repeats):
-            for label, run in engines.items():
-                samples[label].append(run())
-        medians = {label: {key: statistics.median(s[key] for s in runs) for key in runs[0]}
-                   for label, runs in samples.items()}
+                specs[f"{label}, SnapKV {budget}"] = {**sharpi_spec, "snapkv": {"snapkv_budget": budget}}
+        medians = rounds(specs, repeats)
         theirs = medians.pop("llama.cpp")
         rows += [{"model": name, "prompt": n, "engine": label, **m, "vs": theirs} for label, m in medians.items()]
         rows.append({"model": name, "prompt": n, "engine": "llama.cpp", **theirs, "vs": theirs})
@@ -68,11 +78,32 @@ def table(rows: list[dict]) -> str:
     lines = ["| model | prompt | engine | prefill tok/s | decode tok/s | prefill ratio | decode ratio |",
              "| --- | ---: | --- | ---: | ---: | ---: | ---: |"]
     for r in rows:
-        ratio = ("", "") if r["engine"] == "llama.cpp" else (
-            f"{r['prefill_tok_s'] / r['vs']['prefill_tok_s']:.2f}x", f"{r['decode_tok_s'] / r['vs']['decode_tok_s']:.2f}x")
+        ratio = ("", "") if r["engine"] == "llama.cpp" else (f"{r['prefill_tok_s'] / r['vs']['prefill_tok_s']:.2f}x",
+                                                             f"{r['decode_tok_s'] / r['vs']['decode_tok_s']:.2f}x")
         lines.append(f"| {r['model']} | {r['prompt']} | {r['engine']} | {r['prefill_tok_s']:.1f} | "
                      f"{r['decode_tok_s']:.1f} | {ratio[0]} | {ratio[1]} |")
     return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ours = [r for r in rows if r["engine"] != "llama.cpp"]
+    labels = [f"{r['model']} {r['prompt']}\n{r['engine'].replace('sharpi, ', '')}" for r in ours]
+    fig, axes = plt.subplots(1, 2, figsize=(max(8, 0.9 * len(ours)), 5), sharey=True)
+    for ax, key, title in zip(axes, ("prefill_tok_s", "decode_tok_s"), ("prefill", "decode")):
+        ratios = [r[key] / r["vs"][key] for r in ours]
+        ax.barh(range(len(ours)), ratios, color=["tab:green" if x >= 1 else "tab:red" for x in ratios])
+        ax.axvline(1.0, color="black", linewidth=1)
+        ax.set_yticks(range(len(ours)), labels, fontsize=7)
+        ax.set_xlabel("sharpi / llama.cpp (higher is faster)")
+        ax.set_title(title)
+        for i, x in enumerate(ratios):
+            ax.text(x, i, f" {x:.2f}x", va="center", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def main(argv=None) -> int:
@@ -83,19 +114,25 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--budget", type=int, default=1024)
     p.add_argument("--matmuls", default="float,int8", help="sharpi artifacts to time: float, int8 or both")
+    p.add_argument("--threads", type=int, default=None, help="both engines (default: all this process may use)")
     p.add_argument("--out", default=None)
+    p.add_argument("--plot", default=None, help="a PNG of the ratios")
     args = p.parse_args(argv)
+    threads = resolve_threads(args.threads)
     started, about = time.strftime("%Y-%m-%d %H:%M"), machine()
     rows = []
     for name in args.models.split(","):
         rows += rows_for(name, [int(n) for n in args.prompts.split(",")], args.gen, args.repeats, args.budget,
-                         args.matmuls.split(","))
-    text = (f"# sharpi vs llama.cpp on the CPU, {started}\n\n{about}; same GGUF and thread count for both; decode "
-            f"of {args.gen} tokens after the prompt; median of {args.repeats} rounds (each engine once a round).\n\n"
+                         args.matmuls.split(","), threads)
+    text = (f"# sharpi vs llama.cpp on the CPU, {started}\n\n{about}; {llama_cpp_info()}.\n\nSame GGUF, prompt and "
+            f"{threads} threads for both; decode of {args.gen} tokens after the prompt; every engine in a process of "
+            f"its own, one run each per round, median of {args.repeats} rounds.\n\n"
             f"`python benchmarks/cpu_vs_llama_cpp.py {' '.join(argv or sys.argv[1:])}`\n\n{table(rows)}\n")
     print(text)
     if args.out:
         Path(args.out).write_text(text)
+    if args.plot:
+        plot(rows, Path(args.plot))
     return 0
 
 

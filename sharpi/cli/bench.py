@@ -1,7 +1,15 @@
-"""`sharpi bench`: prefill and decode speed, optionally beside llama.cpp on the same GGUF and threads."""
+"""`sharpi bench`: prefill and decode speed, optionally beside llama.cpp on the same GGUF, prompt and threads.
+
+Each engine is timed in a process of its own (`time_in_process`, which runs this module as a child): in one
+process TVM's worker threads and llama.cpp's OpenMP threads spin against each other (llama.cpp's SmolLM2 decode
+read 7 tok/s right after a sharpi run in the same process, 66-78 tok/s alone). With --compare-llama-cpp the
+engines take turns, one run each per round, so a slow spell of the machine lands on both alike.
+"""
 from __future__ import annotations
 
+import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -12,31 +20,40 @@ FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. T
 
 
 def prompt_ids(model, n_tokens: int) -> list[int]:
+    """n_tokens of filler text; `model` is anything with tokenize() (a Model, or artifact_tokenizer's)."""
     ids = model.tokenize(FILLER * (n_tokens // 10 + 2))
     return ids[:n_tokens]
 
 
-def bench_sharpi(model, n_prompt: int, n_gen: int, repeats: int, snapkv: dict | None = None) -> dict:
-    ids = prompt_ids(model, n_prompt)
+def artifact_tokenizer(directory: Path):
+    """An artifact's tokenizer without loading its kernels (the timing happens in other processes)."""
+    from ..common.manifest import Manifest
+    from ..common.tokenizer import Tokenizer, TokenizerInfo
+
+    manifest = Manifest.read(Path(directory))
+    return Tokenizer.load(Path(directory), TokenizerInfo.from_dict(manifest.tokenizer)), manifest
+
+
+def bench_sharpi(model, tokens: list[int], n_gen: int, repeats: int, snapkv: dict | None = None) -> dict:
     prefill, decode = [], []
     for _ in range(repeats):
         with model.session(**(snapkv or {})) as s:
             t0 = time.perf_counter()
-            logits = s.prefill(ids)
+            logits = s.prefill(tokens)
             t1 = time.perf_counter()
             token = int(np.argmax(logits))
             for _ in range(n_gen):
                 token = int(np.argmax(s.decode(token)))
             t2 = time.perf_counter()
-        prefill.append(len(ids) / (t1 - t0))
-        decode.append(n_gen / (t2 - t1))
+        prefill.append(len(tokens) / (t1 - t0))
+        decode.append(n_gen / (t2 - t1) if n_gen else 0.0)
     return {"prefill_tok_s": statistics.median(prefill), "decode_tok_s": statistics.median(decode)}
 
 
-def bench_llama_cpp(gguf: Path, n_prompt: int, n_gen: int, threads: int, repeats: int, tokens: list[int]) -> dict:
+def bench_llama_cpp(gguf: Path, tokens: list[int], n_gen: int, threads: int, repeats: int) -> dict:
     from llama_cpp import Llama
 
-    llm = Llama(model_path=str(gguf), n_ctx=max(2048, n_prompt + n_gen + 16), n_threads=threads,
+    llm = Llama(model_path=str(gguf), n_ctx=max(2048, len(tokens) + n_gen + 16), n_threads=threads,
                 n_threads_batch=threads, n_batch=512, verbose=False, logits_all=False)
     prefill, decode = [], []
     for _ in range(repeats):
@@ -49,49 +66,106 @@ def bench_llama_cpp(gguf: Path, n_prompt: int, n_gen: int, threads: int, repeats
             llm.eval([token])
         t2 = time.perf_counter()
         prefill.append(len(tokens) / (t1 - t0))
-        decode.append(n_gen / (t2 - t1))
+        decode.append(n_gen / (t2 - t1) if n_gen else 0.0)
     return {"prefill_tok_s": statistics.median(prefill), "decode_tok_s": statistics.median(decode)}
 
 
-def find_gguf(model, explicit: str | None) -> Path | None:
+def time_in_process(spec: dict) -> dict:
+    """Time one engine in a child process: spec {"engine": "sharpi", "artifact", ...} or {"engine": "llama.cpp",
+    "gguf", ...} with "tokens", "gen", "threads", "repeats" (and "snapkv" for sharpi); returns the child's
+    {"prefill_tok_s", "decode_tok_s"}. A SharpiError in the child is raised here with its sentence."""
+    from ..common.errors import ConfigError, SharpiError
+
+    done = subprocess.run([sys.executable, "-m", "sharpi.cli.bench", "--child"], input=json.dumps(spec),
+                          capture_output=True, text=True)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        last = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
+        raise SharpiError(f"The {spec['engine']} timing process failed: {last}")
+    result = json.loads(lines[-1])
+    if "error" in result:
+        raise ConfigError(result["error"])
+    return result
+
+
+def _child() -> int:
+    """The timing process: one engine, the spec on stdin, the result as the last line of stdout."""
+    from ..common.errors import SharpiError
+
+    spec = json.loads(sys.stdin.read())
+    try:
+        if spec["engine"] == "llama.cpp":
+            result = bench_llama_cpp(Path(spec["gguf"]), spec["tokens"], spec["gen"], spec["threads"],
+                                     spec["repeats"])
+        else:
+            import sharpi
+            model = sharpi.load(spec["artifact"], threads=spec["threads"], pool_sequences=1)
+            result = bench_sharpi(model, spec["tokens"], spec["gen"], spec["repeats"], spec.get("snapkv"))
+    except SharpiError as exc:
+        result = {"error": str(exc)}
+    print(json.dumps(result))
+    return 0
+
+
+def rounds(specs: dict[str, dict], repeats: int) -> dict[str, dict]:
+    """Each engine of `specs` once per round, `repeats` rounds, each run in its own process; medians per engine."""
+    samples = {label: [] for label in specs}
+    for _ in range(repeats):
+        for label, spec in specs.items():
+            samples[label].append(time_in_process({**spec, "repeats": 1}))
+    return {label: {key: statistics.median(s[key] for s in runs) for key in runs[0]}
+            for label, runs in samples.items()}
+
+
+def find_gguf(manifest, explicit: str | None) -> Path | None:
     if explicit:
         return Path(explicit)
     from ..frontend.fetch import models_dir
-    candidate = models_dir() / model.manifest.source["name"]
+    candidate = models_dir() / manifest.source["name"]
     return candidate if candidate.is_file() else None
 
 
 def run_bench(args) -> None:
     from ..common.errors import ConfigError
-    from .common import load_model
+    from ..common.settings import resolve_threads
+    from .common import load_model, snapkv_kwargs
 
-    model = load_model(args)
-    print(f"sharpi bench: {model.manifest.source['name']} on {model.backend}, "
-          f"prompt {args.prompt_tokens} tokens, {args.gen_tokens} generated, median of {args.repeats}")
-    from .common import snapkv_kwargs
+    tokenizer, manifest = artifact_tokenizer(Path(args.artifact))
+    threads = resolve_threads(args.threads)
     snapkv = snapkv_kwargs(args)
+    model = load_model(args)        # here only to check the flags against the artifact before any timing
     settings, budget = model.snapkv_settings(**{k[len("snapkv_"):]: v for k, v in snapkv.items()})
+    print(f"sharpi bench: {manifest.source['name']} on {model.backend}, prompt {args.prompt_tokens} tokens, "
+          f"{args.gen_tokens} generated, median of {args.repeats}, each engine in a process of its own")
+    del model
     if budget:
         sinks = f", sinks {settings.sinks}" if settings.sinks else ""
         print(f"SnapKV: budget {budget}, window {settings.window}, recency {settings.recency}{sinks}, "
               f"{settings.pooling} pooling (kernel {settings.kernel}), {settings.granularity} keep sets")
-    ours = bench_sharpi(model, args.prompt_tokens, args.gen_tokens, args.repeats, snapkv)
-    rows = [("sharpi", ours)]
+    tokens = prompt_ids(tokenizer, args.prompt_tokens)
+    common = {"tokens": tokens, "gen": args.gen_tokens, "threads": threads}
+    specs = {"sharpi": {"engine": "sharpi", "artifact": str(Path(args.artifact).resolve()), "snapkv": snapkv,
+                        **common}}
     if args.compare_llama_cpp:
         try:
             import llama_cpp  # noqa: F401
         except ImportError:
             raise ConfigError("--compare-llama-cpp needs llama-cpp-python (pip install llama-cpp-python).") from None
-        gguf = find_gguf(model, args.gguf)
+        gguf = find_gguf(manifest, args.gguf)
         if gguf is None:
             raise ConfigError("--compare-llama-cpp could not find the GGUF; pass it with --gguf.")
-        theirs = bench_llama_cpp(gguf, args.prompt_tokens, args.gen_tokens, model.threads, args.repeats,
-                                 prompt_ids(model, args.prompt_tokens))
-        rows.append(("llama.cpp", theirs))
+        specs["llama.cpp"] = {"engine": "llama.cpp", "gguf": str(gguf), **common}
+    rows = rounds(specs, args.repeats)
     print(f"{'engine':<10} {'prefill tok/s':>14} {'decode tok/s':>13}")
-    for name, r in rows:
+    for name, r in rows.items():
         print(f"{name:<10} {r['prefill_tok_s']:>14.1f} {r['decode_tok_s']:>13.1f}")
     if len(rows) == 2:
-        print(f"{'ratio':<10} {ours['prefill_tok_s'] / rows[1][1]['prefill_tok_s']:>13.2f}x "
-              f"{ours['decode_tok_s'] / rows[1][1]['decode_tok_s']:>12.2f}x   (sharpi / llama.cpp)")
+        ours, theirs = rows["sharpi"], rows["llama.cpp"]
+        decode = ours["decode_tok_s"] / theirs["decode_tok_s"] if theirs["decode_tok_s"] else float("nan")
+        print(f"{'ratio':<10} {ours['prefill_tok_s'] / theirs['prefill_tok_s']:>13.2f}x {decode:>12.2f}x   "
+              f"(sharpi / llama.cpp)")
     sys.stdout.flush()
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--child"]:
+    sys.exit(_child())
