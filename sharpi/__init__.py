@@ -3,8 +3,8 @@
 `import sharpi` stays light: the compiler (and tvm.relax) loads only when `sharpi.compile` is called.
 """
 from .common.errors import (ArtifactError, CompileError, ConfigError, ContextLengthError, FetchError, GGUFError,
-                            KeepSetError, ModelNotFoundError, NonFiniteLogitsError, SharpiError, TokenizerError,
-                            UnsupportedArchitectureError, UnsupportedTensorTypeError)
+                            KeepSetError, ModelNotFoundError, NonFiniteLogitsError, SharpiError, SharpiWarning,
+                            TokenizerError, UnsupportedArchitectureError, UnsupportedTensorTypeError)
 from .common.version import __version__
 
 
@@ -45,5 +45,5 @@ def fetch(name: str, show_progress: bool = True):
 
 __all__ = ["compile", "export_onnx", "load", "artifact_sha256", "fetch", "SharpiError", "ArtifactError",
            "CompileError", "ConfigError", "ContextLengthError", "FetchError", "GGUFError", "KeepSetError",
-           "ModelNotFoundError", "NonFiniteLogitsError", "TokenizerError", "UnsupportedArchitectureError",
+           "ModelNotFoundError", "NonFiniteLogitsError", "SharpiWarning", "TokenizerError", "UnsupportedArchitectureError",
            "UnsupportedTensorTypeError", "__version__"]

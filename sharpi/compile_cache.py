@@ -20,6 +20,7 @@ from .common.settings import sharpi_home
 from .common.version import __version__
 
 DEFAULT_LIMIT_GB = 5.0
+MAX_LIMIT_GB = 1 << 20          # a PiB: a bound any disk fits in
 
 
 @dataclass(frozen=True)
@@ -69,8 +70,8 @@ def limit_bytes() -> int:
         gib = float(value)
     except ValueError:
         gib = float("nan")
-    if not 0 < gib < float("inf"):
-        raise ConfigError(f"SHARPI_CACHE_GB must be a positive number of GiB, got {value!r}.")
+    if not 0 < gib <= MAX_LIMIT_GB:
+        raise ConfigError(f"SHARPI_CACHE_GB must be a positive number of GiB, in (0, {MAX_LIMIT_GB}], got {value!r}.")
     return int(gib * 2**30)
 
 
