@@ -77,6 +77,7 @@ def test_random_structural_edits(worker, tiny_artifact, manifest, tmp_path):
     (("config", "n_layers"), 3, "config.n_layers is 3 there but 2 in model.so"),
     (("max_context",), 128, "max_pages should be max_context / page_size"),
     (("snapkv", "defaults", "kernel"), 2**31 + 1, "snapkv.defaults.kernel must be an integer in [1, 255]"),
+    (("snapkv", "defaults", "budget"), 16, "snapkv.defaults: SnapKV recency (64) must be smaller than the budget"),
     (("tokenizer", "eos_id"), 300, "tokenizer.eos_id should be an integer in [0, 256]"),
     (("format_version",), "2", "format_version should be an integer, got '2'"),
     (("format_version",), 1.0, "format_version should be an integer, got 1.0"),

@@ -21,7 +21,7 @@ from .config import MAX_SIZE, ModelConfig
 from .errors import ArtifactError, ConfigError
 from .output_dir import MAX_MANIFEST_BYTES, OutputKind, plain_file_name
 from .snapkv_settings import ENV as SNAPKV_KNOBS
-from .snapkv_settings import MAX_WINDOW, parse_knob, settings_from
+from .snapkv_settings import MAX_WINDOW, check_against, parse_knob, settings_from
 from .tokenizer import TokenizerInfo
 
 FORMAT = "sharpi-artifact"    # the format marker: a folder whose manifest says this is sharpi's to replace
@@ -312,9 +312,15 @@ def _check_snapkv(snapkv: dict, compiled: bool) -> None:
     if snapkv["enabled"] != compiled:
         raise schema.SchemaError("snapkv.enabled", f"{str(compiled).lower()} (the functions "
                                  f"{'hold' if compiled else 'lack'} the SnapKV ops)", snapkv["enabled"])
-    window = settings_from(defaults={}, env={}, **snapkv["defaults"]).window
-    if window > snapkv["max_window"]:
-        raise schema.SchemaError("snapkv.defaults.window", f"at most max_window ({snapkv['max_window']})", window)
+    settings = settings_from(defaults={}, env={}, **snapkv["defaults"])
+    if settings.window > snapkv["max_window"]:
+        raise schema.SchemaError("snapkv.defaults.window", f"at most max_window ({snapkv['max_window']})",
+                                 settings.window)
+    try:
+        check_against(settings, settings.budget or 0, snapkv["max_window"])
+    except ConfigError as exc:       # e.g. a default recency the default budget cannot hold
+        raise schema.SchemaError("snapkv.defaults", "", snapkv["defaults"],
+                                 f"snapkv.defaults: {str(exc).rstrip('.')}") from None
 
 
 def _check_params(params: list) -> None:
