@@ -242,3 +242,17 @@ def test_sharpi_compile_prints_the_value_to_pin(fake_build, tiny_gguf, tmp_path,
     assert compile_cli.main([str(tiny_gguf), "-o", str(tmp_path / "a"), "--quiet"]) == 0
     err = capsys.readouterr().err
     assert f"manifest sha256 {sharpi.artifact_sha256(tmp_path / 'a')}" in err
+
+
+def test_evict_after_more_tokens_is_refused(tiny_artifact):
+    """The kept scores cover the scored prompt only: evicting after a decode would select over positions the
+    scores never saw."""
+    model = sharpi.load(tiny_artifact)
+    ids = list(range(1, 101))
+    with model.session(snapkv_budget=0, snapkv_window=8, snapkv_recency=4) as s:
+        s.prefill(ids, keep_scores=True)
+        with s.fork() as f:
+            assert f.evict(32, recency=4)                          # right after the prefill: fine
+        s.decode(5)
+        with pytest.raises(sharpi.ConfigError, match=r"scored \(100 tokens\).*fed 1 more since"):
+            s.evict(32, recency=4)

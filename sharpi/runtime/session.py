@@ -30,6 +30,7 @@ class Session:
         self.snapkv_budget = budget
         self.evicted = False
         self._scores = None           # SnapKV scores of the fresh prompt, kept for evict()
+        self._scored_length = 0       # the tokens those scores cover
         self._closed = False
 
     # -- state ------------------------------------------------------------------------------------------------
@@ -98,6 +99,7 @@ class Session:
         tail = max(window, len(ids) % step or step)
         for start in range(0, len(ids) - tail, step):
             self._forward("prefill", ids[start:min(start + step, len(ids) - tail)])
+        self._scored_length = len(ids)
         logits, self._scores = self._forward("prefill_snapkv", ids[len(ids) - tail:],
                                              extra=(np.array([window], np.int32),))
         return logits[-1]
@@ -117,6 +119,10 @@ class Session:
             settings, budget = self._model.snapkv_settings(budget=budget, **knobs)
         cache = self._cache
         total = cache.logical_length
+        if total != self._scored_length:
+            raise ConfigError(f"evict() applies to the prompt as it was scored ({self._scored_length} tokens), and "
+                              f"this session has been fed {total - self._scored_length} more since: evict first, "
+                              f"or on a fork made right after the prefill.")
         full = all(cache.length[l] == total for l in range(cache.n_layers) if not cache.is_local(l))
         if self.evicted or not self._should_evict(total, budget) or not full:
             return False
@@ -177,7 +183,7 @@ class Session:
         other = Session.__new__(Session)
         other._model, other._closed = self._model, False
         other.snapkv, other.snapkv_budget, other.evicted = self.snapkv, self.snapkv_budget, self.evicted
-        other._scores = self._scores
+        other._scores, other._scored_length = self._scores, self._scored_length
         with self._model._lock:
             other._cache = self._cache.fork()
         return other
