@@ -1,6 +1,11 @@
 """Fuzzing sharpi's GGUF reader and frontend: every input must end in a SharpiError or a valid model.
 
     python benchmarks/fuzz_gguf.py [--seconds 600] [--work DIR] [--engine atheris|random]
+    python benchmarks/fuzz_gguf.py --target manifest|template [--seconds 600] [--work DIR] [--seed N]
+
+--target manifest fuzzes the artifact's manifest (benchmarks/fuzz_manifest.py: every mutant loaded in a worker
+process, with its digest recomputed and with verify=False, and run if it loads), --target template the chat
+template renderer (benchmarks/fuzz_template.py); the default, gguf, is this file's harness.
 
 The harness (`check_input`) writes the bytes to a file and runs what `sharpi-compile` runs before any weights are
 touched: GGUFFile (the reader), config_from_gguf and build_from_gguf_metadata (the tokenizer). Any exception that
@@ -608,11 +613,14 @@ def _limit_memory() -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=600)
-    parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "sharpi-fuzz-gguf")
+    parser.add_argument("--work", type=Path, default=parser_default_work())
     parser.add_argument("--engine", choices=("atheris", "random"), default=None,
                         help="default: atheris when it is installed, else random")
     parser.add_argument("--seed", type=int, default=0, help="random engine: the RNG seed")
+    parser.add_argument("--target", choices=("gguf", "manifest", "template"), default="gguf")
     args, extra = parser.parse_known_args(argv)
+    if args.target != "gguf":
+        return _other_target(args)
     engine = args.engine or ("atheris" if _has_atheris() else "random")
     if engine == "atheris":
         import atheris
@@ -636,6 +644,24 @@ def main(argv=None) -> int:
         runner.scratch.unlink(missing_ok=True)
         print(json.dumps(runner.stats.to_dict(), indent=1))
     return 0
+
+
+def _other_target(args) -> int:
+    """The manifest and chat-template fuzzers (random structure-aware mutation; their inputs run in child
+    processes, where libFuzzer's coverage would not reach)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    module = __import__("fuzz_manifest" if args.target == "manifest" else "fuzz_template")
+    work = args.work
+    if work == parser_default_work():
+        work = Path(tempfile.gettempdir()) / f"sharpi-fuzz-{args.target}"
+    print(f"fuzzing the {args.target} for {args.seconds:.0f} s; findings in {work / 'findings'}", file=sys.stderr)
+    stats = module.run(work, args.seconds, args.seed)
+    print(json.dumps(stats, indent=1))
+    return 1 if stats["findings"] else 0
+
+
+def parser_default_work() -> Path:
+    return Path(tempfile.gettempdir()) / "sharpi-fuzz-gguf"
 
 
 def _has_atheris() -> bool:

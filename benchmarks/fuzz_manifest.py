@@ -170,13 +170,20 @@ def worker_main() -> None:
 
 
 class LoadWorker:
-    """A worker process (restarted after it dies or hangs); `check(dir, verify)` is its answer as a dict."""
+    """A worker process (restarted after it dies or hangs, and every RESTART_EVERY loads: TVM's module loader keeps
+    ~90 KB of every library it loads, so a worker's memory grows with its loads); `check(dir, verify)` is its
+    answer as a dict."""
+    RESTART_EVERY = 20_000
 
     def __init__(self, threads: int = 1):
         self._process = None
+        self._loads = 0
         self._env = {**os.environ, "SHARPI_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
 
     def check(self, directory: Path, verify: bool, timeout: float = HANG_SECONDS) -> dict:
+        self._loads += 1
+        if self._loads % self.RESTART_EVERY == 0:
+            self.close()
         process = self._started()
         process.stdin.write((json.dumps({"dir": str(directory), "verify": verify}) + "\n").encode())
         process.stdin.flush()

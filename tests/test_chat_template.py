@@ -82,6 +82,10 @@ def test_failures_are_one_sentence(template):
 def test_a_template_that_refuses_is_a_config_error():
     with pytest.raises(sharpi.ConfigError, match="refused the messages: roles must alternate"):
         render_chat("{{ raise_exception('roles must alternate') }}", MESSAGES)
+    for payload in ("lipsum(1000)", "'a\\nb\\n' * 5000", "messages[0]['content']"):   # found by the fuzzer
+        with pytest.raises(sharpi.ConfigError) as info:
+            render_chat("{{ raise_exception(" + payload + ") }}", [{"role": "user", "content": "x\ny"}])
+        assert "\n" not in str(info.value) and len(str(info.value)) < 400
 
 
 def test_renders_off_the_main_thread_and_after_the_renderer_was_killed():

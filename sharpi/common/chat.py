@@ -60,7 +60,7 @@ class TemplateSandbox:
             reply = self._exchange(request, timeout_s)
         if "text" in reply:
             return reply["text"]
-        kind, message = reply.get("error"), reply.get("message", "")
+        kind, message = reply.get("error"), _one_line(reply.get("message", ""))
         if kind == "refused":
             raise ConfigError(f"The chat template refused the messages: {message}")
         if kind == "template":
@@ -122,6 +122,12 @@ class TemplateSandbox:
             for stream in (self._process.stdin, self._process.stdout):
                 stream.close()
             self._process = None
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    """A message from the template (its raise_exception() text, a Jinja error) as one line of bounded length."""
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _worker_env() -> dict:

@@ -158,12 +158,15 @@ def answer_steps(model, task: str, seed: int) -> int:
     return len(model.tokenize(" " + answer)) + ANSWER_SLACK
 
 
+MAX_TRIALS = 100_000      # prompts per cell; every one is a prefill, so more would run for weeks
+
+
 def check_config(model, config: SweepConfig) -> None:
     """Clear errors for a sweep that cannot run: unknown task, empty lists, lengths that do not fit."""
     if config.task not in TASKS:
         raise ConfigError(f"Unknown eval task {config.task!r}; tasks are {', '.join(TASKS)}.")
-    if config.trials < 1:
-        raise ConfigError(f"--trials must be at least 1, got {config.trials}.")
+    if not 1 <= config.trials <= MAX_TRIALS:
+        raise ConfigError(f"--trials must be an integer in [1, {MAX_TRIALS}], got {config.trials}.")
     for name in ("lengths", "depths", "budgets"):
         if not getattr(config, name):
             raise ConfigError(f"--{name} must list at least one value.")
