@@ -22,7 +22,7 @@ import traceback
 from pathlib import Path
 
 SECRET = "sharpi-fuzz-secret-4f1d"
-TIMEOUT_S = 1.0
+TIMEOUT_S = 0.5
 SLACK_S = 1.5                   # a restart of the renderer (after a timeout) costs ~0.1 s, a cold one more
 
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
