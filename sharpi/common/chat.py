@@ -8,6 +8,7 @@ way; it cannot stop one huge allocation ("x" * 10**10) or a C-level loop, a proc
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import select
@@ -142,5 +143,7 @@ def _worker_env() -> dict:
 
 # The worker runs as a file, not a module: it imports nothing of sharpi, and its own folder stays off sys.path.
 _RUN_WORKER = "import runpy, sys; runpy.run_path(sys.argv[1], run_name='__main__')"
-# The renderer process of this Python process: an explicit cache of one child, started on first use.
+# The renderer process of this Python process: an explicit cache of one child, started on first use and stopped
+# when the interpreter exits (it would see its stdin close then anyway; this leaves no warning behind).
 SANDBOX = TemplateSandbox()
+atexit.register(SANDBOX.close)
