@@ -1,4 +1,9 @@
-"""The compiler driver: frontend -> ir_passes -> codegen, with a compile cache.
+"""The compiler driver, one linear pipeline:
+
+    GGUF -> config, tokenizer, weights (frontend) -> Relax module (frontend) -> IR passes (SnapKV) -> an emitter
+
+The front half is written once (`front_half`); the emitter is a target's build (sharpi.codegen.targets, one file
+per target, written into an artifact through the compile cache) or the ONNX export (sharpi.export.onnx).
 
 Compiles are cached under $SHARPI_HOME/cache (compile_cache: keyed by the GGUF's sha256, the resolved options and
 the compiler's source; bounded by $SHARPI_CACHE_GB); a cached compile is copied to the output directory.
@@ -15,77 +20,54 @@ import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import tvm
+
 from . import compile_cache
-from .common.errors import ConfigError, SharpiWarning
-from .common.manifest import (ARTIFACT, FORMAT_VERSION, LIBRARY, MANIFEST_NAME, PLAN, TOKENIZER, WEIGHTS, Manifest,
-                              contract_json, file_sha256)
-from .common.output_dir import check_output_dir, install, staging_dir, writing_into
+from .codegen import artifact
+from .codegen.targets import Target, target_for
+from .common.compile_options import PREFILL_CHUNK, CompileOptions, kv_dtype_of
+from .common.config import ModelConfig
+from .common.errors import ConfigError, SharpiWarning, UnsupportedArchitectureError
+from .common.manifest import (ARTIFACT, FORMAT_VERSION, MANIFEST_NAME, TOKENIZER, WEIGHTS, Manifest, contract_json,
+                              file_sha256)
 from .common.ops import PAGE_SIZE, SELECT_PARAMS
-from .common.settings import home_folder, parse_positive_int
+from .common.output_dir import check_output_dir, install, staging_dir, writing_into
+from .common.progress import progress_bar
+from .common.settings import home_folder
+from .common.snapkv_settings import knobs_from_keywords, settings_from
+from .common.targets import DEFAULT_TARGET
+from .common.tokenizer import Tokenizer, TokenizerInfo, build_from_gguf_metadata
 from .common.version import __version__
+from .frontend.architectures import frontend_for
+from .frontend.config import config_from_gguf
+from .frontend.fetch import resolve_model
+from .frontend.gguf_file import GGUFFile
+from .frontend.weights import WeightTable
+from .ir_passes.snapkv import SNAPKV_FUNCTIONS, snapkv_pass
 
-TARGETS = ("llvm", "cuda", "vulkan")
-KV_DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}    # --kv-dtype names -> element types
-MATMULS = ("float", "int8")
-PREFILL_CHUNK = 512
-
-
-@dataclass(frozen=True)
-class CompileOptions:
-    target: str = "llvm"
-    mcpu: str | None = None
-    arch: str | None = None                  # cuda: sm_XY
-    cuda_graph: bool = False                 # cuda: decode replays one captured CUDA graph
-    matmuls: str | None = None               # llvm: "int8" (int8 activations, integer dots) or "float"; None:
-                                             # int8 where the CPU has AVX2
-    kv_dtype: str = "float32"                # the KV page pool's element type
-    max_context: int | None = None
-    snapkv: str = "on"                       # whether the SnapKV ops are compiled in
-    snapkv_explicit: bool = False            # snapkv was asked for (not the default)
-    snapkv_defaults: tuple = ()              # (name, value) pairs: the artifact's run-time defaults
-
-    def snapkv_settings(self):
-        from .common.snapkv_settings import settings_from
-        return settings_from(env={}, **dict(self.snapkv_defaults))
-
-    def validate(self) -> None:
-        if self.snapkv not in ("on", "off"):
-            raise ConfigError(f"--snapkv must be 'on' or 'off', got {self.snapkv!r}.")
-        settings = self.snapkv_settings()
-        from .common.snapkv_settings import check_against
-        check_against(settings, settings.budget or 0, settings.window)
-        if self.target not in TARGETS:
-            raise ConfigError(f"Unknown target {self.target!r}; choose one of {', '.join(TARGETS)}.")
-        if self.target != "llvm" and self.mcpu is not None:
-            raise ConfigError("--mcpu applies to the llvm target only.")
-        if self.arch is not None:
-            if self.target != "cuda":
-                raise ConfigError("--arch applies to the cuda target only.")
-            from .codegen.cuda import check_arch
-            check_arch(self.arch)
-        if self.cuda_graph and self.target != "cuda":
-            raise ConfigError("--cuda-graph applies to the cuda target only.")
-        if self.matmuls is not None and self.matmuls not in MATMULS:
-            raise ConfigError(f"--matmuls must be one of {', '.join(MATMULS)}, got "
-                              f"{self.matmuls!r}.")
-        if self.matmuls == "int8" and self.target != "llvm":
-            raise ConfigError("--matmuls int8 applies to the llvm target only.")
-        if self.kv_dtype not in KV_DTYPES.values():
-            raise ConfigError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}.")
-        if self.kv_dtype == "bfloat16" and self.target == "vulkan":
-            raise ConfigError("--kv-dtype bf16 is not available on the vulkan target (WGSL has no bfloat16); "
-                              "use f16 or f32.")
-        if self.max_context is not None:
-            parse_positive_int(self.max_context, "--max-context")
+BASE_FUNCTIONS = ["prefill", "prefill_logits", "decode"]
 
 
-def compile(model: str | Path, target: str = "llvm", output: str | Path | None = None, *, mcpu: str | None = None,
-            arch: str | None = None, cuda_graph: bool = False, matmuls: str | None = None, kv_dtype: str | None = None,
-            max_context: int | None = None,
-            snapkv: str | bool | None = None, snapkv_budget=None, snapkv_window=None, snapkv_recency=None,
-            snapkv_pooling=None, snapkv_kernel=None, snapkv_granularity=None, snapkv_sinks=None,
+@dataclass
+class FrontHalf:
+    """What every emitter starts from: the GGUF read and lowered to Relax, the IR passes run."""
+    gguf: GGUFFile
+    cfg: ModelConfig
+    tokenizer: Tokenizer
+    tok_info: TokenizerInfo
+    weights: WeightTable
+    mod: tvm.IRModule
+    options: CompileOptions      # SnapKV turned off for a model whose every layer is local
+    max_context: int
+    max_pages: int
+    functions: list[str]
+
+
+def compile(model: str | Path, target: str = DEFAULT_TARGET, output: str | Path | None = None, *,
+            mcpu: str | None = None, arch: str | None = None, cuda_graph: bool = False, matmuls: str | None = None,
+            kv_dtype: str | None = None, max_context: int | None = None, snapkv: str | bool | None = None,
             dump_ir: str | Path | None = None, use_cache: bool = True, show_progress: bool = False,
-            emit: str | None = None) -> Path:
+            emit: str | None = None, **snapkv_knobs) -> Path:
     """Compile a GGUF (path or known model name) into an artifact directory; returns its path.
 
     target: llvm (mcpu: the CPU, default this one; matmuls: "int8" (the default where the CPU has AVX2):
@@ -94,62 +76,27 @@ def compile(model: str | Path, target: str = "llvm", output: str | Path | None =
     cuda_graph: decode as one captured CUDA graph); kv_dtype: the KV cache's element type, "f32", "f16" or "bf16"
     (not on vulkan; default f16 for cuda and for llvm with int8 matmuls, else f32).
 
-    snapkv decides whether the SnapKV ops exist; snapkv_window is also the largest window allowed at run time;
-    the other snapkv_* values become the artifact's run-time defaults. dump_ir writes the Relax IR after the
-    passes (before kernels are attached) to a file. emit="onnx" exports ONNX graphs instead (export_onnx; the
-    target options do not apply)."""
-    if emit is not None:                   # issue #9: ONNX interchange
-        if emit != "onnx":
-            raise ConfigError(f"emit must be 'onnx' (or None for a compiled artifact), got {emit!r}.")
-        used = [name for name, on in (("target", target != "llvm"), ("mcpu", mcpu), ("arch", arch),
-                                      ("cuda_graph", cuda_graph),
-                                      ("matmuls", matmuls is not None),
-                                      ("kv_dtype", kv_dtype)) if on]
-        if used:
-            raise ConfigError(f"{', '.join(used)} {'does' if len(used) == 1 else 'do'} not apply to emit='onnx'.")
-        return export_onnx(model, output, max_context=max_context, snapkv=snapkv, snapkv_budget=snapkv_budget,
-                           snapkv_window=snapkv_window, snapkv_recency=snapkv_recency, snapkv_pooling=snapkv_pooling,
-                           snapkv_kernel=snapkv_kernel, snapkv_granularity=snapkv_granularity,
-                           snapkv_sinks=snapkv_sinks, dump_ir=dump_ir, show_progress=show_progress)
-    from .frontend.fetch import resolve_model
-    from .frontend.gguf_file import GGUFFile
-
-    snapkv_fields = _snapkv_fields(snapkv, budget=snapkv_budget, window=snapkv_window, recency=snapkv_recency,
-                                   pooling=snapkv_pooling, kernel=snapkv_kernel, granularity=snapkv_granularity,
-                                   sinks=snapkv_sinks)
-    kv_default = kv_dtype is None
-    if kv_default:                         # f16 on CUDA GPUs, f32 elsewhere (Vulkan: f32 until measured); on the
-        kv_dtype = "f16" if target == "cuda" else "f32"   # CPU, f16 with int8 matmuls (resolved below)
-    options = CompileOptions(target=target, mcpu=mcpu, arch=arch, cuda_graph=bool(cuda_graph),
-                             matmuls=matmuls, kv_dtype=KV_DTYPES.get(kv_dtype, kv_dtype),
-                             max_context=max_context, **snapkv_fields)
+    snapkv decides whether the SnapKV ops exist; snapkv_window (of the snapkv_* knobs: budget, window, recency,
+    pooling, kernel, granularity, sinks) is also the largest window allowed at run time; the knobs become the
+    artifact's run-time defaults. dump_ir writes the Relax IR after the passes (before kernels are attached) to a
+    file. emit="onnx" exports ONNX graphs instead (export_onnx; the target options do not apply)."""
+    if emit is not None:
+        return _emit_from_compile(model, output, emit, target=target, mcpu=mcpu, arch=arch, cuda_graph=cuda_graph,
+                                  matmuls=matmuls, kv_dtype=kv_dtype, max_context=max_context, snapkv=snapkv,
+                                  dump_ir=dump_ir, show_progress=show_progress, **snapkv_knobs)
+    options = CompileOptions(target=target, mcpu=mcpu, arch=arch, cuda_graph=bool(cuda_graph), matmuls=matmuls,
+                             kv_dtype=kv_dtype_of(kv_dtype), max_context=max_context,
+                             **_snapkv_fields(snapkv, snapkv_knobs))
     options.validate()
+    emitter = target_for(options.target)
+    options = emitter.resolve(options)     # the target's own checks and defaults, before any download or work
     gguf_path = resolve_model(model, show_progress=show_progress)
-    output = Path(output) if output is not None else Path(gguf_path.stem + f"-{target}")
-    check_output_dir(output, ARTIFACT, _artifact_files(target))    # before any work: never a user's files
-    resolved = options
-    if target == "llvm":
-        from .codegen.llvm import host_cpu, int8_dot_available, make_target
-        llvm_target = make_target(mcpu)    # an unknown --mcpu fails here, before any hashing or compiling
-        has_int8_dot = int8_dot_available(llvm_target)
-        if matmuls == "int8" and not has_int8_dot:
-            raise ConfigError(f"--matmuls int8 needs x86 AVX2, which {llvm_target.attrs['mcpu']} does not "
-                              f"have; use --matmuls float.")
-        resolved = replace(options, mcpu=mcpu or host_cpu(),
-                           matmuls=matmuls or ("int8" if has_int8_dot else "float"))
-        if kv_default and resolved.matmuls == "int8":
-            # llama.cpp's arithmetic is int8 activations and an f16 KV cache: half the cache's memory, and decode
-            # and prefill after 4096 tokens ~9% faster (their K/V reads are bound by memory bandwidth);
-            # --matmuls float keeps the exact float32 path, KV included
-            resolved = replace(resolved, kv_dtype=KV_DTYPES["f16"])
-    elif target == "cuda":
-        from .codegen.cuda import DEFAULT_ARCH, nvcc_path
-        nvcc_path()                        # no nvcc: say so before any work
-        resolved = replace(options, arch=arch or DEFAULT_ARCH)
+    output = Path(output) if output is not None else Path(f"{gguf_path.stem}-{options.target}")
+    check_output_dir(output, ARTIFACT, [*emitter.code_files, WEIGHTS, TOKENIZER, MANIFEST_NAME])
     if use_cache:
         home_folder("cache")               # SHARPI_HOME unusable: one sentence now, not after the compile
     gguf_sha256 = file_sha256(gguf_path)   # the cache key needs only the bytes, not a parse of the GGUF
-    cached = compile_cache.entry_dir(gguf_path, gguf_sha256, resolved) if use_cache else None
+    cached = compile_cache.entry_dir(gguf_path, gguf_sha256, options) if use_cache else None
     if cached is not None and (cached / MANIFEST_NAME).is_file() and dump_ir is None:
         _log(show_progress, f"sharpi: using the cached compile {cached.name}")
         compile_cache.mark_used(cached)
@@ -157,9 +104,8 @@ def compile(model: str | Path, target: str = "llvm", output: str | Path | None =
         return output
     # the cache's bound, read once: a bad SHARPI_CACHE_GB fails now, not after the compile
     limit = compile_cache.limit_bytes() if cached is not None else None
-    gguf = GGUFFile(gguf_path)
-    built = _compile_uncached(gguf, gguf_sha256, resolved, output if cached is None else cached, show_progress,
-                              dump_ir)
+    built = _compile_artifact(gguf_path, gguf_sha256, options, emitter, output if cached is None else cached,
+                              show_progress, dump_ir)
     if cached is not None:
         _copy_artifact(built, output)
         for entry in compile_cache.prune(keep=cached, limit=limit):
@@ -168,15 +114,59 @@ def compile(model: str | Path, target: str = "llvm", output: str | Path | None =
     return output
 
 
-def _compile_uncached(gguf, gguf_sha256: str, options: CompileOptions, output: Path, show_progress: bool,
-                      dump_ir: str | Path | None = None) -> Path:
-    from .codegen import artifact
-    from .common.tokenizer import build_from_gguf_metadata
-    from .frontend.config import config_from_gguf
-    from .frontend.architectures import frontend_for
+def export_onnx(model: str | Path, output: str | Path | None = None, *, weights: str = "f32",
+                functions=None, max_context: int | None = None, snapkv: str | bool | None = None,
+                dump_ir: str | Path | None = None, show_progress: bool = False, **snapkv_knobs) -> Path:
+    """Export a GGUF (path or known model name) as ONNX graphs into a directory; returns its path.
+
+    The same Relax module the targets compile (SnapKV pass included) is translated to ONNX, binding by binding
+    (sharpi.export.onnx): prefill.onnx and decode.onnx (functions may add "prefill_logits"), plus
+    prefill_snapkv.onnx (score, select and compact after the prompt) unless snapkv is off; weights f32 or f16 in
+    one shared weights.onnx.data; sharpi-onnx.json records the graphs' signatures; tokenizer.json the tokenizer.
+    The snapkv_* knobs are the export's SnapKV settings (as compile's)."""
+    from .export import onnx as emitter    # the onnx package is heavy: only an export loads it
 
     started = time.perf_counter()
+    options = CompileOptions(max_context=max_context, **_snapkv_fields(snapkv, snapkv_knobs))
+    options.validate()
+    if weights not in emitter.WEIGHT_DTYPES:
+        raise ConfigError(f"ONNX weights must be one of {', '.join(emitter.WEIGHT_DTYPES)}, got {weights!r}.")
+    gguf_path = resolve_model(model, show_progress=show_progress)
+    output = Path(output) if output is not None else Path(gguf_path.stem + "-onnx")
+    check_output_dir(output, emitter.EXPORT, [emitter.WEIGHTS_FILE, TOKENIZER, emitter.EXPORT_FILE])
+    front = front_half(gguf_path, options, "float32", show_progress, dump_ir, architectures=emitter.ARCHITECTURES,
+                       emitter_name="ONNX export")
+    settings = front.options.snapkv_defaults
+    if functions is None:
+        functions = list(emitter.DEFAULT_FUNCTIONS) + (["prefill_snapkv"] if front.options.snapkv == "on" else [])
+    staging = staging_dir(output)
+    with _writing(staging, output):
+        _log(show_progress, "sharpi: translating the Relax module to ONNX")
+        signature = emitter.export_module(front.mod, front.cfg, front.weights, staging, functions=tuple(functions),
+                                          snapkv_settings=settings, weight_dtype=weights,
+                                          metadata={"sharpi.source": front.gguf.path.name})
+        front.tokenizer.save(staging)
+        emitter.write_export_manifest(
+            staging, signature, sharpi_version=__version__, weights_dtype=weights,
+            source={"name": front.gguf.path.name, "sha256": file_sha256(gguf_path)}, config=front.cfg.to_dict(),
+            tokenizer=front.tok_info.to_dict(),
+            snapkv={"enabled": front.options.snapkv == "on", "defaults": settings.to_dict()})
+        install(staging, output, emitter.EXPORT)
+    _log(show_progress, f"sharpi: exported {front.gguf.path.name} to ONNX ({', '.join(functions)}) in "
+                        f"{time.perf_counter() - started:.1f} s -> {output}")
+    return output
+
+
+def front_half(gguf_path: Path, options: CompileOptions, kv_dtype: str, show_progress: bool,
+               dump_ir: str | Path | None, architectures=None, emitter_name: str = "") -> FrontHalf:
+    """The GGUF read (config, tokenizer, weights), the model built as Relax functions with a KV pool of
+    `kv_dtype`, the IR passes run (SnapKV unless off), the IR dumped if asked. `architectures`: those the
+    emitter supports (None: all the frontend builds)."""
+    gguf = GGUFFile(gguf_path)
     cfg = config_from_gguf(gguf)
+    if architectures is not None and cfg.arch not in architectures:
+        raise UnsupportedArchitectureError(f"{emitter_name} does not support the {cfg.arch} architecture yet "
+                                           f"(supported: {', '.join(architectures)}).")
     max_context = _max_context(options, cfg)
     tokenizer, tok_info = build_from_gguf_metadata(gguf.metadata)
     load_weights, builder = frontend_for(cfg)
@@ -184,115 +174,64 @@ def _compile_uncached(gguf, gguf_sha256: str, options: CompileOptions, output: P
     weights = load_weights(gguf, cfg, show_progress)
     _warn_non_finite(weights, gguf.path.name)
     max_pages = math.ceil(max_context / PAGE_SIZE)
-    mod = builder(cfg, weights, max_pages, kv_dtype=options.kv_dtype).build()
-    functions = ["prefill", "prefill_logits", "decode"]
-    settings = options.snapkv_settings()
+    mod = builder(cfg, weights, max_pages, kv_dtype=kv_dtype).build()
+    functions = list(BASE_FUNCTIONS)
     if options.snapkv == "on":
-        from .ir_passes.snapkv import SNAPKV_FUNCTIONS, snapkv_pass
         mod = snapkv_pass(mod)
         functions += list(SNAPKV_FUNCTIONS)
     if dump_ir is not None:
         _write_ir(dump_ir, mod)
-    from .common.progress import progress_bar
+    return FrontHalf(gguf=gguf, cfg=cfg, tokenizer=tokenizer, tok_info=tok_info, weights=weights, mod=mod,
+                     options=options, max_context=max_context, max_pages=max_pages, functions=functions)
+
+
+def _compile_artifact(gguf_path: Path, gguf_sha256: str, options: CompileOptions, emitter: Target, output: Path,
+                      show_progress: bool, dump_ir: str | Path | None) -> Path:
+    """The front half, then the target's build into a staging folder, the manifest, the move into place."""
+    started = time.perf_counter()
+    front = front_half(gguf_path, options, options.kv_dtype, show_progress, dump_ir)
+    options, settings = front.options, front.options.snapkv_defaults
     staging = staging_dir(output)
     with _writing(staging, output):
-        # the weights first: the kernel contract compiled into the library names every parameter
-        params = artifact.write_weights(weights.arrays, weights.names, staging / WEIGHTS)
-        tokenizer.save(staging)
+        # the weights first: the kernel contract compiled into the code names every parameter
+        params = artifact.write_weights(front.weights.arrays, front.weights.names, staging / WEIGHTS)
+        front.tokenizer.save(staging)
         manifest = Manifest(
             format_version=FORMAT_VERSION, sharpi_version=__version__,
-            source={"name": gguf.path.name, "sha256": gguf_sha256, "size": gguf.path.stat().st_size},
-            config=cfg.to_dict(), target=_target_info(options),
-            tokenizer=tok_info.to_dict(), page_size=PAGE_SIZE, max_context=max_context, max_pages=max_pages,
-            prefill_chunk=PREFILL_CHUNK, functions=functions, kernels=[], params=params,
-            snapkv={"enabled": options.snapkv == "on", "max_window": settings.window,
-                    "defaults": settings.to_dict(), "select_params": SELECT_PARAMS}, kv_dtype=options.kv_dtype)
+            source={"name": front.gguf.path.name, "sha256": gguf_sha256, "size": front.gguf.path.stat().st_size},
+            config=front.cfg.to_dict(), target=emitter.describe(options), tokenizer=front.tok_info.to_dict(),
+            page_size=PAGE_SIZE, max_context=front.max_context, max_pages=front.max_pages,
+            prefill_chunk=PREFILL_CHUNK, functions=front.functions, kernels=[], params=params,
+            snapkv={"enabled": options.snapkv == "on", "max_window": settings.window, "defaults": settings.to_dict(),
+                    "select_params": SELECT_PARAMS}, kv_dtype=options.kv_dtype)
         contract = contract_json(manifest.kernel_contract())
         with progress_bar(2, "compiling", show_progress, unit="step") as bar:
-            build = {"vulkan": _build_vulkan, "cuda": _build_cuda}.get(options.target, _build_llvm)
-            manifest.kernels = build(mod, cfg, options, staging, bar, contract)
-        if options.target == "cuda":       # what the fatbin holds, read back from the build
-            manifest.target["images"] = [f"{kind}:{arch}" for kind, arch in
-                                         _cuda_images(staging / LIBRARY)]
+            manifest.kernels = emitter.build(front.mod, front.cfg, options, staging, bar, contract)
+        emitter.finish(staging, manifest.target)
         artifact.finalize(staging, output, manifest)
-    detail = {"llvm": f" (mcpu {manifest.target.get('mcpu')})", "cuda": f" ({manifest.target.get('arch')})"}.get(
-        options.target, "")
-    _log(show_progress, f"sharpi: compiled {gguf.path.name} for {options.target}{detail} in "
+    detail = next((f" ({key} {manifest.target[key]})" for key in ("mcpu", "arch") if key in manifest.target), "")
+    _log(show_progress, f"sharpi: compiled {front.gguf.path.name} for {options.target}{detail} in "
                         f"{time.perf_counter() - started:.1f} s -> {output}")
     return output
 
 
-def export_onnx(model: str | Path, output: str | Path | None = None, *, weights: str = "f32",
-                functions=None, max_context: int | None = None, snapkv: str | bool | None = None,
-                snapkv_budget=None, snapkv_window=None, snapkv_recency=None, snapkv_pooling=None, snapkv_kernel=None,
-                snapkv_granularity=None, snapkv_sinks=None, dump_ir: str | Path | None = None,
-                show_progress: bool = False) -> Path:
-    """Export a GGUF (path or known model name) as ONNX graphs into a directory; returns its path (issue #9).
-
-    The same Relax module the targets compile (SnapKV pass included) is translated to ONNX, binding by binding
-    (sharpi.codegen.onnx_export): prefill.onnx and decode.onnx (functions may add "prefill_logits"), plus
-    prefill_snapkv.onnx (score, select and compact after the prompt) unless snapkv is off; weights f32 or f16 in
-    one shared weights.onnx.data; sharpi-onnx.json records the graphs' signatures; tokenizer.json the tokenizer."""
-    from .codegen import onnx_export
-    from .common.tokenizer import build_from_gguf_metadata
-    from .frontend.architectures import frontend_for
-    from .frontend.config import config_from_gguf
-    from .frontend.fetch import resolve_model
-    from .frontend.gguf_file import GGUFFile
-
-    started = time.perf_counter()
-    options = CompileOptions(max_context=max_context, **_snapkv_fields(
-        snapkv, budget=snapkv_budget, window=snapkv_window, recency=snapkv_recency, pooling=snapkv_pooling,
-        kernel=snapkv_kernel, granularity=snapkv_granularity, sinks=snapkv_sinks))
-    options.validate()
-    if weights not in onnx_export.WEIGHT_DTYPES:
-        raise ConfigError(f"ONNX weights must be one of {', '.join(onnx_export.WEIGHT_DTYPES)}, got {weights!r}.")
-    gguf_path = resolve_model(model, show_progress=show_progress)
-    output = Path(output) if output is not None else Path(gguf_path.stem + "-onnx")
-    check_output_dir(output, onnx_export.EXPORT, [onnx_export.WEIGHTS_FILE, TOKENIZER, onnx_export.EXPORT_FILE])
-    gguf = GGUFFile(gguf_path)
-    cfg = config_from_gguf(gguf)
-    if cfg.arch not in onnx_export.ARCHITECTURES:
-        from .common.errors import UnsupportedArchitectureError
-        raise UnsupportedArchitectureError(f"ONNX export does not support the {cfg.arch} architecture yet "
-                                           f"(supported: {', '.join(onnx_export.ARCHITECTURES)}).")
-    max_context = _max_context(options, cfg)
-    options = _without_snapkv_if_all_local(options, cfg, show_progress)
-    load_weights, builder = frontend_for(cfg)
-    table = load_weights(gguf, cfg, show_progress)
-    _warn_non_finite(table, gguf.path.name)
-    mod = builder(cfg, table, math.ceil(max_context / PAGE_SIZE), kv_dtype="float32").build()
-    settings = options.snapkv_settings()
-    if functions is None:
-        functions = list(onnx_export.DEFAULT_FUNCTIONS) + (["prefill_snapkv"] if options.snapkv == "on" else [])
-    if options.snapkv == "on":
-        from .ir_passes.snapkv import snapkv_pass
-        mod = snapkv_pass(mod)
-    if dump_ir is not None:
-        _write_ir(dump_ir, mod)
-    staging = staging_dir(output)
-    with _writing(staging, output):
-        _log(show_progress, "sharpi: translating the Relax module to ONNX")
-        signature = onnx_export.export_module(mod, cfg, table, staging, functions=tuple(functions),
-                                              snapkv_settings=settings, weight_dtype=weights,
-                                              metadata={"sharpi.source": gguf.path.name})
-        tokenizer, tok_info = build_from_gguf_metadata(gguf.metadata)
-        tokenizer.save(staging)
-        onnx_export.write_export_manifest(
-            staging, signature, sharpi_version=__version__, weights_dtype=weights,
-            source={"name": gguf.path.name, "sha256": file_sha256(gguf_path)}, config=cfg.to_dict(),
-            tokenizer=tok_info.to_dict(), snapkv={"enabled": options.snapkv == "on", "defaults": settings.to_dict()})
-        install(staging, output, onnx_export.EXPORT)
-    _log(show_progress, f"sharpi: exported {gguf.path.name} to ONNX ({', '.join(functions)}) in "
-                        f"{time.perf_counter() - started:.1f} s -> {output}")
-    return output
+def _emit_from_compile(model, output, emit: str, *, target, mcpu, arch, cuda_graph, matmuls, kv_dtype, **export):
+    """compile(..., emit="onnx"): export_onnx, once it is sure no target option was given."""
+    if emit != "onnx":
+        raise ConfigError(f"emit must be 'onnx' (or None for a compiled artifact), got {emit!r}.")
+    used = [name for name, on in (("target", target != DEFAULT_TARGET), ("mcpu", mcpu), ("arch", arch),
+                                  ("cuda_graph", cuda_graph), ("matmuls", matmuls is not None),
+                                  ("kv_dtype", kv_dtype)) if on]
+    if used:
+        raise ConfigError(f"{', '.join(used)} {'does' if len(used) == 1 else 'do'} not apply to emit='onnx'.")
+    return export_onnx(model, output, **export)
 
 
-def _snapkv_fields(snapkv, **defaults) -> dict:
+def _snapkv_fields(snapkv, keywords: dict) -> dict:
     """CompileOptions' SnapKV fields from compile()'s arguments: snapkv on (the default) or off, whether it was
-    asked for, and the given run-time defaults."""
+    asked for, and the run-time defaults from the snapkv_* knobs (the environment does not shape an artifact)."""
     return {"snapkv": {True: "on", False: "off", None: "on"}.get(snapkv, snapkv), "snapkv_explicit": snapkv is not None,
-            "snapkv_defaults": tuple((k, v) for k, v in defaults.items() if v is not None)}
+            "snapkv_defaults": settings_from(env={}, **knobs_from_keywords(keywords))}
 
 
 def _warn_non_finite(weights, name: str) -> None:
@@ -302,7 +241,7 @@ def _warn_non_finite(weights, name: str) -> None:
         shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
         warnings.warn(f"{name}: {len(bad)} tensor{'s' if len(bad) > 1 else ''} hold NaN or infinite values ({shown}): "
                       f"the model's logits will not be finite, and running it will stop with an error.",
-                      SharpiWarning, stacklevel=3)
+                      SharpiWarning, stacklevel=4)
 
 
 def _max_context(options: CompileOptions, cfg) -> int:
@@ -325,76 +264,9 @@ def _without_snapkv_if_all_local(options: CompileOptions, cfg, show_progress: bo
     return replace(options, snapkv="off")
 
 
-def _artifact_files(target: str) -> list[str]:
-    """The files an artifact for `target` is known to hold before it is built (Vulkan adds a .wgsl per kernel)."""
-    return [PLAN if target == "vulkan" else LIBRARY, WEIGHTS, TOKENIZER, MANIFEST_NAME]
-
-
-def _target_info(options: CompileOptions) -> dict:
-    """The manifest's target: what the kernels are built for (the CUDA images are added once they exist)."""
-    if options.target == "llvm":
-        from .codegen.llvm import make_target, required_cpu_features
-        target = make_target(options.mcpu)
-        return {"kind": "llvm", "mcpu": str(target.attrs["mcpu"]), "cpu_features": required_cpu_features(target),
-                "matmuls": options.matmuls}
-    if options.target == "cuda":
-        return {"kind": "cuda", "arch": options.arch, "images": [], "cuda_graph": options.cuda_graph}
-    return {"kind": "vulkan", "shader": "wgsl", "activations": "float32"}
-
-
-def _build_llvm(mod, cfg, options: CompileOptions, staging: Path, bar, contract: str) -> list[str]:
-    from .codegen.artifact import with_contract
-    from .codegen.llvm import build, kernel_names, lower, make_target
-
-    target = make_target(options.mcpu)
-    bar.set_postfix_str("attach kernels, legalize, fuse")
-    lowered = lower(mod, cfg, target, int8_dot=options.matmuls == "int8")
-    bar.update(1)
-    bar.set_postfix_str("LLVM codegen")
-    kernels = kernel_names(lowered)
-    build(with_contract(lowered, contract), target, staging / LIBRARY)
-    bar.update(1)
-    return kernels
-
-
-def _build_cuda(mod, cfg, options: CompileOptions, staging: Path, bar, contract: str) -> list[str]:
-    from .codegen import cuda
-    from .codegen.artifact import with_contract
-    from .codegen.llvm import kernel_names
-
-    target = cuda.make_target(options.arch)
-    bar.set_postfix_str("attach GPU kernels")
-    lowered = cuda.lower(mod, cfg, cuda_graph=options.cuda_graph)
-    bar.update(1)
-    bar.set_postfix_str("dlight schedules, CUDA codegen, nvcc")
-    kernels = kernel_names(lowered)
-    cuda.build(with_contract(lowered, contract), target, staging / LIBRARY, cuda_graph=options.cuda_graph)
-    bar.update(1)
-    return kernels
-
-
-def _cuda_images(library: Path) -> list[tuple[str, int]]:
-    from .codegen import cuda
-    return cuda.fatbin_entries(library.read_bytes())
-
-
-def _build_vulkan(mod, cfg, options: CompileOptions, staging: Path, bar, contract: str) -> list[str]:
-    from .codegen.attach_kernels import attach_kernels
-    from .codegen.vulkan import build_plan, write_plan
-
-    bar.set_postfix_str("attach GPU kernels")
-    mod = attach_kernels(mod, cfg, gpu=True)
-    bar.update(1)
-    bar.set_postfix_str("dlight schedules, WGSL codegen, plan")
-    plan = build_plan(mod)
-    write_plan(plan, staging, contract)
-    bar.update(1)
-    return sorted(plan.kernels)
-
-
 @contextlib.contextmanager
 def _writing(staging: Path, output: Path):
-    """Writing an artifact into `staging` (locked meanwhile, see output_dir.writing_into): on any failure the
+    """Writing an output into `staging` (locked meanwhile, see output_dir.writing_into): on any failure the
     staging folder goes; a file system that refuses the writes (full, read-only, no permission) is one sentence,
     not a traceback."""
     try:

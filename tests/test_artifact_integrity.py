@@ -23,6 +23,7 @@ import sharpi
 from sharpi.cli import main as main_cli
 from sharpi.codegen.artifact import WEIGHTS
 from sharpi.common.manifest import content_digest
+from sharpi.codegen.targets.llvm import TARGET as LLVM
 from tiny_gguf import fake_llvm_build, write_tiny_llama
 
 
@@ -162,13 +163,12 @@ def _leftovers(*directories: Path) -> list[str]:
 @pytest.mark.parametrize("where", ["codegen", "weights"])
 def test_interrupted_compile_leaves_no_artifact_and_no_staging(where, use_cache, tiny_gguf, tiny_artifact, home,
                                                               tmp_path, monkeypatch):
-    from sharpi import compiler
     from sharpi.codegen import artifact
 
     if where == "codegen":       # mid-build: the library half there
-        monkeypatch.setattr(compiler, "_build_llvm", fake_llvm_build(tiny_artifact, then=_interrupt))
+        monkeypatch.setattr(LLVM, "build", fake_llvm_build(tiny_artifact, then=_interrupt))
     else:                        # the library built, the weights half written
-        monkeypatch.setattr(compiler, "_build_llvm", fake_llvm_build(tiny_artifact))
+        monkeypatch.setattr(LLVM, "build", fake_llvm_build(tiny_artifact))
         monkeypatch.setattr(artifact, "write_weights", _half_written_weights)
     output = tmp_path / "out" / "tiny"
     with pytest.raises(KeyboardInterrupt):
@@ -183,11 +183,10 @@ def test_interrupted_compile_leaves_no_artifact_and_no_staging(where, use_cache,
 
 def test_interrupted_recompile_keeps_the_earlier_artifact(tiny_gguf, tiny_artifact, tiny_logits, home, tmp_path,
                                                          monkeypatch):
-    from sharpi import compiler
     from sharpi.codegen import artifact
 
     output = Path(shutil.copytree(tiny_artifact, tmp_path / "out" / "tiny"))
-    monkeypatch.setattr(compiler, "_build_llvm", fake_llvm_build(tiny_artifact))
+    monkeypatch.setattr(LLVM, "build", fake_llvm_build(tiny_artifact))
     monkeypatch.setattr(artifact, "write_weights", _half_written_weights)
     with pytest.raises(KeyboardInterrupt):
         sharpi.compile(str(tiny_gguf), output=output, use_cache=False)
@@ -200,12 +199,11 @@ def test_interrupted_move_into_place_restores_the_earlier_artifact(interrupted_a
                                                                   tiny_logits, home, tmp_path, monkeypatch):
     """Over an earlier artifact, its files are moved aside (the manifest first) and the new ones in (the
     manifest last); interrupted after any move, the earlier artifact is put back, the user's file untouched."""
-    from sharpi import compiler
     from sharpi.common import output_dir
 
     output = Path(shutil.copytree(tiny_artifact, tmp_path / "out" / "tiny"))
     (output / "notes.txt").write_text("mine")
-    monkeypatch.setattr(compiler, "_build_llvm", fake_llvm_build(tiny_artifact))
+    monkeypatch.setattr(LLVM, "build", fake_llvm_build(tiny_artifact))
     real_rename, calls = os.rename, []
 
     def rename(source, target):
@@ -231,13 +229,13 @@ def test_killed_compile_leaves_nothing_that_loads(tiny_gguf, tiny_artifact, home
         import shutil, time
         from pathlib import Path
         import sharpi
-        from sharpi import compiler
+        from sharpi.codegen.targets import llvm
 
         def build(mod, cfg, options, staging, bar, contract):
             shutil.copy({str(tiny_artifact / "model.so")!r}, staging / "model.so")
             Path({str(started)!r}).touch()
             time.sleep(60)
-        compiler._build_llvm = build
+        llvm.TARGET.build = build
         sharpi.compile({str(tiny_gguf)!r}, output={str(output)!r}, use_cache=False)
     """)
     process = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "SHARPI_HOME": str(home)})
@@ -264,12 +262,11 @@ def _disk_full(*args, **kwargs):
 @pytest.mark.parametrize("use_cache", [False, True], ids=["no-cache", "cache"])
 def test_full_disk_is_one_sentence_and_keeps_the_earlier_artifact(use_cache, tiny_gguf, tiny_artifact, tiny_logits,
                                                                   home, tmp_path, monkeypatch, capsys):
-    from sharpi import compiler
     from sharpi.cli import compile as compile_cli
     from sharpi.codegen import artifact
 
     output = Path(shutil.copytree(tiny_artifact, tmp_path / "out" / "tiny"))
-    monkeypatch.setattr(compiler, "_build_llvm", fake_llvm_build(tiny_artifact))
+    monkeypatch.setattr(LLVM, "build", fake_llvm_build(tiny_artifact))
     monkeypatch.setattr(artifact, "write_weights", _disk_full)
     with pytest.raises(sharpi.ConfigError, match="cannot be written to .*: No space left on device"):
         sharpi.compile(str(tiny_gguf), output=output, use_cache=use_cache)
@@ -283,9 +280,8 @@ def test_full_disk_is_one_sentence_and_keeps_the_earlier_artifact(use_cache, tin
 
 def test_full_disk_while_copying_from_the_cache_keeps_the_earlier_artifact(tiny_gguf, tiny_artifact, tiny_logits,
                                                                          home, tmp_path, monkeypatch):
-    from sharpi import compiler
 
-    monkeypatch.setattr(compiler, "_build_llvm", fake_llvm_build(tiny_artifact))
+    monkeypatch.setattr(LLVM, "build", fake_llvm_build(tiny_artifact))
     sharpi.compile(str(tiny_gguf), output=tmp_path / "first")               # fills the cache
     output = Path(shutil.copytree(tiny_artifact, tmp_path / "out" / "tiny"))
     real_copy2 = shutil.copy2
@@ -304,7 +300,7 @@ def test_full_disk_while_copying_from_the_cache_keeps_the_earlier_artifact(tiny_
 
 
 def test_full_disk_during_onnx_export_is_one_sentence(tiny_gguf, tmp_path, monkeypatch):
-    from sharpi.codegen import onnx_export
+    import sharpi.export.onnx as onnx_export
 
     monkeypatch.setattr(onnx_export, "export_module", _disk_full)
     output = tmp_path / "onnx"

@@ -8,7 +8,7 @@ import sharpi
 def _layer_slots(session, model, layer):
     """The held K/V of one layer, [2, kv_heads, length, head_dim], read from the pool."""
     cache = session._cache
-    pages = model._pool.read_pages(cache.pages[layer])      # [pages, 2, kv_heads, page_size, head_dim]
+    pages = model.engine.pool.read_pages(cache.pages[layer])      # [pages, 2, kv_heads, page_size, head_dim]
     slots = np.arange(cache.length[layer])
     return pages[slots // cache.pool.page_size, :, :, slots % cache.pool.page_size, :].transpose(1, 2, 0, 3).copy()
 
@@ -33,10 +33,10 @@ def test_keep_everything_is_a_no_op(smollm2, session20):
 def test_keep_subset_keeps_order_and_values_in_every_layer(smollm2, session20):
     keep = [0, 5, 11, 17, 19]
     before = [_layer_slots(session20, smollm2, l) for l in range(smollm2.config.n_layers)]
-    free_before = smollm2._pool.free_count
+    free_before = smollm2.engine.pool.free_count
     session20.compact(keep)
     assert session20.kv_length == [5] * smollm2.config.n_layers and session20.logical_length == 20
-    assert smollm2._pool.free_count == free_before + smollm2.config.n_layers   # 2 pages -> 1 page a layer
+    assert smollm2.engine.pool.free_count == free_before + smollm2.config.n_layers   # 2 pages -> 1 page a layer
     for l in range(smollm2.config.n_layers):
         np.testing.assert_array_equal(_layer_slots(session20, smollm2, l), before[l][:, :, keep])
         np.testing.assert_array_equal(session20.kept_positions[l], np.tile(keep, (smollm2.config.n_kv_heads, 1)))

@@ -15,15 +15,15 @@ import pytest
 import sharpi
 from sharpi import compile_cache
 from sharpi.cli import main as main_cli
+from sharpi.codegen.targets.llvm import TARGET as LLVM
 from tiny_gguf import fake_llvm_build
 
 
 @pytest.fixture
 def home(tiny_artifact, tmp_path, monkeypatch) -> Path:
     """An empty SHARPI_HOME, and compiles that copy the tiny artifact's library instead of running TVM."""
-    from sharpi import compiler
     monkeypatch.setenv("SHARPI_HOME", str(tmp_path / "home"))
-    monkeypatch.setattr(compiler, "_build_llvm", fake_llvm_build(tiny_artifact))
+    monkeypatch.setattr(LLVM, "build", fake_llvm_build(tiny_artifact))
     return tmp_path / "home"
 
 

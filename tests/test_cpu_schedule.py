@@ -7,7 +7,7 @@ from tvm import relax
 from tvm.script import relax as R
 
 from sharpi.codegen.cpu_schedule import fast_math_legalizations, schedule_generic
-from sharpi.codegen.llvm import build_executable, make_target
+from sharpi.codegen.targets.llvm import build_executable, make_target
 
 
 def _gelu_tanh(x):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import sharpi
-from sharpi.codegen.cuda import fatbin_entries
+from sharpi.codegen.targets.cuda import fatbin_entries
 from tiny_gguf import write_tiny_llama
 
 pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None and not __import__("os").path.exists(

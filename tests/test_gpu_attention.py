@@ -10,8 +10,8 @@ from tvm import relax
 import sharpi
 from sharpi.codegen.kernels.gpu.attention import make_gpu_kv_append, make_gpu_paged_attention
 from sharpi.codegen.kernels.gpu.elementwise import make_gpu_embedding, make_gpu_rope, rope_turns
-from sharpi.codegen.vulkan import build_plan
-from sharpi.frontend.quant import dequantize_layout
+from sharpi.codegen.targets.vulkan import build_plan
+from sharpi.common.quant_layout import dequantize_layout
 from sharpi.testing.reference import rope_adjacent
 from test_gpu_kernels import _gpu_parts
 from test_kernels import _attention_reference, _weight

@@ -8,7 +8,7 @@ from tvm import relax
 
 import sharpi
 from sharpi.codegen.kernels.gpu.quant_matmul import GPU_LAYOUTS, make_gpu_matmul
-from sharpi.frontend.quant import dequantize_layout
+from sharpi.common.quant_layout import dequantize_layout
 from test_kernels import _weight
 from vulkan_device import plan_runner
 

@@ -9,7 +9,7 @@ from tvm import relax
 from sharpi.codegen.kernels.gpu.snapkv import (make_gpu_kv_compact, make_gpu_snapkv_row_stats,
                                                make_gpu_snapkv_score, make_gpu_snapkv_select)
 from sharpi.codegen.kernels.snapkv import make_snapkv_select
-from sharpi.codegen.llvm import make_target
+from sharpi.codegen.targets.llvm import make_target
 from sharpi.common import ops
 from sharpi.common.ops import SELECT_PARAMS
 from sharpi.testing.snapkv import score_reference, select_reference
@@ -145,7 +145,7 @@ def _cpu_select(cpu, scores, params):
 
 def _check_select(select_runners, scores, total, budget, recency, pooling, kernel, granularity, sinks=0):
     runner, cpu = select_runners(scores.shape[-1])
-    params = np.array([total, budget, recency, kernel, ops.SNAPKV_POOLING_CODES[pooling],
+    params = np.array([total, budget, recency, kernel, ops.POOLING_CODES[pooling],
                        int(granularity == "shared"), sinks], np.int32)
     keep = runner.run("select", scores, params)[..., :budget]
     expected = select_reference(scores[..., :total], budget, recency, pooling, kernel, granularity, sinks)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import sharpi
-from sharpi.codegen.llvm import int8_dot_available, make_target
+from sharpi.codegen.targets.llvm import int8_dot_available, make_target
 from sharpi.common.errors import ConfigError
 from sharpi.testing import conformance
 from sharpi.testing.reference import log_softmax
@@ -24,7 +24,7 @@ def test_artifact_records_and_uses_int8_matmuls(smollm2_int8, smollm2):
     assert smollm2.manifest.target["matmuls"] == "float"
     # the default's KV cache is f16 as llama.cpp's (half the bytes); the exact float path keeps it f32
     assert smollm2_int8.manifest.kv_dtype == "float16" and smollm2.manifest.kv_dtype == "float32"
-    assert smollm2_int8._pool.page_bytes * 2 == smollm2._pool.page_bytes
+    assert smollm2_int8.engine.pool.page_bytes * 2 == smollm2.engine.pool.page_bytes
     kernels = smollm2_int8.manifest.kernels
     assert any(k.startswith("gemv_int8_q4_1") for k in kernels) and any(k.startswith("gemm_int8_q4_1") for k in kernels)
     assert not any(k.startswith(("gemv_int8", "gemm_int8")) for k in smollm2.manifest.kernels)

@@ -8,9 +8,10 @@ import tvm
 from sharpi.codegen.kernels.paged_attention import make_kv_append, make_paged_attention
 from sharpi.codegen.kernels.quant_matmul import make_embedding, make_matmul
 from sharpi.codegen.kernels.rope import make_rope
-from sharpi.codegen.llvm import make_target
+from sharpi.codegen.targets.llvm import make_target
 from sharpi.frontend.gguf_file import GGUFTensor
-from sharpi.frontend.quant import dequantize_layout, repack
+from sharpi.common.quant_layout import dequantize_layout
+from sharpi.frontend.quant import repack
 from sharpi.testing.reference import rms_norm, rope_adjacent
 
 DEV = tvm.cpu()
@@ -256,7 +257,7 @@ def test_decode_attention_page_ranges(held, window, heads, kv_heads, d, rng):
 def test_rms_norm_as_lowered_for_llvm(rng):
     from tvm import relax
     from tvm.relax import op as R
-    from sharpi.codegen.llvm import build_executable
+    from sharpi.codegen.targets.llvm import build_executable
 
     n = tvm.tirx.Var("n", "int64")
     bb = relax.BlockBuilder()

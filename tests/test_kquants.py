@@ -8,7 +8,8 @@ import pytest
 from sharpi.codegen.kernels.gpu.quant_matmul import GPU_LAYOUTS
 from sharpi.codegen.kernels.quant_matmul import make_embedding, make_matmul
 from sharpi.frontend.gguf_file import GGUFTensor
-from sharpi.frontend.quant import dequantize_layout, layout_of, repack
+from sharpi.common.quant_layout import dequantize_layout
+from sharpi.frontend.quant import layout_of, repack
 from test_kernels import _as_cpu_kernel_takes, _build, _t
 
 TYPES = ["Q4_K", "Q5_K", "Q6_K", "Q5_1"]

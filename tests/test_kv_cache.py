@@ -74,7 +74,7 @@ def test_fork_gives_independent_sessions(smollm2):
 
 
 def test_release_returns_every_page(smollm2):
-    pool = smollm2._pool
+    pool = smollm2.engine.pool
     free_before = pool.free_count
     s = smollm2.session()
     s.prefill(list(range(100, 150)))   # 50 tokens: 4 pages a layer

@@ -7,8 +7,8 @@ import pytest
 
 from sharpi.codegen.kernels.quant_matmul_int8 import (INT8_DOT_TYPES, GEMM_TILE, element_lane, lane_element,
                                                       make_gemm_int8, make_gemv_int8)
-from sharpi.codegen.llvm import int8_dot_available
-from sharpi.frontend.quant import dequantize_layout
+from sharpi.codegen.targets.llvm import int8_dot_available
+from sharpi.common.quant_layout import dequantize_layout
 from sharpi.testing.reference import quantize_activations_q8
 import test_kernels
 import test_kquants

@@ -252,7 +252,7 @@ def test_relax_op_table_matches_tvm(tmp_path):
     from tvm import relax
     from tvm.relax import op as R
 
-    from sharpi.codegen.onnx_export import GraphBuilder, Translator, WeightStore
+    from sharpi.export.onnx.export import GraphBuilder, Translator, WeightStore
     from sharpi.frontend.weights import WeightTable
     bb = relax.BlockBuilder()
     x = relax.Var("x", relax.TensorType((4, 6), "float32"))
@@ -301,7 +301,7 @@ def test_op_without_translation_names_it(tmp_path):
     from tvm import relax
     from tvm.relax import op as R
 
-    from sharpi.codegen.onnx_export import GraphBuilder, Translator, WeightStore
+    from sharpi.export.onnx.export import GraphBuilder, Translator, WeightStore
     from sharpi.frontend.weights import WeightTable
     bb = relax.BlockBuilder()
     x = relax.Var("ids", relax.TensorType((4,), "float32"))

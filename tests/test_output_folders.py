@@ -14,14 +14,14 @@ import pytest
 import sharpi
 from sharpi.cli import compile as compile_cli
 from sharpi.common.manifest import content_digest
+from sharpi.codegen.targets.llvm import TARGET as LLVM
 from tiny_gguf import fake_llvm_build
 
 
 @pytest.fixture
 def home(tiny_artifact, tmp_path, monkeypatch) -> Path:
-    from sharpi import compiler
     monkeypatch.setenv("SHARPI_HOME", str(tmp_path / "home"))
-    monkeypatch.setattr(compiler, "_build_llvm", fake_llvm_build(tiny_artifact))
+    monkeypatch.setattr(LLVM, "build", fake_llvm_build(tiny_artifact))
     return tmp_path / "home"
 
 

@@ -14,14 +14,14 @@ import sharpi
 from sharpi.cli import compile as compile_cli
 from sharpi.cli import main as main_cli
 from sharpi.runtime.sampling import Sampler, SamplingParams
+from sharpi.codegen.targets.llvm import TARGET as LLVM
 from tiny_gguf import fake_llvm_build, write_tiny_llama
 
 
 @pytest.fixture
 def fake_build(tiny_artifact, tmp_path, monkeypatch):
-    from sharpi import compiler
     monkeypatch.setenv("SHARPI_HOME", str(tmp_path / "home"))
-    monkeypatch.setattr(compiler, "_build_llvm", fake_llvm_build(tiny_artifact))
+    monkeypatch.setattr(LLVM, "build", fake_llvm_build(tiny_artifact))
 
 
 def _one_error_line(err: str) -> str:

@@ -55,7 +55,7 @@ def test_sessions_on_several_threads_match_sequential_runs(smollm2, sequential):
     for i in range(len(PROMPTS)):
         for step, (got, want) in enumerate(zip(results[i], sequential[i])):
             np.testing.assert_array_equal(got, want, err_msg=f"prompt {i}, step {step}")
-    assert smollm2._pool.free_count == smollm2._pool.num_pages
+    assert smollm2.engine.pool.free_count == smollm2.engine.pool.num_pages
 
 
 def test_tokenize_from_several_threads(smollm2):
@@ -91,7 +91,7 @@ def small_pool(smollm2_artifact):
 
 
 def test_pool_exhaustion_is_clear_and_harms_no_other_session(small_pool, smollm2):
-    model, pool = small_pool, small_pool._pool
+    model, pool = small_pool, small_pool.engine.pool
     ids = _prompt(model)
     other_ids = model.tokenize("The capital of France is")
     with smollm2.session() as reference:                                             # what `other` must give
@@ -126,7 +126,7 @@ def test_pool_exhaustion_is_clear_and_harms_no_other_session(small_pool, smollm2
 def test_refused_prefill_leaves_the_session_empty_and_usable(small_pool):
     """A prefill refused for lack of pages changes nothing; once another session releases pages it runs and
     gives the logits it would have given before."""
-    model, pool = small_pool, small_pool._pool
+    model, pool = small_pool, small_pool.engine.pool
     ids = _prompt(model)
     with model.session() as s:
         expected = s.prefill(ids)

@@ -79,7 +79,7 @@ def _close(got, want):
 def test_gemma3_sliding_window_in_the_cache(gemma3, gemma3_reference, long_ids):
     local = _local(gemma3)
     reference = gemma3_reference.forward(long_ids)
-    pool = gemma3._pool
+    pool = gemma3.engine.pool
     free_before = pool.free_count
     with gemma3.session() as s:
         got = [s.prefill(long_ids[:PROMPT])]

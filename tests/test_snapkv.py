@@ -6,7 +6,7 @@ import tvm
 import sharpi
 from sharpi.codegen.kernels.paged_attention import make_kv_append
 from sharpi.codegen.kernels.snapkv import make_snapkv_score, make_snapkv_select
-from sharpi.codegen.llvm import make_target
+from sharpi.codegen.targets.llvm import make_target
 from sharpi.common import ops
 from sharpi.common.snapkv_settings import SnapKVSettings, auto_budget, check_against, settings_from
 from sharpi.testing.snapkv import pool_reference, score_reference, select_reference, select_row
@@ -79,7 +79,7 @@ def test_select_kernel_ties_and_pooling(select_kernel, pooling, kernel, granular
     scores[..., :total] = rng.integers(0, 5, (layers, kv_heads, total)) / np.float32(7)   # many exact ties
     keep = _t(np.zeros((layers, kv_heads, slots), np.int32))
     scratch = [_t(np.zeros((layers, kv_heads, slots), np.float32)) for _ in range(2)]
-    params = np.array([total, budget, recency, kernel, ops.SNAPKV_POOLING_CODES[pooling],
+    params = np.array([total, budget, recency, kernel, ops.POOLING_CODES[pooling],
                        int(granularity == "shared"), sinks], np.int32)
     select(_t(scores), _t(params), keep, *scratch)
     expected = select_reference(scores[..., :total], budget, recency, pooling, kernel, granularity, sinks)
@@ -113,7 +113,7 @@ def long_prompt(smollm2):
 
 def test_eviction_on_smollm2(smollm2, long_prompt):
     layers = smollm2.config.n_layers
-    pool = smollm2._pool
+    pool = smollm2.engine.pool
     with smollm2.session(snapkv_budget=0) as full:
         full_logits = full.prefill(long_prompt)
         full_bytes = full.kv_bytes
@@ -244,7 +244,7 @@ def test_artifact_compiled_before_sinks(smollm2, monkeypatch):
     to recompile for sinks > 0."""
     assert smollm2.manifest.snapkv["select_params"] == ops.SELECT_PARAMS
     monkeypatch.delitem(smollm2.manifest.snapkv, "select_params")
-    assert smollm2._select_params == 6
+    assert smollm2.engine.select_params == 6
     settings, budget = smollm2.snapkv_settings(budget=128)
     assert settings.sinks == 0 and budget == 128
     assert smollm2.snapkv_settings(budget=0, sinks=4)[1] == 0                 # no eviction: nothing to refuse

@@ -73,7 +73,7 @@ def test_half_precision_kv_cache(target, kv_dtype, tolerance, tmp_path):
                                                         output=tmp_path / kv_dtype, matmuls="float")))
     full = sharpi.load(sharpi.compile(str(path), target=target, output=tmp_path / "f32", matmuls="float"))
     assert half.manifest.kv_dtype == {"f16": "float16", "bf16": "bfloat16"}[kv_dtype]
-    assert half._pool.page_bytes * 2 == full._pool.page_bytes
+    assert half.engine.pool.page_bytes * 2 == full.engine.pool.page_bytes
     ids = list(np.random.default_rng(1).integers(0, half.config.vocab_size, 40))
     expected = NumpyReference(path).forward(ids)
     np.testing.assert_allclose(half.score(ids), expected, rtol=tolerance, atol=tolerance)

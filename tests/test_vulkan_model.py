@@ -91,9 +91,9 @@ def test_fork_and_compact_on_device(vk):
         s.prefill(ids)
         with s.fork() as f:
             np.testing.assert_allclose(f.decode(5), s.decode(5), atol=1e-5)
-        free = vk._pool.free_count
+        free = vk.engine.pool.free_count
         s.compact([0, 2, 4, 6])                                  # same count in every layer: the kernel
-        assert s.kv_length == [4] * vk.config.n_layers and vk._pool.free_count == free
+        assert s.kv_length == [4] * vk.config.n_layers and vk.engine.pool.free_count == free
         keep = [[0, 1, 3] if layer % 2 else [1, 2] for layer in range(vk.config.n_layers)]
         s.compact(keep)                                          # counts differ: moved through host memory
         assert s.kv_length == [3 if layer % 2 else 2 for layer in range(vk.config.n_layers)]

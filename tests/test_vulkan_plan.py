@@ -7,7 +7,7 @@ from tvm import relax
 from tvm.relax import op as R
 
 import sharpi
-from sharpi.codegen.vulkan import build_plan
+from sharpi.codegen.targets.vulkan import build_plan
 from sharpi.common.shape_expr import evaluate
 from vulkan_device import plan_runner
 

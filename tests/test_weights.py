@@ -11,9 +11,9 @@ def test_artifact_weights_within_1_3x_of_gguf(smollm2_artifact, smollm2_gguf):
 
 def test_runtime_holds_no_float_copy_of_a_quantized_weight(smollm2):
     params = smollm2.manifest.params
-    assert len(params) == len(smollm2._weights)
+    assert len(params) == len(smollm2.engine.backend.weights)
     by_tensor = {}
-    for entry, held in zip(params, smollm2._weights):
+    for entry, held in zip(params, smollm2.engine.backend.weights):
         assert list(held.shape) == entry.shape and str(held.dtype) == entry.dtype   # what the runtime holds
         tensor, part = entry.name.split(":")
         by_tensor.setdefault(tensor, {})[part] = held
@@ -26,5 +26,5 @@ def test_runtime_holds_no_float_copy_of_a_quantized_weight(smollm2):
         k = parts["s"].shape[2] * 32
         # the only floats of a quantized matrix are its per-block scales: at most 2 per 32 weights
         assert int(np.prod(parts["s"].shape)) <= n_rows * k // 16, tensor
-    held = sum(int(np.prod(w.shape)) * np.dtype(str(w.dtype)).itemsize for w in smollm2._weights)
+    held = sum(int(np.prod(w.shape)) * np.dtype(str(w.dtype)).itemsize for w in smollm2.engine.backend.weights)
     assert held <= 1.3 * smollm2.manifest.source["size"]

@@ -97,7 +97,8 @@ def write_tiny_llama(path: Path, *, arch: str = "llama", layers: int = 2, dim: i
 
 
 def fake_llvm_build(tiny_artifact: Path, then=None):
-    """Stands in for compiler._build_llvm (seconds of TVM) when compiling the tiny llama: copies `tiny_artifact`'s
+    """Stands in for the llvm target's build (seconds of TVM; monkeypatch.setattr(LLVM, "build", ...) with
+    sharpi.codegen.targets.llvm.TARGET) when compiling the tiny llama: copies `tiny_artifact`'s
     library (whose kernel contract matches only a compile with the same options) into the staging folder;
     `then(staging)` may interrupt after that."""
     manifest = json.loads((tiny_artifact / "manifest.json").read_text())

@@ -20,7 +20,7 @@ def on_vulkan(open_device):
 
 def plan_runner(mod, directory):
     """Build `mod` to a Vulkan plan in `directory` and open a runner on it."""
-    from sharpi.codegen.vulkan import build_plan, write_plan
+    from sharpi.codegen.targets.vulkan import build_plan, write_plan
     from sharpi.runtime.vulkan import VulkanPlanRunner
     write_plan(build_plan(mod), directory)
     return on_vulkan(lambda: VulkanPlanRunner(directory))

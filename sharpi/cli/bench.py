@@ -128,13 +128,13 @@ def find_gguf(manifest, explicit: str | None) -> Path | None:
 def run_bench(args) -> None:
     from ..common.errors import ConfigError
     from ..common.settings import resolve_threads
-    from .common import load_model, snapkv_kwargs
+    from .common import load_model, snapkv_keywords, snapkv_knobs
 
     tokenizer, manifest = artifact_tokenizer(Path(args.artifact))
     threads = resolve_threads(args.threads)
-    snapkv = snapkv_kwargs(args)
+    snapkv = snapkv_keywords(args)
     model = load_model(args)        # here only to check the flags against the artifact before any timing
-    settings, budget = model.snapkv_settings(**{k[len("snapkv_"):]: v for k, v in snapkv.items()})
+    settings, budget = model.snapkv_settings(**snapkv_knobs(args))
     print(f"sharpi bench: {manifest.source['name']} on {model.backend}, prompt {args.prompt_tokens} tokens, "
           f"{args.gen_tokens} generated, median of {args.repeats}, each engine in a process of its own")
     del model

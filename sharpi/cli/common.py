@@ -2,14 +2,25 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import sys
 import warnings
 
 from ..common.errors import ConfigError, SharpiError, SharpiWarning
+from ..common.settings import parse_positive_int
+from ..common.snapkv_settings import KNOBS, PREFIX
+from ..runtime.sampling import SamplingParams
 
 EXIT_USER_ERROR = 2
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser whose usage errors (an unknown flag, a missing argument, "--threads x") are a ConfigError,
+    so they are one `error:` line and exit code 2 like every other bad value, not the usage and a prefixed
+    message. Subparsers are made of the same class."""
+
+    def error(self, message: str):
+        raise ConfigError(f"{message[0].upper()}{message[1:]} (see {self.prog} --help).")
 
 
 def user_errors_exit_2(main):
@@ -17,41 +28,27 @@ def user_errors_exit_2(main):
     SharpiWarning is one `warning:` line."""
     @functools.wraps(main)
     def wrapper(argv=None):
-        try:
-            with _usage_errors_as_config_errors(), warnings.catch_warnings():
-                warnings.showwarning = _print_warning     # the documented hook; catch_warnings restores it
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("default")
+            try:
                 return main(argv) or 0
-        except SharpiError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return EXIT_USER_ERROR
-        except KeyboardInterrupt:
-            print("interrupted", file=sys.stderr)
-            return 130
+            except SharpiError as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                return EXIT_USER_ERROR
+            except KeyboardInterrupt:
+                print("interrupted", file=sys.stderr)
+                return 130
+            finally:
+                _print_warnings(caught)
     return wrapper
 
 
-def _print_warning(message, category, filename, lineno, file=None, line=None):
-    if issubclass(category, SharpiWarning):
-        print(f"warning: {message}", file=sys.stderr)
-    else:
-        sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
-
-
-@contextlib.contextmanager
-def _usage_errors_as_config_errors():
-    """argparse reports a bad flag (an unknown one, a missing argument, "--threads x") by printing the usage and
-    a prefixed message; make it a ConfigError instead, so it is one `error:` line and exit code 2 like every
-    other bad value. Done here, for the duration of the call, because both CLIs build plain ArgumentParsers."""
-    original = argparse.ArgumentParser.error
-
-    def error(parser, message):
-        raise ConfigError(f"{message[0].upper()}{message[1:]} (see {parser.prog} --help).")
-
-    argparse.ArgumentParser.error = error
-    try:
-        yield
-    finally:
-        argparse.ArgumentParser.error = original
+def _print_warnings(caught) -> None:
+    for w in caught:
+        if issubclass(w.category, SharpiWarning):
+            print(f"warning: {w.message}", file=sys.stderr)
+        else:
+            sys.stderr.write(warnings.formatwarning(w.message, w.category, w.filename, w.lineno, w.line))
 
 
 def add_device_flags(parser) -> None:
@@ -88,25 +85,13 @@ def sampling_kwargs(args) -> dict:
                 repeat_penalty=args.repeat_penalty, seed=args.seed, stop=args.stop)
 
 
-def check_generation_flags(model, args) -> None:
-    """The sampling and SnapKV flags, checked before any generation (chat would otherwise meet a bad value only
-    after the first message)."""
-    from ..common.settings import parse_positive_int
-    from ..runtime.sampling import SamplingParams
-
+def generation_options(model, args) -> dict:
+    """The sampling and SnapKV flags as generate()/chat() take them, checked now, before any generation (chat
+    would otherwise meet a bad value only after the first message); the SnapKV settings resolved once."""
     parse_positive_int(args.max_tokens, "--max-tokens", allow_zero=True)
     SamplingParams(**{k: v for k, v in sampling_kwargs(args).items() if k != "stop"}).validate()
-    model.snapkv_settings(**{name: getattr(args, f"snapkv_{name}") for name in SNAPKV_FLAGS})
-
-
-def session_kwargs(args) -> dict:
-    """Sampling plus the run-time SnapKV flags, as generate()/chat() take them."""
-    return {**sampling_kwargs(args), **snapkv_kwargs(args)}
-
-
-
-
-SNAPKV_FLAGS = ("budget", "window", "recency", "pooling", "kernel", "granularity", "sinks")
+    settings, _ = model.snapkv_settings(**snapkv_knobs(args))
+    return {**sampling_kwargs(args), "snapkv": settings}
 
 
 def add_snapkv_flags(parser) -> None:
@@ -120,5 +105,11 @@ def add_snapkv_flags(parser) -> None:
     parser.add_argument("--snapkv-sinks", default=None, help="first positions always kept (0)")
 
 
-def snapkv_kwargs(args) -> dict:
-    return {f"snapkv_{name}": getattr(args, f"snapkv_{name}") for name in SNAPKV_FLAGS}
+def snapkv_knobs(args) -> dict:
+    """The SnapKV flags given, by knob: {"budget": "256", ...} (each parsed where it is resolved)."""
+    return {knob: getattr(args, f"snapkv_{knob}") for knob in KNOBS if getattr(args, f"snapkv_{knob}") is not None}
+
+
+def snapkv_keywords(args) -> dict:
+    """The SnapKV flags given, as the API's keyword arguments (snapkv_budget=...)."""
+    return {PREFIX + knob: value for knob, value in snapkv_knobs(args).items()}

@@ -1,31 +1,32 @@
 """sharpi-compile MODEL --target llvm -o DIR: compile a GGUF file or a known model name into an artifact."""
 from __future__ import annotations
 
-import argparse
 import sys
 
-from .common import add_snapkv_flags, snapkv_kwargs, user_errors_exit_2
+from ..common.targets import DEFAULT_TARGET, TARGETS, targets_taking
+from .common import ArgumentParser, add_snapkv_flags, snapkv_keywords, user_errors_exit_2
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="sharpi-compile", description=__doc__)
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog="sharpi-compile", description=__doc__)
     p.add_argument("model", help="a .gguf path or a known model name (smollm2-135m, gemma3-270m)")
-    p.add_argument("--target", default="llvm",
-                   help="llvm (default, this CPU), vulkan (WGSL run through wgpu) or cuda (NVIDIA GPUs; needs nvcc)")
-    p.add_argument("--arch", default=None, help="cuda: the GPU architecture, sm_XY (default sm_80; PTX included)")
+    targets = ", ".join(f"{name} ({spec.about}{', the default' if name == DEFAULT_TARGET else ''})"
+                        for name, spec in TARGETS.items())
+    p.add_argument("--target", default=DEFAULT_TARGET, help=f"what to compile for: {targets}")
+    p.add_argument("--arch", default=None, help=f"{_taking('arch')}: the GPU architecture, sm_XY (PTX included)")
     p.add_argument("--cuda-graph", action="store_true",
-                   help="cuda: run each decode step as one captured CUDA graph (fewer launches)")
+                   help=f"{_taking('cuda_graph')}: run each decode step as one captured CUDA graph (fewer launches)")
     p.add_argument("-o", "--output", default=None, help="artifact directory (default: <gguf name>-<target>)")
-    p.add_argument("--mcpu", default=None, help="CPU to compile for (default: this machine's, e.g. znver3)")
+    p.add_argument("--mcpu", default=None, help=f"{_taking('mcpu')}: the CPU to compile for (default: this "
+                                                 f"machine's, e.g. znver3)")
     p.add_argument("--matmuls", default=None, choices=["int8", "float"],
-                   help="llvm: int8 (the default on CPUs with AVX2): the quantized matmuls multiply "
+                   help=f"{_taking('matmuls')}: int8 (the default on CPUs with AVX2): the quantized matmuls multiply "
                         "int8-quantized activations with integer dot products, as llama.cpp does; float: float32 "
                         "throughout, exact to the numpy reference")
     p.add_argument("--max-context", type=int, default=None, help="context length (default: the GGUF's)")
-    p.add_argument("--kv-dtype", default=None, help="the KV cache's element type: f32, f16 (half the memory; Vulkan "
-                                                     "needs shader-f16) or bf16 (half the memory, f32's range; not "
-                                                     "on Vulkan); default f16 for cuda and for int8 matmuls, else "
-                                                     "f32")
+    p.add_argument("--kv-dtype", default=None, help="the KV cache's element type: f32, f16 (half the memory) or bf16 "
+                                                     "(half the memory, f32's range); default f16 for GPUs and for "
+                                                     "int8 matmuls, else f32 (each target says which it lacks)")
     p.add_argument("--snapkv", default=None, help="on (default) or off: whether the SnapKV ops are compiled in")
     add_snapkv_flags(p)
     p.add_argument("--dump-ir", default=None, metavar="FILE", help="write the Relax IR after the passes to FILE")
@@ -43,6 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _taking(option: str) -> str:
+    return "/".join(targets_taking(option))
+
+
 @user_errors_exit_2
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
@@ -51,18 +56,18 @@ def main(argv=None) -> int:
         from ..compiler import export_onnx
         used = [flag for flag, on in (("--mcpu", args.mcpu), ("--arch", args.arch), ("--cuda-graph", args.cuda_graph),
                                       ("--matmuls", args.matmuls), ("--kv-dtype", args.kv_dtype), ("--check", args.check),
-                                      ("--target", args.target != "llvm")) if on]
+                                      ("--target", args.target != DEFAULT_TARGET)) if on]
         if used:
             raise ConfigError(f"{', '.join(used)} {'does' if len(used) == 1 else 'do'} not apply to --emit onnx.")
         print(export_onnx(args.model, output=args.output, weights=args.onnx_weights, max_context=args.max_context,
                           snapkv=args.snapkv, dump_ir=args.dump_ir, show_progress=not args.quiet,
-                          **snapkv_kwargs(args)))
+                          **snapkv_keywords(args)))
         return 0
     from ..compiler import compile as compile_model
     out = compile_model(args.model, target=args.target, output=args.output, mcpu=args.mcpu, arch=args.arch,
                         cuda_graph=args.cuda_graph, matmuls=args.matmuls, kv_dtype=args.kv_dtype,
                         max_context=args.max_context, snapkv=args.snapkv, dump_ir=args.dump_ir,
-                        use_cache=not args.no_cache, show_progress=not args.quiet, **snapkv_kwargs(args))
+                        use_cache=not args.no_cache, show_progress=not args.quiet, **snapkv_keywords(args))
     print(out)
     from ..common.manifest import manifest_sha256
     print(f"sharpi: manifest sha256 {manifest_sha256(out)} (an artifact is code: whoever loads this copy can pin it "

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from ..common.errors import ConfigError
-from .common import EXIT_USER_ERROR, add_device_flags, add_snapkv_flags, load_model
+from .common import add_device_flags, add_snapkv_flags, load_model
 
 TASK_CHOICES = ("passkey", "needle", "multikey", "report")
 EPILOG = """SnapKV: --snapkv-pooling, --snapkv-kernel, --snapkv-granularity and --snapkv-sinks take comma lists; every
@@ -24,7 +24,6 @@ def add_eval_parser(sub) -> None:
     """Register `sharpi eval` on the `sharpi` CLI's subparsers."""
     e = sub.add_parser("eval", help="long-context accuracy sweeps (passkey, needle, multikey) with plots",
                        description=__doc__, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    e.error = _one_line_error.__get__(e)        # bad arguments: one `error:` line and exit 2, as SharpiErrors
     e.add_argument("task", choices=TASK_CHOICES, help="the task, or `report` to redraw from a results file")
     e.add_argument("artifact", help="a compiled artifact directory (with `report`: the results JSON)")
     e.add_argument("--lengths", type=_list_of(int), default=[2000, 4000],
@@ -44,11 +43,6 @@ def add_eval_parser(sub) -> None:
     e.add_argument("--quiet", action="store_true", help="no progress bar")
     add_snapkv_flags(e)
     add_device_flags(e)
-
-
-def _one_line_error(self, message: str):
-    print(f"error: sharpi eval: {message}", file=sys.stderr)
-    sys.exit(EXIT_USER_ERROR)
 
 
 def _list_of(kind):

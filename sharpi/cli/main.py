@@ -1,17 +1,16 @@
 """sharpi fetch | inspect | run | chat | adapters | bench | eval | cache: use compiled artifacts and known models."""
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
-from .common import (add_device_flags, add_sampling_flags, add_snapkv_flags, check_generation_flags, load_model,
-                     session_kwargs, user_errors_exit_2)
+from .common import (ArgumentParser, add_device_flags, add_sampling_flags, add_snapkv_flags, generation_options,
+                     load_model, user_errors_exit_2)
 from .eval import add_eval_parser, cmd_eval
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="sharpi", description=__doc__)
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog="sharpi", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
     f = sub.add_parser("fetch", help="download and verify a known model")
@@ -80,8 +79,7 @@ def cmd_inspect(args) -> int:
 
 def cmd_run(args) -> int:
     model = load_model(args)
-    check_generation_flags(model, args)
-    stream = model.stream(args.prompt, args.max_tokens, **session_kwargs(args))
+    stream = model.stream(args.prompt, args.max_tokens, **generation_options(model, args))
     for piece in stream:
         sys.stdout.write(piece)
         sys.stdout.flush()
@@ -98,7 +96,7 @@ def cmd_run(args) -> int:
 
 def cmd_chat(args) -> int:
     model = load_model(args)
-    check_generation_flags(model, args)        # now, not after the user has typed the first message
+    options = generation_options(model, args)      # checked now, not after the user has typed the first message
     messages = []
     print("sharpi chat: empty line or Ctrl-D to quit", file=sys.stderr)
     while True:
@@ -109,7 +107,7 @@ def cmd_chat(args) -> int:
         if not line.strip():
             break
         messages.append({"role": "user", "content": line})
-        result = model.chat(messages, max_tokens=args.max_tokens, **session_kwargs(args))
+        result = model.chat(messages, max_tokens=args.max_tokens, **options)
         print(result.text)
         messages.append({"role": "assistant", "content": result.text})
     return 0

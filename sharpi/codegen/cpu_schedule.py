@@ -16,7 +16,7 @@ from tvm.s_tir import dlight as dl
 from tvm.s_tir.dlight.analysis import normalize_prim_func
 
 
-LANES = 8
+from .kernels.common import LANES
 
 
 def schedule_generic(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:

@@ -20,8 +20,10 @@ from . import schema
 from .config import MAX_SIZE, ModelConfig
 from .errors import ArtifactError, ConfigError
 from .output_dir import MAX_MANIFEST_BYTES, OutputKind, plain_file_name
-from .snapkv_settings import ENV as SNAPKV_KNOBS
+from .plan import PLAN_FILE
+from .snapkv_settings import KNOBS as SNAPKV_KNOBS
 from .snapkv_settings import MAX_WINDOW, check_against, parse_knob, settings_from
+from .targets import check_manifest_entry
 from .tokenizer import TokenizerInfo
 
 FORMAT = "sharpi-artifact"    # the format marker: a folder whose manifest says this is sharpi's to replace
@@ -29,7 +31,7 @@ FORMAT_VERSION = 2            # 2: format marker, manifest digest, kernel contra
 MANIFEST_NAME = "manifest.json"
 LIBRARY = "model.so"          # the compiled kernels (llvm, cuda)
 WEIGHTS = "weights.bin"       # every parameter, in manifest order, WEIGHT_ALIGN-byte aligned
-PLAN = "plan.json"            # vulkan: the plan of calls; one .wgsl file per kernel beside it
+PLAN = PLAN_FILE              # vulkan: the plan of calls (common.plan); one .wgsl file per kernel beside it
 TOKENIZER = "tokenizer.json"
 WEIGHT_ALIGN = 64
 CONTRACT_FUNCTION = "sharpi_contract"   # the library's function returning kernel_contract() as JSON
@@ -57,7 +59,7 @@ class Manifest:
     sharpi_version: str
     source: dict                 # {"name", "sha256", "size"}
     config: dict                 # ModelConfig.to_dict()
-    target: dict                 # {"kind", ...}: see _TARGETS
+    target: dict                 # {"kind", ...}: see common.targets
     tokenizer: dict              # TokenizerInfo.to_dict()
     page_size: int
     max_context: int
@@ -222,27 +224,6 @@ def _no_constant(name: str):
     raise ValueError(f"{name} is not a JSON number")
 
 
-_PLAIN_NAME = schema.text(255)
-_CPU_FEATURE = schema.text(32, r"[a-z0-9_.]+")
-_TARGETS = {
-    "llvm": schema.record({"kind": schema.one_of("llvm"), "mcpu": schema.text(64, r"[A-Za-z0-9_.+-]+"),
-                           "cpu_features": schema.array(_CPU_FEATURE, 64, unique=True),
-                           "matmuls": schema.one_of("float", "int8")}),
-    "cuda": schema.record({"kind": schema.one_of("cuda"), "arch": schema.text(8, r"sm_[0-9]{2,3}a?"),
-                           "images": schema.array(schema.text(32, r"[a-z]+:[0-9]+"), 64),
-                           "cuda_graph": schema.boolean}),
-    "vulkan": schema.record({"kind": schema.one_of("vulkan"), "shader": schema.one_of("wgsl"),
-                             "activations": schema.one_of("float32")}),
-}
-
-
-def _target(value, path):
-    kind = value.get("kind") if isinstance(value, dict) else None
-    if not isinstance(kind, str) or kind not in _TARGETS:
-        raise schema.SchemaError(f"{path}.kind", f"one of {', '.join(_TARGETS)}", kind)
-    _TARGETS[kind](value, path)
-
-
 def _plain_name(value, path):
     if not plain_file_name(value) or len(value) > 255:
         raise schema.SchemaError(path, "a plain file name (no folder in it)", value)
@@ -281,7 +262,7 @@ _TOP = schema.record({
     "sharpi_version": schema.text(64), "digest": schema.sha256_hex,
     "source": schema.record({"name": _plain_name, "sha256": schema.sha256_hex, "size": schema.integer(0, 1 << 50)}),
     "config": lambda v, p: ModelConfig.check_dict(v, p),
-    "target": _target, "tokenizer": lambda v, p: None,          # checked below, against the vocabulary
+    "target": check_manifest_entry, "tokenizer": lambda v, p: None,          # checked below, against the vocabulary
     "page_size": schema.integer(1, 4096), "max_context": schema.integer(1, MAX_SIZE),
     "max_pages": schema.integer(1, MAX_SIZE), "prefill_chunk": schema.integer(1, MAX_PREFILL_CHUNK),
     "functions": schema.array(schema.one_of(*FUNCTIONS), len(FUNCTIONS), unique=True),

@@ -31,13 +31,25 @@ def rope_op(layout: str) -> str:
 #   the last `window` queries of the chunk attend (causally) over the layer's slots; probabilities summed over
 #   those queries and averaged over each KV head's query heads.
 SNAPKV_SCORE = "sharpi.snapkv.score"
-# sharpi.snapkv.select(scores f32 [L, KVH, slots], params int32 [7]) -> keep int32 [L, KVH, slots]
-#   params: total, budget, recency, pooling kernel, pooling (0 none, 1 max, 2 avg), shared (0/1), sinks
-#   (sharpi.codegen.kernels.snapkv.P_*; artifacts compiled before sinks existed take the first 6);
-#   keep[l, h, :budget] is the ascending keep set.
+# sharpi.snapkv.select(scores f32 [L, KVH, slots], params int32 [SELECT_PARAMS]) -> keep int32 [L, KVH, slots]
+#   params (select_params() packs them; the kernels index them by P_*): total, budget, recency, pooling kernel,
+#   pooling code (POOLING_CODES), shared (0/1), sinks (last, so that the other indices are those of the 6-entry
+#   tensor of artifacts compiled before sinks existed); keep[l, h, :budget] is the ascending keep set.
 SNAPKV_SELECT = "sharpi.snapkv.select"
 SELECT_PARAMS = 7              # the params' length; an artifact compiled before sinks existed has 6 (no sinks)
 SELECT_PARAMS_BEFORE_SINKS = 6
+P_TOTAL, P_BUDGET, P_RECENCY, P_KERNEL, P_POOLING, P_SHARED, P_SINKS = range(SELECT_PARAMS)
+POOLING_CODES = {"none": 0, "max": 1, "avg": 2}
+POOL_NONE, POOL_MAX, POOL_AVG = (POOLING_CODES[p] for p in ("none", "max", "avg"))
 # sharpi.kv_compact(pool, page_table, keep int32 [L, KVH, slots], count [L] int32) -> pool (written in place)
 KV_COMPACT = "sharpi.kv_compact"
-SNAPKV_POOLING_CODES = {"none": 0, "max": 1, "avg": 2}
+
+
+def select_params(total: int, budget: int, settings, length: int = SELECT_PARAMS) -> list[int]:
+    """snapkv_select's params for a prompt of `total` slots kept to `budget` with SnapKVSettings `settings`;
+    `length` 6 for an artifact compiled before sinks existed (it takes no sinks)."""
+    params = [0] * SELECT_PARAMS
+    params[P_TOTAL], params[P_BUDGET], params[P_RECENCY] = total, budget, settings.recency
+    params[P_KERNEL], params[P_POOLING] = settings.kernel, POOLING_CODES[settings.pooling]
+    params[P_SHARED], params[P_SINKS] = int(settings.granularity == "shared"), settings.sinks
+    return params[:length]

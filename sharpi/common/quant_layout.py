@@ -27,6 +27,8 @@ types; per tensor q5_1 is 28/24 = 1.17x, q4_k 24/18 = 1.33x, q5_k 28/22 = 1.27x,
 """
 from __future__ import annotations
 
+import numpy as np
+
 BLOCK = 32
 
 # qtype -> list of (part name, dtype, shape as a function of (N, K))
@@ -58,3 +60,42 @@ EXPANDED_TYPE = "f16"
 
 def parts(qtype: str, n: int, k: int) -> list[tuple[str, str, tuple[int, int]]]:
     return [(name, dtype, shape(n, k)) for name, dtype, shape in LAYOUTS[qtype]]
+
+
+def dequantize_layout(qtype: str, parts: dict[str, np.ndarray]) -> np.ndarray:
+    """numpy dequantization of a sharpi layout: the reference the kernel tests compare against."""
+    if qtype in ("f32", "f16"):
+        return parts["w"].astype(np.float32)
+    if qtype == "bf16":
+        return (parts["w"].astype(np.uint32) << 16).view(np.float32)
+    s = parts["s"]
+    d = s[0][..., None]
+    if qtype == "q8_0":
+        quants = np.ascontiguousarray(parts["qs"]).view(np.int8)
+        n, k = quants.shape
+        return (quants.astype(np.float32).reshape(n, k // BLOCK, BLOCK) * d).reshape(n, k)
+    words = parts["qs"]
+    n = words.shape[0]
+    q = ((words[..., None] >> (np.arange(8, dtype=np.uint32) * 4)) & 0xF).reshape(n, -1, BLOCK).astype(np.float32)
+    if qtype == "q4_0":
+        w = (q - 8) * d
+    elif qtype in ("q4_1", "q4_k"):
+        w = q * d + s[1][..., None]
+    elif qtype == "q5_0":
+        w = (q + 16 * _bit_planes(s[1], 1) - 16) * d
+    elif qtype in ("q5_1", "q5_k"):
+        w = (q + 16 * _bit_planes(s[2], 1)) * d + s[1][..., None]
+    elif qtype == "q6_k":
+        hi = np.concatenate([_bit_planes(s[2], 2), _bit_planes(s[3], 2)], axis=-1)
+        d = np.repeat(np.stack([s[0], s[1]], axis=-1), 16, axis=-1)
+        w = (q + 16 * hi - 32) * d
+    else:
+        raise AssertionError(qtype)
+    return w.reshape(n, -1)
+
+
+def _bit_planes(field: np.ndarray, width: int) -> np.ndarray:
+    """An f32 field holding packed bits [N, NB] -> its 32 / width values of `width` bits [N, NB, 32 / width]."""
+    words = np.ascontiguousarray(field).view(np.uint32)
+    shifts = np.arange(0, 32, width, dtype=np.uint32)
+    return ((words[..., None] >> shifts) & ((1 << width) - 1)).astype(np.float32)

@@ -8,10 +8,10 @@ from dataclasses import asdict, dataclass, replace
 from .config import MAX_SIZE
 from .errors import ConfigError
 from .settings import parse_int
+from .targets import target_spec
 
 POOLINGS = ("max", "avg", "none")
 GRANULARITIES = ("kv-head", "shared")
-GPU_TARGETS = ("cuda", "vulkan")
 AUTO_MIN_CACHE_BYTES = 256 * 2**20
 # Ranges the kernels honour: positions, budgets and counts are int32 there and never exceed a context (MAX_SIZE);
 # the window's queries are captured in one prefill chunk, so it stays a chunk's size; the select kernel pools each
@@ -39,10 +39,28 @@ class SnapKVSettings:
         return asdict(self)
 
 
+KNOBS = tuple(ENV)               # budget, window, recency, pooling, kernel, granularity, sinks
+PREFIX = "snapkv_"              # how the API and the CLI spell them: snapkv_budget=..., --snapkv-budget
+
+
+def knobs_from_keywords(keywords: dict) -> dict:
+    """The SnapKV knobs of keyword arguments named snapkv_<knob> ({"budget": ...}; None values are "not given");
+    any other name is a ConfigError."""
+    knobs = {}
+    for key, value in keywords.items():
+        knob = key[len(PREFIX):] if key.startswith(PREFIX) else None
+        if knob not in ENV:
+            raise ConfigError(f"Unknown option {key!r}; the SnapKV options are "
+                              f"{', '.join(PREFIX + k for k in KNOBS)}.")
+        if value is not None:
+            knobs[knob] = value
+    return knobs
+
+
 def auto_budget(max_seq_len: int, full_cache_bytes: int, target: str) -> int:
     """min(max_seq_len/4, 4096), raised to min(1024, max_seq_len); on only for GPU targets whose full KV cache
     would exceed 256 MiB, else 0 (off)."""
-    if target not in GPU_TARGETS or full_cache_bytes <= AUTO_MIN_CACHE_BYTES:
+    if not target_spec(target).is_gpu or full_cache_bytes <= AUTO_MIN_CACHE_BYTES:
         return 0
     return max(min(max_seq_len // 4, 4096), min(1024, max_seq_len))
 

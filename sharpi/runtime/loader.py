@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from ..common.errors import ArtifactError
-from ..common.manifest import (CONTRACT_FUNCTION, LIBRARY, MANIFEST_NAME, PLAN, TOKENIZER, WEIGHTS, Manifest,
+from ..common.manifest import (CONTRACT_FUNCTION, LIBRARY, MANIFEST_NAME, TOKENIZER, WEIGHTS, Manifest,
                                check_contract, file_sha256, weights_size)
 
 
@@ -22,14 +22,12 @@ def host_cpu_flags() -> set[str]:
     return set()
 
 
-def check_artifact(directory: Path, manifest: Manifest, verify_hashes: bool = True) -> None:
-    """An ArtifactError for an artifact that is incomplete (a file missing, e.g. a kernel of a Vulkan plan),
-    corrupted (a file whose sha256 differs from the manifest's, checked when verify_hashes; a weights file of
-    another size than its parameters take, always) or built for a CPU this one is not. Nothing is loaded before
-    these checks pass."""
-    kind = manifest.target.get("kind")
-    code = {"vulkan": PLAN}.get(kind, LIBRARY)
-    needed = (code, WEIGHTS, TOKENIZER)
+def check_artifact(directory: Path, manifest: Manifest, code_file: str, verify_hashes: bool = True) -> None:
+    """An ArtifactError for an artifact that is incomplete (a file missing: its code_file, a kernel of a Vulkan
+    plan), corrupted (a file whose sha256 differs from the manifest's, checked when verify_hashes; a weights file
+    of another size than its parameters take, always) or built for a CPU this one is not. Nothing is loaded
+    before these checks pass."""
+    needed = (code_file, WEIGHTS, TOKENIZER)
     for name in dict.fromkeys([*needed, *manifest.files]):        # presence is cheap: always checked
         if not (directory / name).is_file():
             raise ArtifactError(f"{directory} is incomplete: {name} is missing; compile it again.")
@@ -47,9 +45,9 @@ def check_artifact(directory: Path, manifest: Manifest, verify_hashes: bool = Tr
         state = "empty" if size == 0 else "truncated" if size < expected else "longer than its parameters"
         raise ArtifactError(f"{directory}/{WEIGHTS} is {state} ({size} bytes; the manifest's parameters take "
                             f"{expected}); compile it again.")
-    if kind != "llvm":
+    required = set(manifest.target.get("cpu_features", []))      # a CPU target's: it runs on this CPU
+    if not required:
         return
-    required = set(manifest.target.get("cpu_features", []))
     flags = host_cpu_flags()
     missing = sorted(required - flags) if flags else []
     if missing:

@@ -1,4 +1,4 @@
-"""The loaded model: tokenizer, weights, page pool, VM; scoring and generation on top of sessions."""
+"""The loaded model: the tokenizer and the engine (backend, page pool); scoring and generation on sessions."""
 from __future__ import annotations
 
 import threading
@@ -11,13 +11,17 @@ import numpy as np
 from ..common.chat import render_chat
 from ..common.config import ModelConfig
 from ..common.errors import ArtifactError, ConfigError, ContextLengthError
-from ..common.manifest import KV_ITEMSIZE, Manifest
-from ..common.ops import SELECT_PARAMS, SELECT_PARAMS_BEFORE_SINKS
+from ..common.manifest import Manifest
 from ..common.settings import MAX_COUNT, parse_int, parse_positive_int, resolve_threads
+from ..common.snapkv_settings import PREFIX, SnapKVSettings, knobs_from_keywords
+from ..common.targets import target_spec
 from ..common.tokenizer import Tokenizer, TokenizerInfo, token_ids
-from .kv_cache import PagePool
+from .backend import Backend
+from .engine import Engine
 from .sampling import Sampler, SamplingParams
 from .session import Session
+from .tvm_backend import TVMBackend
+from .vulkan import VulkanBackend
 
 MAX_POOL_SEQUENCES = 4096
 
@@ -46,47 +50,30 @@ class Model:
         verify = verify or expect_sha256 is not None
         self.threads = resolve_threads(threads)
         pool_sequences = parse_positive_int(pool_sequences, "pool_sequences", highest=MAX_POOL_SEQUENCES)
-        self._manifest = Manifest.read(self.path, verify_digest=verify, expect_sha256=expect_sha256)
-        self._backend = _open_backend(self.path, self._manifest, self.threads, verify, adapter)
-        self.config = ModelConfig.from_dict(self._manifest.config)
-        self.tokenizer = Tokenizer.load(self.path, TokenizerInfo.from_dict(self._manifest.tokenizer))
+        manifest = Manifest.read(self.path, verify_digest=verify, expect_sha256=expect_sha256)
+        backend = open_backend(self.path, manifest, threads=self.threads, verify=verify, adapter=adapter)
+        self.config = ModelConfig.from_dict(manifest.config)
+        self.tokenizer = Tokenizer.load(self.path, TokenizerInfo.from_dict(manifest.tokenizer))
         if self.tokenizer.vocab_size > self.config.vocab_size:
             raise ArtifactError(f"{self.path}/tokenizer.json has {self.tokenizer.vocab_size} tokens, more than the "
                                 f"model's {self.config.vocab_size}; compile it again.")
-        self._pool = self._make_pool(pool_sequences)
-        # Sessions may run on several threads; the VM and the page pool are not thread-safe, so every forward
-        # (and every pool change) holds this lock (see Session). Reentrant: eviction runs inside a prefill.
-        self._lock = threading.RLock()
+        self.engine = Engine(backend, manifest, self.config, pool_sequences)
         # Tokenizing without special tokens flips a flag on the shared tokenizer for the call.
         self._tokenizer_lock = threading.Lock()
-
-    def _make_pool(self, sequences: int) -> PagePool:
-        """Room for `sequences` full-context sequences (sessions and forks share it), or as many pages as the
-        backend can hold in one buffer (Vulkan's storage-binding limit) if that is less."""
-        cfg, m = self.config, self._manifest
-        page_bytes = KV_ITEMSIZE[m.kv_dtype] * 2 * cfg.n_kv_heads * m.page_size * cfg.head_dim
-        pages = sequences * cfg.n_layers * m.max_pages
-        shape = (pages, 2, cfg.n_kv_heads, m.page_size, cfg.head_dim)
-        pages = self._backend.allocate_pool(shape, m.kv_dtype)
-        return PagePool(self._backend, pages, m.page_size, page_bytes)
 
     @property
     def backend(self) -> str:
         """Where this model runs, in words: the CPU and threads, or the Vulkan adapter."""
-        return self._backend.description
-
-    @property
-    def _weights(self):
-        return self._backend.weights
+        return self.engine.backend.description
 
     # -- public API -------------------------------------------------------------------------------------------
     @property
     def max_context(self) -> int:
-        return self._manifest.max_context
+        return self.engine.manifest.max_context
 
     @property
     def manifest(self) -> Manifest:
-        return self._manifest
+        return self.engine.manifest
 
     def tokenize(self, text: str, add_bos: bool | None = None, special: bool = False) -> list[int]:
         with self._tokenizer_lock:
@@ -95,48 +82,38 @@ class Model:
     def detokenize(self, ids, special: bool = True) -> str:
         return self.tokenizer.detokenize(ids, special=special)
 
-    def session(self, *, snapkv_budget=None, snapkv_window=None, snapkv_recency=None, snapkv_pooling=None,
-                snapkv_kernel=None, snapkv_granularity=None, snapkv_sinks=None) -> Session:
-        """A new sequence. SnapKV knobs: argument > SHARPI_SNAPKV_* env > the artifact's defaults; budget None
-        means auto (off on CPU), 0 off; sinks: the first positions always kept (0)."""
-        settings, budget = self.snapkv_settings(budget=snapkv_budget, window=snapkv_window, recency=snapkv_recency,
-                                                pooling=snapkv_pooling, kernel=snapkv_kernel,
-                                                granularity=snapkv_granularity, sinks=snapkv_sinks)
-        return Session(self, settings, budget)
+    def session(self, *, snapkv: SnapKVSettings | None = None, **snapkv_knobs) -> Session:
+        """A new sequence. SnapKV: the snapkv_* knobs (snapkv_budget, snapkv_window, snapkv_recency,
+        snapkv_pooling, snapkv_kernel, snapkv_granularity, snapkv_sinks: argument > SHARPI_SNAPKV_* env > the
+        artifact's defaults; budget None means auto (off on CPU), 0 off; sinks: the first positions always kept),
+        or `snapkv`, SnapKVSettings made once (the CLI's way)."""
+        settings, budget = self._resolve_snapkv(snapkv, snapkv_knobs)
+        return Session(self.engine, settings, budget)
 
-    def snapkv_settings(self, **arguments):
-        """The resolved SnapKV settings and effective budget (0 = no eviction) for these arguments."""
-        from ..common.snapkv_settings import auto_budget, check_against, settings_from
+    def snapkv_settings(self, **knobs) -> tuple[SnapKVSettings, int]:
+        """The resolved SnapKV settings and effective budget (0 = no eviction) for these knobs (budget=...,
+        window=..., ...: Engine.resolve_snapkv)."""
+        return self.engine.resolve_snapkv(**knobs)
 
-        info = self._manifest.snapkv or {}
-        settings = settings_from(info.get("defaults"), **arguments)
-        budget = settings.budget
-        if budget is None:
-            full = self._pool.page_bytes * self.config.n_layers * self._manifest.max_pages   # one full sequence
-            budget = auto_budget(self.max_context, full, self._manifest.target.get("kind", "llvm"))
-        if budget and not info.get("enabled"):
-            raise ConfigError("This artifact was compiled with --snapkv off; recompile with --snapkv on to evict.")
-        check_against(settings, budget, info.get("max_window", settings.window))
-        if budget and settings.sinks and self._select_params < SELECT_PARAMS:
-            raise ArtifactError(f"{self.path} was compiled before SnapKV sinks existed (its snapkv_select takes "
-                                f"{self._select_params} parameters); compile it again with this sharpi to use "
-                                f"sinks {settings.sinks}.")
-        return settings, budget
-
-    @property
-    def _select_params(self) -> int:
-        """The length of the artifact's snapkv_select params (6 in artifacts compiled before sinks)."""
-        return int((self._manifest.snapkv or {}).get("select_params", SELECT_PARAMS_BEFORE_SINKS))
+    def _resolve_snapkv(self, settings: SnapKVSettings | None, keywords: dict) -> tuple[SnapKVSettings, int]:
+        knobs = knobs_from_keywords(keywords)
+        if settings is not None:
+            if not isinstance(settings, SnapKVSettings):
+                raise ConfigError(f"snapkv must be a SnapKVSettings, got {type(settings).__name__}.")
+            if knobs:
+                raise ConfigError("Give the SnapKV settings as snapkv=... or as snapkv_* options, not both.")
+            knobs = settings.to_dict()
+        return self.engine.resolve_snapkv(**knobs)
 
     def score(self, ids) -> np.ndarray:
         """Teacher-forced logits, float32 [len(ids), vocab], of a fresh sequence."""
-        with Session(self) as s:
+        with Session(self.engine) as s:
             return s.score_logits(ids)
 
     def generate(self, prompt, max_tokens: int = 64, **options) -> GenerationResult:
         """Generate from a prompt (text or ids). Options: temperature, top_k, top_p, min_p, repeat_penalty,
-        seed (sampling); stop (strings); special (render special tokens); snapkv_budget, snapkv_window,
-        snapkv_recency, snapkv_pooling, snapkv_kernel, snapkv_granularity, snapkv_sinks (as session())."""
+        seed (sampling); stop (strings); special (render special tokens); snapkv or the snapkv_* knobs (as
+        session())."""
         generation = self.stream(prompt, max_tokens, **options)
         for _ in generation:
             pass
@@ -147,11 +124,11 @@ class Model:
         its `.result` is the GenerationResult."""
         sampling = SamplingParams(**{k: options.pop(k) for k in list(options)
                                      if k in SamplingParams.__dataclass_fields__})
-        stop, special = options.pop("stop", None), options.pop("special", False)
-        snapkv = {k: options.pop(k) for k in list(options) if k.startswith("snapkv_")}
+        stop, special, snapkv = options.pop("stop", None), options.pop("special", False), options.pop("snapkv", None)
+        knobs = {k: options.pop(k) for k in list(options) if k.startswith(PREFIX)}
         if options:
             raise ConfigError(f"Unknown option(s): {', '.join(sorted(options))}.")
-        session = self.session(**snapkv)          # validates the SnapKV knobs before any work
+        session = self.session(snapkv=snapkv, **knobs)          # validates the SnapKV knobs before any work
         return _Generation(self, session, prompt, max_tokens, sampling, stop, special)
 
     def chat(self, messages, max_tokens: int = 256, **kwargs) -> GenerationResult:
@@ -242,17 +219,14 @@ def _stop_strings(stop) -> list[str]:
     return list(stops)
 
 
-def _open_backend(path: Path, manifest: Manifest, threads: int, verify: bool, adapter: str | None):
-    kind = manifest.target.get("kind")
-    if adapter is not None and kind != "vulkan":
-        raise ConfigError(f"adapter applies to Vulkan artifacts only; {path} targets {kind}.")
-    if kind in ("llvm", "cuda"):
-        from .tvm_backend import TVMBackend
-        return TVMBackend(path, manifest, threads, verify)
-    if kind == "vulkan":
-        from .vulkan import VulkanBackend
-        return VulkanBackend(path, manifest, verify, adapter)
-    raise ArtifactError(f"{path} targets {kind}, which this runtime cannot run yet.")
+def open_backend(path: Path, manifest: Manifest, *, threads: int, verify: bool, adapter: str | None) -> Backend:
+    """The backend of the artifact's target's runtime (sharpi.common.targets): TVM's Relax VM, or the wgpu plan."""
+    spec = target_spec(manifest.target["kind"])
+    backend = RUNTIMES[spec.runtime]
+    return backend(path, manifest, threads=threads, verify=verify, adapter=adapter)
+
+
+RUNTIMES = {"tvm-vm": TVMBackend, "wgpu-plan": VulkanBackend}
 
 
 def _find_stop(text: str, stops: list[str]) -> int | None:

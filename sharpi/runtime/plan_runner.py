@@ -1,15 +1,15 @@
-"""Running a Vulkan plan (sharpi.codegen.vulkan) through wgpu: persistent buffers, and one command encoder per
+"""Running a Vulkan plan (sharpi.common.plan, written by sharpi.codegen.targets.vulkan) through wgpu: persistent buffers, and one command encoder per
 call in which every kernel of the plan is dispatched; only the result is read back. Calls can be recorded and
 replayed (bind groups and launch arguments built once), which is what makes a decode step cheap on the host."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from ..common.errors import ArtifactError, SharpiError
+from ..common.plan import Plan
 from ..common.shape_expr import evaluate
 from .wgpu_device import _wgpu, open_device
 
@@ -32,27 +32,16 @@ class DeviceTensor:
         return int(np.prod(self.shape)) * np.dtype(self.dtype).itemsize
 
 
-def read_plan(directory: Path) -> dict:
-    """plan.json as a dict (ArtifactError if it cannot be read or parsed)."""
-    try:
-        plan = json.loads((Path(directory) / "plan.json").read_text())
-    except (OSError, ValueError, RecursionError) as exc:
-        raise ArtifactError(f"{directory} has no readable plan.json: {exc}.") from None
-    if not isinstance(plan, dict):
-        raise ArtifactError(f"{directory}/plan.json is not a sharpi plan (not a JSON object).")
-    return plan
-
-
 class VulkanPlanRunner:
     """Loads plan.json + WGSL from a directory and runs its functions on one Vulkan device."""
 
-    def __init__(self, directory, adapter_name: str | None = None, plan: dict | None = None):
+    def __init__(self, directory, adapter_name: str | None = None, plan: Plan | None = None):
         self.directory = Path(directory)
-        self.plan = read_plan(self.directory) if plan is None else plan
-        need_f16 = any(b["dtype"] == "float16" for k in self.plan["kernels"].values() for b in k["buffers"])
+        self.plan = Plan.read(self.directory) if plan is None else plan
+        need_f16 = any(b["dtype"] == "float16" for k in self.plan.kernels.values() for b in k["buffers"])
         self.adapter, self.device = open_device(adapter_name, need_f16)
         self._wgpu = _wgpu()
-        self._pipelines = {name: self._pipeline(k) for name, k in self.plan["kernels"].items()}
+        self._pipelines = {name: self._pipeline(k) for name, k in self.plan.kernels.items()}
         self._realigned: dict = {}
         self._recordings: dict = {}
 
@@ -115,14 +104,14 @@ class VulkanPlanRunner:
         The output buffer is then reused by the next call with the same signature: read it before that."""
         if not reuse:
             tensors = [self._as_device(x) for x in inputs]
-            dispatches, output = self._record(self.plan["functions"][function], tensors)
+            dispatches, output = self._record(self.plan.functions[function], tensors)
             recording = self._bind(dispatches, tensors, output)
         else:
             key = (function, _signature(inputs))
             recording = self._recordings.pop(key, None)
             if recording is None:
                 tensors = [self._as_device(x) for x in inputs]
-                dispatches, output = self._record(self.plan["functions"][function], tensors)
+                dispatches, output = self._record(self.plan.functions[function], tensors)
                 recording = self._bind(dispatches, tensors, output)
             else:
                 self._write_inputs(recording.inputs, inputs)
@@ -182,7 +171,7 @@ class VulkanPlanRunner:
         return dispatches, values[fplan["output"]]
 
     def _launches(self, func: str, args: list) -> list:
-        pf = self.plan["prim_funcs"][func]
+        pf = self.plan.prim_funcs[func]
         env = {}
         for name, dims, arg in zip(pf["params"], pf["param_shapes"], args):   # the PrimFunc binds its own vars
             if dims is None:                       # a scalar parameter, passed by value
@@ -195,7 +184,7 @@ class VulkanPlanRunner:
             env[name] = evaluate(expr, env)
         out = []
         for launch in pf["launches"]:
-            kernel = self.plan["kernels"][launch["kernel"]]
+            kernel = self.plan.kernels[launch["kernel"]]
             extents = {tag: evaluate(e, env) for tag, e in launch["launch"].items()}
             grid = [extents.get(f"blockIdx.{c}", 1) for c in "xyz"]
             gx, gz = grid[0], 1

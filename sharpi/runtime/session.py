@@ -1,11 +1,12 @@
-"""A session: one sequence's KV cache and the forward calls that feed it."""
+"""A session: one sequence's KV cache and the forward calls that feed it, on a model's engine."""
 from __future__ import annotations
 
 import numpy as np
 
 from ..common import ops
-from ..common.errors import ConfigError, ContextLengthError, NonFiniteLogitsError
+from ..common.errors import ConfigError, ContextLengthError
 from ..common.snapkv_settings import SnapKVSettings
+from .engine import Engine
 from .kv_cache import PoolExhaustedError, SequenceCache
 
 
@@ -17,15 +18,16 @@ class Session:
     compacted to `budget` slots per layer and KV head. A continuation prefill never evicts.
 
     Threads: sessions of one model may be driven from different threads. Every call that runs the model or
-    touches the page pool (a forward, eviction, compaction, fork, close) holds the model's lock, because the VM
+    touches the page pool (a forward, eviction, compaction, fork, close) holds the engine's lock, because the VM
     and the pool are not thread-safe; so forwards of different sessions run one at a time, interleaved at forward
     (prefill chunk or decode step) granularity. One session is used by one thread at a time."""
 
-    def __init__(self, model, snapkv: SnapKVSettings | None = None, budget: int = 0):
-        self._model = model
-        cfg = model.config
-        windows = [cfg.sliding_window if cfg.is_local(l) else 0 for l in range(cfg.n_layers)]
-        self._cache = SequenceCache(model._pool, cfg.n_layers, cfg.n_kv_heads, model._manifest.max_pages, windows)
+    def __init__(self, engine: Engine, snapkv: SnapKVSettings | None = None, budget: int = 0,
+                 cache: SequenceCache | None = None):
+        """A new sequence on `engine` (or one continuing `cache`, which fork() copied); `snapkv` the resolved
+        settings and `budget` the effective budget (Engine.resolve_snapkv)."""
+        self._engine = engine
+        self._cache = cache if cache is not None else engine.new_cache()
         self.snapkv = snapkv or SnapKVSettings()
         self.snapkv_budget = budget
         self.evicted = False
@@ -74,7 +76,7 @@ class Session:
             logits = self._prefill_scored(ids)
         except PoolExhaustedError:
             if fresh:      # a later chunk found the pool full: leave the session empty, as it was
-                with self._model._lock:
+                with self._engine.lock:
                     self._cache.release()
             raise
         if evict:
@@ -92,10 +94,10 @@ class Session:
 
     def _prefill_scored(self, ids: np.ndarray) -> np.ndarray:
         """Chunked prefill whose last chunk holds the whole scoring window; keeps the scores."""
-        if "prefill_snapkv" not in self._model._backend.functions:
+        if not self._engine.has("prefill_snapkv"):
             raise ConfigError("This artifact was compiled with --snapkv off; recompile with --snapkv on to score.")
         window = min(self.snapkv.window, len(ids))
-        step = self._model._manifest.prefill_chunk
+        step = self._engine.prefill_chunk
         tail = max(window, len(ids) % step or step)
         for start in range(0, len(ids) - tail, step):
             self._forward("prefill", ids[start:min(start + step, len(ids) - tail)])
@@ -116,7 +118,7 @@ class Session:
         if budget is None and not knobs:
             settings, budget = self.snapkv, self.snapkv_budget
         else:
-            settings, budget = self._model.snapkv_settings(budget=budget, **knobs)
+            settings, budget = self._engine.resolve_snapkv(budget=budget, **knobs)
         cache = self._cache
         total = cache.logical_length
         if total != self._scored_length:
@@ -126,11 +128,9 @@ class Session:
         full = all(cache.length[l] == total for l in range(cache.n_layers) if not cache.is_local(l))
         if self.evicted or not self._should_evict(total, budget) or not full:
             return False
-        params = np.array([total, budget, settings.recency, settings.kernel,
-                           ops.SNAPKV_POOLING_CODES[settings.pooling], int(settings.granularity == "shared"),
-                           settings.sinks], np.int32)[:self._model._select_params]   # older artifacts: no sinks
-        with self._model._lock:
-            keep, keep_numpy = self._model._backend.select(scores, params)
+        params = np.array(ops.select_params(total, budget, settings, self._engine.select_params), np.int32)
+        with self._engine.lock:
+            keep, keep_numpy = self._engine.select(scores, params)
             # The rule for sliding-window layers: they keep their last window (they hold nothing else), so only
             # the global layers get keep sets; the local layers' scores are not used.
             rows = [None if cache.is_local(l) else keep_numpy[l, :, :budget].astype(np.int64)
@@ -155,11 +155,11 @@ class Session:
         strictly increasing."""
         self._check_open()
         rows = self._cache.keep_rows(keep)
-        with self._model._lock:
+        with self._engine.lock:
             self._compact_rows(rows)
 
     def _compact_rows(self, rows: list[np.ndarray | None]) -> None:
-        if "snapkv_compact" in self._model._backend.functions:
+        if self._engine.has("snapkv_compact"):
             cache = self._cache
             keep_table = np.zeros((cache.n_layers, cache.kv_heads, cache.capacity), np.int32)
             for layer, r in enumerate(rows):
@@ -174,24 +174,21 @@ class Session:
         """Gather keep[l, h, :count[l]] to the front with the compiled snapkv_compact (count 0 for layers left
         alone: rows[l] None), then the bookkeeping."""
         counts = np.array([0 if r is None else r.shape[1] for r in rows], np.int32)
-        self._model._backend.compact(self._cache.page_table(), keep, counts)
+        self._engine.compact(self._cache, keep, counts)
         self._cache.record_compaction(rows)
 
     def fork(self) -> "Session":
         """An independent copy of this session (its pages copied): one prefill, many continuations."""
         self._check_open()
-        other = Session.__new__(Session)
-        other._model, other._closed = self._model, False
-        other.snapkv, other.snapkv_budget, other.evicted = self.snapkv, self.snapkv_budget, self.evicted
-        other._scores, other._scored_length = self._scores, self._scored_length
-        with self._model._lock:
-            other._cache = self._cache.fork()
+        with self._engine.lock:
+            other = Session(self._engine, self.snapkv, self.snapkv_budget, cache=self._cache.fork())
+        other.evicted, other._scores, other._scored_length = self.evicted, self._scores, self._scored_length
         return other
 
     def close(self) -> None:
         """Return all pages to the pool. The session cannot be used afterwards."""
         if not self._closed:
-            with self._model._lock:
+            with self._engine.lock:
                 self._cache.release()
             self._closed = True
 
@@ -209,7 +206,7 @@ class Session:
 
     # -- internals -------------------------------------------------------------------------------------------
     def _chunks(self, ids: np.ndarray):
-        step = self._model._manifest.prefill_chunk
+        step = self._engine.prefill_chunk
         for start in range(0, len(ids), step):
             yield ids[start:start + step]
 
@@ -222,7 +219,7 @@ class Session:
         array = np.asarray(ids)
         if array.ndim != 1 or array.size == 0 or not np.issubdtype(array.dtype, np.integer):
             raise ConfigError("Token ids must be a non-empty 1-D sequence of integers.")
-        vocab = self._model.config.vocab_size
+        vocab = self._engine.config.vocab_size
         if array.min() < 0 or array.max() >= vocab:
             raise ConfigError(f"Token ids must be in [0, {vocab}).")
         if len(array) > self.context_left:
@@ -231,24 +228,4 @@ class Session:
         return array.astype(np.int32)
 
     def _forward(self, function: str, ids: np.ndarray, extra: tuple = ()):
-        cache = self._cache
-        with self._model._lock:
-            cache.reserve(len(ids))
-            positions = np.arange(cache.logical_length, cache.logical_length + len(ids), dtype=np.int32)
-            out = self._model._backend.forward(function, ids, positions, cache.page_table(), cache.kv_lens(),
-                                               extra)
-            cache.advance(len(ids))
-        _check_finite(out[0] if function == "prefill_snapkv" else out, positions)
-        return out
-
-
-def _check_finite(logits: np.ndarray, positions: np.ndarray) -> None:
-    """A NonFiniteLogitsError if the model computed NaN or infinite logits: sampling or scoring them would give
-    garbage (or numpy's own errors), and the cause lies in the model, which a user should hear about."""
-    if np.isfinite(logits).all():
-        return
-    rows = np.flatnonzero(~np.isfinite(logits).reshape(len(logits), -1).all(axis=1))
-    at = positions[-len(logits):][rows[0]]
-    raise NonFiniteLogitsError(f"The model's logits are not finite (NaN or infinite) at position {at}: its weights "
-                               f"hold NaN or infinite values, or a tensor's type in the GGUF is mislabelled "
-                               f"(sharpi-compile warns of non-finite weights).")
+        return self._engine.forward(function, ids, self._cache, extra)

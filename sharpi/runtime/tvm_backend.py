@@ -6,8 +6,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..common.errors import SharpiError
-from ..common.manifest import KV_ITEMSIZE, Manifest
+from ..common.errors import ConfigError, SharpiError
+from ..common.manifest import KV_ITEMSIZE, LIBRARY, Manifest
+from ..common.targets import target_spec
 from .kv_cache import PoolAllocationError
 from .loader import check_artifact, configure_threads, first_line, load_vm, load_weights
 
@@ -17,24 +18,33 @@ class CudaUnavailableError(SharpiError):
 
 
 class TVMBackend:
-    def __init__(self, directory: Path, manifest: Manifest, threads: int, verify: bool = True):
+    """Artifacts whose target runs on TVM's Relax VM (sharpi.common.targets: runtime "tvm-vm"), on the CPU or a
+    CUDA GPU as the target's tvm_device says."""
+    CODE_FILE = LIBRARY
+
+    def __init__(self, directory: Path, manifest: Manifest, *, threads: int, verify: bool = True,
+                 adapter: str | None = None):
         import tvm
 
-        check_artifact(directory, manifest, verify_hashes=verify)
-        self.kind = manifest.target.get("kind")
-        if self.kind == "cuda":
-            self.device = _cuda_device(directory)
-            self.description = f"CUDA: {self.device.device_name} (artifact for {manifest.target.get('arch')})"
-        else:
+        spec = target_spec(manifest.target["kind"])
+        if adapter is not None:
+            raise ConfigError(f"adapter applies to Vulkan artifacts only; {directory} targets {spec.name}.")
+        check_artifact(directory, manifest, self.CODE_FILE, verify_hashes=verify)
+        self.on_host = spec.tvm_device == "cpu"      # the pool is host memory: numpy views of it are zero-copy
+        if self.on_host:
             configure_threads(threads)
             self.device = tvm.cpu()
             self.description = f"CPU ({manifest.target.get('mcpu')}, {threads} threads)"
+        else:
+            self.device = _cuda_device(directory)
+            self.description = f"CUDA: {self.device.device_name} (artifact for {manifest.target.get('arch')})"
         self._vm = load_vm(directory, manifest, self.device)       # checks the kernel contract first
         self.weights = load_weights(directory, manifest, self.device)
         self.functions = {name: self._vm[name] for name in manifest.functions}
         self.pool = None
         self._pool_view = None
         self._decode_buffers = None
+        self._fixed_decode_inputs = not self.on_host   # --cuda-graph replays decode from fixed input buffers
 
     # -- the KV page pool -------------------------------------------------------------------------------------
     def allocate_pool(self, shape: tuple, dtype: str = "float32") -> int:
@@ -72,7 +82,7 @@ class TVMBackend:
     def copy_pages(self, src: list[int], dst: list[int]) -> None:
         if not src:
             return
-        if self.kind == "llvm":
+        if self.on_host:
             view = self.pool_view()
             view[dst] = view[src]
         else:
@@ -80,12 +90,12 @@ class TVMBackend:
                 self._page(s).copyto(self._page(d))
 
     def read_pages(self, pages: list[int]) -> np.ndarray:
-        if self.kind == "llvm":
+        if self.on_host:
             return self.pool_view()[pages]
         return np.stack([self._page(p).numpy() for p in pages])
 
     def write_pages(self, pages: list[int], data: np.ndarray) -> None:
-        if self.kind == "llvm":
+        if self.on_host:
             self.pool_view()[pages] = data
             return
         for p, page in zip(pages, data):
@@ -97,7 +107,7 @@ class TVMBackend:
         import tvm
 
         dev = self.device
-        if function == "decode" and self.kind == "cuda":
+        if function == "decode" and self._fixed_decode_inputs:
             ids, positions, page_table, kv_lens = self._decode_inputs(ids, positions, page_table, kv_lens)
         else:
             ids, positions, page_table, kv_lens = (tvm.runtime.tensor(a, dev)

@@ -2,12 +2,15 @@
 the TVM backend (sharpi.runtime.tvm_backend), so sessions, the KV bookkeeping and generation are shared."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
 
 from ..common.manifest import PLAN, check_contract
-from .plan_runner import DeviceTensor, VulkanPlanRunner, read_plan
+from ..common.plan import Plan
+from .loader import check_artifact, weight_arrays
+from .plan_runner import DeviceTensor, VulkanPlanRunner
 from .wgpu_device import VulkanUnavailableError, list_adapters, open_device
 
 __all__ = ["VulkanBackend", "VulkanPlanRunner", "VulkanUnavailableError", "list_adapters", "open_device"]
@@ -16,26 +19,21 @@ __all__ = ["VulkanBackend", "VulkanPlanRunner", "VulkanUnavailableError", "list_
 class VulkanBackend:
     """A Vulkan artifact on one adapter: weights and the KV page pool live in device buffers; each forward is
     one command encoder and one submit; only logits and keep sets are read back."""
-    kind = "vulkan"
+    CODE_FILE = PLAN
 
-    def __init__(self, directory: Path, manifest, verify: bool = True, adapter: str | None = None):
-        import os
-
-        from .loader import check_artifact
-
-        check_artifact(directory, manifest, verify_hashes=verify)
-        plan = read_plan(directory)
-        check_contract(directory, manifest, plan.get("contract"), PLAN)
+    def __init__(self, directory: Path, manifest, *, threads: int = 1, verify: bool = True,
+                 adapter: str | None = None):
+        check_artifact(directory, manifest, self.CODE_FILE, verify_hashes=verify)
+        plan = Plan.read(directory)
+        check_contract(directory, manifest, plan.contract, PLAN)
         self.runner = VulkanPlanRunner(directory, adapter or os.environ.get("SHARPI_VULKAN_ADAPTER") or None, plan)
         info = self.runner.adapter.info
         self.description = f"Vulkan: {info['device']} ({info['adapter_type']})"
-        self.functions = set(manifest.functions) & set(self.runner.plan["functions"])
+        self.functions = set(manifest.functions) & set(self.runner.plan.functions)
         self.weights = self._upload_weights(directory, manifest)
         self.pool: DeviceTensor | None = None
 
     def _upload_weights(self, directory: Path, manifest) -> list[DeviceTensor]:
-        from .loader import weight_arrays
-
         limit = self.runner.max_binding_size
         tensors = []
         for p, array in weight_arrays(directory, manifest):

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
+from .common import LANES, NEG_INF, token_count
 from .lanes import lane_total
-from .quant_matmul import token_count
 
 
 def fast_exp(x):
@@ -28,7 +28,6 @@ def fast_exp(x):
     return y * pow2n
 
 
-NEG_INF = -3.0e38   # finite: exp(NEG_INF - NEG_INF) = 1 where a query has seen no visible slot yet
 
 
 def f32(value):
@@ -161,7 +160,6 @@ def make_paged_attention(heads: int, kv_heads: int, head_dim: int, page_size: in
     n = token_count(tokens)
     group = heads // kv_heads
 
-    LANES = 8
     if head_dim % LANES:
         return _paged_attention_scalar(heads, kv_heads, head_dim, page_size, scale, n, group, kv_dtype,
                                        window)

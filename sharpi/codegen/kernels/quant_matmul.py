@@ -10,10 +10,10 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ...common.quant_layout import BLOCK, LAYOUTS, QUANTIZED
+from .common import LANES, token_count
 from .lanes import lane_total
 
 TILE = 8
-LANES = 8
 
 
 def planar(s):
@@ -64,11 +64,6 @@ def dense_value(qtype: str, w, row, k):
     if qtype == "bf16":
         return T.reinterpret("float32", T.shift_left(T.Cast("uint32", w[row, k]), T.uint32(16)))
     raise AssertionError(qtype)
-
-
-def token_count(tokens: int | None):
-    """The token dimension of a kernel: a symbolic int64 var, or a constant for specialized (decode) kernels."""
-    return tirx.Var("n", "int64") if tokens is None else tokens
 
 
 def cpu_quants(qtype: str, n: int, k: int) -> tuple[tuple[int, int], str]:

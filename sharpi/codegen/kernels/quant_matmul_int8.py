@@ -29,7 +29,8 @@ from tvm.script import tirx as T
 
 from ...common.quant_layout import BLOCK, LAYOUTS
 from .lanes import lane_max, lane_total
-from .quant_matmul import cpu_quants, token_count
+from .common import token_count
+from .quant_matmul import cpu_quants
 
 INT8_DOT_TYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k")
 _ZERO = {"q4_0": 8, "q5_0": 16, "q6_k": 32}     # the quant value meaning zero (w = (u - zero) * d)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from .quant_matmul import token_count
+from .common import token_count
 
 
 def rope_pairs(layout: str, head_dim: int) -> tuple[int, int]:

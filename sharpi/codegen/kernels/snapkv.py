@@ -18,14 +18,10 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from ...common.ops import SELECT_PARAMS
+from ...common.ops import (P_BUDGET, P_KERNEL, P_POOLING, P_RECENCY, P_SHARED, P_SINKS, P_TOTAL, POOL_AVG,
+                           POOL_MAX, SELECT_PARAMS)
+from .common import LANES, NEG_INF, token_count
 from .paged_attention import f32, fast_exp
-from .quant_matmul import LANES, token_count
-
-POOL_NONE, POOL_MAX, POOL_AVG = 0, 1, 2
-# select params tensor (int32 [SELECT_PARAMS]): total slots, budget, recency, kernel, pooling code, shared (0/1),
-# sinks (appended last, so that the other indices are those of the 6-entry tensor before sinks existed)
-P_TOTAL, P_BUDGET, P_RECENCY, P_KERNEL, P_POOLING, P_SHARED, P_SINKS = range(SELECT_PARAMS)
 
 
 def make_snapkv_score(heads: int, kv_heads: int, head_dim: int, page_size: int, max_pages: int, scale: float,
@@ -43,7 +39,6 @@ def make_snapkv_score(heads: int, kv_heads: int, head_dim: int, page_size: int, 
     group = heads // kv_heads
     slots = max_pages * page_size
     DC = head_dim // LANES
-    neg_inf = -3.0e38
 
     @T.prim_func
     def snapkv_score(var_q: T.handle, var_pool: T.handle, var_pt: T.handle, var_lens: T.handle, layer: T.int64,
@@ -66,7 +61,7 @@ def make_snapkv_score(heads: int, kv_heads: int, head_dim: int, page_size: int, 
             for w in range(T.min(T.Cast("int64", window[0]), n)):
                 t = T.meta_var(n - T.min(T.Cast("int64", window[0]), n) + w)
                 total = T.meta_var(T.Cast("int64", kv_lens[layer]) + t + 1)
-                st[0] = T.float32(neg_inf)
+                st[0] = T.float32(NEG_INF)
                 for s in range(total):
                     page = T.meta_var(T.Cast("int64", page_table[layer, s // page_size]))
                     for l in T.vectorized(LANES):
@@ -105,7 +100,6 @@ def _snapkv_score_scalar(heads, kv_heads, head_dim, page_size, max_pages, scale,
     pages, layers = T.int64(), T.int64()
     group = heads // kv_heads
     slots = max_pages * page_size
-    neg_inf = -3.0e38
 
     @T.prim_func
     def snapkv_score(var_q: T.handle, var_pool: T.handle, var_pt: T.handle, var_lens: T.handle, layer: T.int64,
@@ -125,7 +119,7 @@ def _snapkv_score_scalar(heads, kv_heads, head_dim, page_size, max_pages, scale,
                 for g in range(group):
                     t = T.meta_var(n - T.min(T.Cast("int64", window[0]), n) + w)
                     h = T.meta_var(kvh * group + g)
-                    st[0] = T.float32(neg_inf)
+                    st[0] = T.float32(NEG_INF)
                     st[1] = T.float32(0)
                     for s in range(T.Cast("int64", kv_lens[layer]) + t + 1):
                         st[3] = T.float32(0)

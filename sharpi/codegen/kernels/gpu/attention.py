@@ -26,11 +26,10 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ..paged_attention import visible
-from ..quant_matmul import token_count
+from ..common import GPU_KERNEL_ATTRS as ATTRS
+from ..common import NEG_INF, token_count
 
 MAX_THREADS = 256           # WebGPU's maxComputeInvocationsPerWorkgroup default
-NEG_INF = -3.0e38           # finite "minus infinity": exp(NEG_INF - m) underflows to 0 without inf - inf NaNs
-ATTRS = {"tirx.noalias": True, "op_pattern": 8, "tirx.is_scheduled": True}
 
 
 def _pool_vars():

@@ -21,7 +21,8 @@ from tvm.script import tirx as T
 
 from ....common.errors import CompileError
 from ....common.quant_layout import BLOCK, LAYOUTS, QUANTIZED
-from ..quant_matmul import dense_value, dequant, token_count
+from ..common import token_count
+from ..quant_matmul import dense_value, dequant
 from ..rope import rope_pairs
 from .quant_matmul import GPU_LAYOUTS
 

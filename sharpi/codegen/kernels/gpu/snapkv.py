@@ -27,16 +27,15 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from ..quant_matmul import token_count
-from ..snapkv import (P_BUDGET, P_KERNEL, P_POOLING, P_RECENCY, P_SHARED, P_SINKS, P_TOTAL, POOL_AVG, POOL_MAX,
-                      SELECT_PARAMS)
+from ....common.ops import (P_BUDGET, P_KERNEL, P_POOLING, P_RECENCY, P_SHARED, P_SINKS, P_TOTAL, POOL_AVG,
+                            POOL_MAX, SELECT_PARAMS)
+from ..common import GPU_KERNEL_ATTRS as ATTRS
+from ..common import NEG_INF, token_count
 
 THREADS = 256                 # invocations per workgroup for the reducing kernels (WebGPU's limit)
 LOG_THREADS = 8
 COMPACT_THREADS = 64
-NEG_INF = -3.0e38
 # op_pattern 8: opaque to FuseOps; is_scheduled: dlight leaves the hand-written schedule alone
-ATTRS = {"tirx.noalias": True, "op_pattern": 8, "tirx.is_scheduled": True}
 
 
 def _ceil_div(a: int, b: int) -> int:

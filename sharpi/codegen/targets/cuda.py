@@ -1,4 +1,4 @@
-"""The CUDA pipeline: the GPU kernels (the same as Vulkan's: sharpi.codegen.kernels.gpu), TVM's generic GPU
+"""The cuda target (NVIDIA GPUs): the GPU kernels (the same as Vulkan's: sharpi.codegen.kernels.gpu), TVM's generic GPU
 passes (legalize, fuse, dlight's GPU rules with tensorization off: `sch.tensorize` crashes this wheel), CUDA C++
 from TVM's codegen, and nvcc, which builds one fatbin per module holding SASS for the chosen architecture plus its
 PTX, so newer GPUs JIT the PTX. The artifact is a Relax VM library that TVM's CUDA runtime loads on the GPU
@@ -10,14 +10,22 @@ import re
 import shutil
 import struct
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import tvm
 
-from ..common.config import ModelConfig
-from ..common.errors import CompileError, ConfigError
-from ..common.tvm_cuda import load_tvm_cuda_runtime
-from .attach_kernels import attach_kernels
+from ...common.compile_options import CompileOptions
+from ...common.config import ModelConfig
+from ...common.errors import CompileError, ConfigError
+from ...common.manifest import LIBRARY
+from ...common.settings import sharpi_home
+from ...common.targets import TARGETS
+from ...common.tvm_cuda import load_tvm_cuda_runtime
+from ..artifact import with_contract
+from ..attach_kernels import attach_kernels
+from ..tvm_seams import cuda_compiler
+from .base import kernel_names
 
 DEFAULT_ARCH = "sm_80"
 _ARCH = re.compile(r"sm_(\d{2,3})a?$")
@@ -85,7 +93,6 @@ def ensure_cuda_runtime_library() -> None:
     try:
         load_tvm_cuda_runtime()
     except OSError:
-        from ..common.settings import sharpi_home
         try:
             load_tvm_cuda_runtime(driver=_driver_stub(sharpi_home() / "cuda-stub"))
         except OSError as exc:
@@ -134,22 +141,48 @@ def build(mod: tvm.IRModule, target: tvm.target.Target, library_path: Path, cuda
     """Compile the Relax module for CUDA and export the VM library; CUDA sources go through nvcc (our callback,
     for the SASS + PTX fatbin) rather than NVRTC (which needs the cuda-bindings package). With cuda_graph, TVM's
     RewriteCUDAGraph lifts static regions (with mark_decode_inputs_static: all of decode) into captured graphs."""
-    import tvm_ffi
     from tvm.support import nvcc
 
     arch = str(target.attrs["arch"])
     nvcc_path()
     ensure_cuda_runtime_library()
-    previous = tvm_ffi.get_global_func("tvm_callback_cuda_compile", allow_missing=True)
 
     def compile_fatbin(code, *_):
         return nvcc.compile_cuda(code, target_format="fatbin", arch=fatbin_flags(arch), compiler="nvcc")
 
-    tvm_ffi.register_global_func("tvm_callback_cuda_compile", compile_fatbin, override=True)
-    try:
+    with cuda_compiler(compile_fatbin):
         with target, tvm.transform.PassContext(opt_level=3, config={"relax.backend.use_cuda_graph": cuda_graph}):
             executable = tvm.compile(mod, target=target)
         executable.export_library(str(library_path))
-    finally:
-        if previous is not None:
-            tvm_ffi.register_global_func("tvm_callback_cuda_compile", previous, override=True)
+
+
+class CUDATarget:
+    spec = TARGETS["cuda"]
+    code_files = (LIBRARY,)
+
+    def resolve(self, options: CompileOptions) -> CompileOptions:
+        if options.arch is not None:
+            check_arch(options.arch)
+        nvcc_path()                            # no nvcc: say so before any work
+        return replace(options, arch=options.arch or DEFAULT_ARCH, kv_dtype=options.kv_dtype or "float16")
+
+    def describe(self, options: CompileOptions) -> dict:
+        return {"kind": self.spec.name, "arch": options.arch, "images": [], "cuda_graph": options.cuda_graph}
+
+    def build(self, mod, cfg: ModelConfig, options: CompileOptions, staging: Path, progress, contract: str):
+        target = make_target(options.arch)
+        progress.set_postfix_str("attach GPU kernels")
+        lowered = lower(mod, cfg, cuda_graph=options.cuda_graph)
+        progress.update(1)
+        progress.set_postfix_str("dlight schedules, CUDA codegen, nvcc")
+        kernels = kernel_names(lowered)
+        build(with_contract(lowered, contract), target, staging / LIBRARY, cuda_graph=options.cuda_graph)
+        progress.update(1)
+        return kernels
+
+    def finish(self, staging: Path, target: dict) -> None:
+        """The images the fatbin holds, read back from the library ("elf:90" is SASS for sm_90)."""
+        target["images"] = [f"{kind}:{arch}" for kind, arch in fatbin_entries((staging / LIBRARY).read_bytes())]
+
+
+TARGET = CUDATarget()

@@ -1,7 +1,7 @@
-"""ONNX translations of the ops the frontend and the SnapKV pass emit (used by sharpi.codegen.onnx_export).
+"""ONNX translations of the ops the frontend and the SnapKV pass emit (used by export.py).
 
 Each translation takes the translator `tr` (its graph builder `tr.gb`, its value helpers), the Relax call and the
-call's result type, and returns the value of the binding: an ONNX tensor name, or one of onnx_export's symbolic
+call's result type, and returns the value of the binding: an ONNX tensor name, or one of export.py's symbolic
 values (a KVCache for the paged pool, a WeightRef for a parameter). Two tables: RELAX_OPS by Relax op name, and
 NAMED_OPS by the name of the project's `call_dps_packed` externs (sharpi.common.ops), whose arguments arrive
 already translated.
@@ -17,10 +17,11 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from tvm import relax
 
-from ..common import ops
-from ..common.errors import CompileError
-from ..common.quant_layout import LAYOUTS
+from ...common import ops
+from ...common.errors import CompileError
+from ...common.quant_layout import LAYOUTS
 
 NEG_INF = np.float32(-np.inf)
 
@@ -46,7 +47,6 @@ def _static_dims(ty, *axes) -> list[int]:
 
 def _arg_ty(call, i):
     """The Relax type of argument i of a call_dps_packed (its args tuple) or of a plain call."""
-    from tvm import relax
     args = call.args[1].fields if _is_dps(call) else call.args
     expr = args[i]
     return expr.ty if not isinstance(expr, relax.Tuple) else None

@@ -2,7 +2,7 @@
 
 It walks the same high-level Relax module the other targets compile, after the SnapKV pass and before
 legalization, binding by binding: every Relax op and every named op of sharpi.common.ops becomes a few standard
-ONNX nodes (sharpi.codegen.onnx_ops holds the translations). The paged KV cache becomes a plain one: graph inputs
+ONNX nodes (ops.py holds the translations). The paged KV cache becomes a plain one: graph inputs
 `past_key.{l}` / `past_value.{l}` [kv_heads, past, head_dim] and outputs `present_key.{l}` / `present_value.{l}`
 [kv_heads, past + n, head_dim] (f32; slot order, so a slot index is a position until SnapKV compacts). Weights
 are constants: each `sharpi.dequantize.*` call is evaluated at export time into an f32 initializer (or an f16 one
@@ -34,9 +34,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import onnx
+import tvm
+from onnx import TensorProto, helper, numpy_helper
+from tvm import relax
 
-from ..common.errors import CompileError, ConfigError
-from ..common.output_dir import OutputKind
+from ...common import ops
+from ...common.errors import CompileError, ConfigError
+from ...common.output_dir import OutputKind
+from ...common.quant_layout import LAYOUTS, dequantize_layout
+from ...common.version import __version__
+from ...ir_passes.named_ops import extern_name
+from .ops import RELAX_OPS, named_op, supported_ops
 
 OPSET = 18
 IR_VERSION = 8
@@ -55,7 +64,6 @@ ALIGN = 4096
 
 
 def _tensor_proto_types():
-    from onnx import TensorProto
     return {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "float64": TensorProto.DOUBLE,
             "int32": TensorProto.INT32, "int64": TensorProto.INT64, "uint32": TensorProto.UINT32,
             "uint16": TensorProto.UINT16, "uint8": TensorProto.UINT8, "int8": TensorProto.INT8,
@@ -185,7 +193,6 @@ class GraphBuilder:
 
     def op(self, op_type: str, inputs, outputs=1, hint: str | None = None, **attrs):
         """Add a node; returns its output name (a list of them when outputs > 1 or a list of names)."""
-        from onnx import helper
         names = [self.fresh(hint or op_type) for _ in range(outputs)] if isinstance(outputs, int) else list(outputs)
         node_name = self._unique("/".join(self._scope + [op_type]), self._node_names)
         self.nodes.append(helper.make_node(op_type, list(inputs), names, name=node_name, doc_string=self.doc,
@@ -194,7 +201,6 @@ class GraphBuilder:
 
     def const(self, array, hint: str = "const") -> str:
         """A small constant initializer, shared by every use of the same value."""
-        from onnx import numpy_helper
         array = np.asarray(array)
         key = (array.dtype.str, array.shape, array.tobytes())
         if key not in self._consts:
@@ -207,7 +213,6 @@ class GraphBuilder:
         """A weight initializer, in the shared external-data file (inline when it is tiny)."""
         if name in self._weights:
             return self._weights[name]
-        from onnx import TensorProto, numpy_helper
         dtype, shape, offset, length = self.store.get(name, make)
         if length < EXTERNAL_MIN_BYTES:
             tensor = numpy_helper.from_array(np.asarray(make(), dtype=dtype).reshape(shape), name)
@@ -226,7 +231,6 @@ class GraphBuilder:
         return name
 
     def input(self, name: str, dtype: str, shape, default=None, doc: str = "") -> str:
-        from onnx import helper, numpy_helper
         self._names.add(name)
         info = helper.make_tensor_value_info(name, _tensor_proto_types()[dtype], shape)
         info.doc_string = doc
@@ -236,7 +240,6 @@ class GraphBuilder:
         return name
 
     def output(self, name: str, value: str, dtype: str, shape, doc: str = "") -> None:
-        from onnx import helper
         self.op("Identity", [value], outputs=[name])
         self._names.add(name)
         info = helper.make_tensor_value_info(name, _tensor_proto_types()[dtype], shape)
@@ -244,8 +247,7 @@ class GraphBuilder:
         self.outputs.append(info)
 
     def model(self, doc: str, metadata: dict):
-        from onnx import helper
-        from ..common.version import __version__
+        from ...common.version import __version__
         graph = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, initializer=self.initializers,
                                   doc_string=doc)
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], ir_version=IR_VERSION,
@@ -256,7 +258,7 @@ class GraphBuilder:
 
 # -- the translator -------------------------------------------------------------------------------------------------
 class Translator:
-    """Translates Relax functions into one GraphBuilder, binding by binding (onnx_ops has the op table)."""
+    """Translates Relax functions into one GraphBuilder, binding by binding (ops.py has the op table)."""
 
     def __init__(self, gb: GraphBuilder, weights, weight_dtype: str = "float32"):
         self.gb, self.weights, self.weight_dtype = gb, weights, weight_dtype
@@ -270,7 +272,6 @@ class Translator:
     def run(self, func, name: str, bindings: dict):
         """Translate Relax function `func`; bindings give each parameter's value by name. Returns the value of
         the function's result (a tensor name, a list for a tuple, a KVCache for the pool)."""
-        from tvm import relax
         self.function, self.env, self.symbols = name, {}, {}
         for param in func.params:
             if param.name not in bindings:
@@ -297,10 +298,8 @@ class Translator:
         """Names of the dequantized weights that some binding uses other than through permute_dims (a tied
         embedding: take() reads it as stored, the LM head transposed). permute_dims of any other dequantized
         weight is evaluated at export time; of these it stays a Transpose node, so the weight is stored once."""
-        from tvm import relax
 
-        from ..common import ops
-        from ..ir_passes.named_ops import extern_name
+        from ...ir_passes.named_ops import extern_name
         index, weight_of, plain = {}, {}, set()
         for block in body.blocks:
             for binding in block.bindings:
@@ -333,10 +332,7 @@ class Translator:
             f"{value.name}.T", lambda: np.ascontiguousarray(make().T), value.shape[::-1]))
 
     def visit(self, expr, ty=None):
-        import tvm
-        from tvm import relax
 
-        from .onnx_ops import RELAX_OPS, named_op
         if isinstance(expr, relax.Var):
             if expr in self.env:
                 return self.env[expr]
@@ -375,7 +371,6 @@ class Translator:
         self._unsupported(type(expr).__name__)
 
     def _unsupported(self, what: str):
-        from .onnx_ops import supported_ops
         raise CompileError(f"ONNX export: {self.function} uses {what}, which has no ONNX translation (translated: "
                            f"{', '.join(supported_ops())}).")
 
@@ -399,8 +394,8 @@ class Translator:
     def dequantized(self, qtype: str, parts, shape) -> ConstWeight:
         """The weight a sharpi.dequantize call makes from its parts (numpy, at export time; the kernel tests'
         reference dequantization), in the export's weight dtype."""
-        from ..common.quant_layout import LAYOUTS
-        from ..frontend.quant import dequantize_layout
+        from ...common.quant_layout import LAYOUTS
+        from ...common.quant_layout import dequantize_layout
         if not all(isinstance(p, WeightRef) for p in parts):
             raise CompileError(f"ONNX export: {self.function} dequantizes a value that is not a weight.")
         indices = [p.index for p in parts]
@@ -416,7 +411,6 @@ class Translator:
 
     def _materialize(self, value: ConstWeight) -> str:
         """The initializer of a ConstWeight (f32 as used; f16 stored and Cast to f32)."""
-        from onnx import TensorProto
         w = self.gb.weight(value.name, value.make)
         if self.weight_dtype == "float32":
             return w
@@ -488,9 +482,8 @@ class Translator:
 
 def _op_label(expr) -> str:
     """What a binding computes, for node doc strings: the Relax op or the named op."""
-    from tvm import relax
 
-    from ..ir_passes.named_ops import extern_name
+    from ...ir_passes.named_ops import extern_name
     if isinstance(expr, relax.Call):
         return extern_name(expr) or getattr(expr.op, "name", "call")
     return type(expr).__name__
@@ -581,7 +574,6 @@ def _snapkv_graph(mod, cfg, weights, store, weight_dtype: str, settings) -> Grap
 
 
 def _signature(model) -> dict:
-    from onnx import helper
 
     def entries(infos):
         out = []
@@ -598,7 +590,6 @@ def export_module(mod, cfg, weights, directory: Path, *, functions=DEFAULT_FUNCT
                   weight_dtype: str = "f32", metadata: dict | None = None, check: bool = True) -> dict:
     """Write `<function>.onnx` for each function and the shared weight file into `directory`; returns
     {function: {"file", "inputs", "outputs"}}. snapkv_settings (SnapKVSettings) is needed for prefill_snapkv."""
-    import onnx
     if weight_dtype not in WEIGHT_DTYPES:
         raise ConfigError(f"ONNX weights must be one of {', '.join(WEIGHT_DTYPES)}, got {weight_dtype!r}.")
     for fname in functions:

@@ -1,4 +1,4 @@
-"""The Vulkan pipeline: TVM builds the Relax module for WebGPU (WGSL), and we record what a wgpu runtime needs
+"""The vulkan target: TVM builds the Relax module for WebGPU (WGSL), and we record what a wgpu runtime needs
 to replay it: per kernel its WGSL, buffer bindings and POD arguments; per Relax function the ordered plan of
 storage allocations and kernel launches with their launch geometry as shape expressions.
 
@@ -11,11 +11,19 @@ See docs/spikes/vulkan/README.md for how this was worked out.
 from __future__ import annotations
 
 import re
-import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import tvm
 from tvm import ir, relax, tirx
+
+from ...common.compile_options import CompileOptions
+from ...common.config import ModelConfig
+from ...common.manifest import PLAN
+from ...common.plan import Plan
+from ...common.targets import TARGETS
+from ..attach_kernels import attach_kernels
+from ..tvm_seams import device_module_capture
 
 WGSL_SCALAR = {"int32": "i32", "int64": "i32", "uint32": "u32", "float32": "f32", "float16": "f16"}
 
@@ -25,14 +33,9 @@ def webgpu_target() -> tvm.target.Target:
 
 
 @dataclass
-class VulkanPlan:
-    functions: dict = field(default_factory=dict)     # Relax function -> {"inputs", "sym_vars", "ops", "output"}
-    prim_funcs: dict = field(default_factory=dict)    # host PrimFunc -> {"params", "param_shapes", "launches"}
-    kernels: dict = field(default_factory=dict)       # device kernel -> {"wgsl", "buffers", "pod", ...}
+class VulkanPlan(Plan):
+    """The plan (sharpi.common.plan, what plan.json holds) and the WGSL of its kernels."""
     sources: dict = field(default_factory=dict)       # kernel -> WGSL text
-
-    def to_json(self) -> dict:
-        return {"functions": self.functions, "prim_funcs": self.prim_funcs, "kernels": self.kernels}
 
 
 def shape_expr(e, names=None) -> str:
@@ -114,22 +117,10 @@ def _build_tir(lowered: tvm.IRModule, target):
             if info.name == "tirx.SplitHostDevice":
                 captured["split"] = mod
 
-    build_module = sys.modules["tvm.tirx.build"]
-    original = build_module.codegen_build
-
-    def capture_device(mod, tgt):
-        if tgt.kind.name == "webgpu":
-            captured["device"] = mod
-        return original(mod, tgt)
-
     prim_funcs = ir.IRModule({gv: f for gv, f in lowered.functions_items() if isinstance(f, tirx.PrimFunc)})
-    build_module.codegen_build = capture_device     # the wheel offers no hook for the finalized device module
-    try:
-        with tvm.transform.PassContext(instruments=[CaptureSplit()]):
-            tvm.tirx.build(prim_funcs, target=target)
-    finally:
-        build_module.codegen_build = original
-    return captured["split"], captured["device"]
+    with device_module_capture(target.kind.name) as device, tvm.transform.PassContext(instruments=[CaptureSplit()]):
+        tvm.tirx.build(prim_funcs, target=target)
+    return captured["split"], device["device"]
 
 
 def _collect_kernels(device: tvm.IRModule, target, plan: VulkanPlan) -> None:
@@ -277,14 +268,35 @@ def _packed(call, names) -> dict:
 def write_plan(plan: VulkanPlan, directory, contract: str | None = None) -> None:
     """plan.json and one .wgsl file per kernel into `directory`; `contract` (the manifest's kernel contract as
     JSON) is recorded in the plan, which the runtime compares with the manifest it loads."""
-    import json
-    from pathlib import Path
-
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     for name, source in plan.sources.items():
         (directory / plan.kernels[name]["wgsl"]).write_text(source)
-    content = plan.to_json()
-    if contract is not None:
-        content["contract"] = contract
-    (directory / "plan.json").write_text(json.dumps(content, indent=1))
+    Plan(plan.functions, plan.prim_funcs, plan.kernels, contract).write(directory)
+
+
+class VulkanTarget:
+    spec = TARGETS["vulkan"]
+    code_files = (PLAN,)
+
+    def resolve(self, options: CompileOptions) -> CompileOptions:
+        return replace(options, kv_dtype=options.kv_dtype or "float32")   # f16 on Vulkan: not yet measured
+
+    def describe(self, options: CompileOptions) -> dict:
+        return {"kind": self.spec.name, "shader": "wgsl", "activations": "float32"}
+
+    def build(self, mod, cfg: ModelConfig, options: CompileOptions, staging: Path, progress, contract: str):
+        progress.set_postfix_str("attach GPU kernels")
+        mod = attach_kernels(mod, cfg, gpu=True)
+        progress.update(1)
+        progress.set_postfix_str("dlight schedules, WGSL codegen, plan")
+        plan = build_plan(mod)
+        write_plan(plan, staging, contract)
+        progress.update(1)
+        return sorted(plan.kernels)
+
+    def finish(self, staging: Path, target: dict) -> None:
+        pass
+
+
+TARGET = VulkanTarget()

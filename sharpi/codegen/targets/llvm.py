@@ -1,16 +1,23 @@
-"""The LLVM-CPU pipeline: attach sharpi's kernels, legalize the rest, fuse elementwise chains, schedule what is
-not hand-written (cpu_schedule), build."""
+"""The llvm target: this CPU (or --mcpu). Attach sharpi's kernels (int8 integer-dot matmuls where the CPU has
+AVX2, float32 ones otherwise or with --matmuls float), legalize the rest, fuse elementwise chains, schedule what is
+not hand-written (cpu_schedule), build one library with the Relax VM's code and the kernels."""
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import tvm
 from tvm import relax
 
-from ..common.config import ModelConfig
-from ..common.errors import ConfigError
-from .attach_kernels import attach_kernels
-from .cpu_schedule import fast_math_legalizations, schedule_generic
+from ...common.compile_options import CompileOptions
+from ...common.config import ModelConfig
+from ...common.errors import ConfigError
+from ...common.manifest import LIBRARY
+from ...common.targets import TARGETS
+from ..artifact import with_contract
+from ..attach_kernels import attach_kernels
+from ..cpu_schedule import fast_math_legalizations, schedule_generic
+from .base import kernel_names
 
 # CPU features an artifact may need, by the name /proc/cpuinfo uses; LLVM's names map onto these.
 _LLVM_TO_CPUINFO = {"sse4.2": "sse4_2", "avx": "avx", "avx2": "avx2", "fma": "fma", "f16c": "f16c",
@@ -73,6 +80,42 @@ def build(mod: tvm.IRModule, target: tvm.target.Target, library_path: Path) -> N
     build_executable(mod, target).export_library(str(library_path))
 
 
-def kernel_names(mod: tvm.IRModule) -> list[str]:
-    return sorted(gv.name_hint for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc))
+class LLVMTarget:
+    spec = TARGETS["llvm"]
+    code_files = (LIBRARY,)
+
+    def resolve(self, options: CompileOptions) -> CompileOptions:
+        target = make_target(options.mcpu)    # an unknown --mcpu fails here, before any hashing or compiling
+        has_int8_dot = int8_dot_available(target)
+        if options.matmuls == "int8" and not has_int8_dot:
+            raise ConfigError(f"--matmuls int8 needs x86 AVX2, which {target.attrs['mcpu']} does not have; use "
+                              f"--matmuls float.")
+        matmuls = options.matmuls or ("int8" if has_int8_dot else "float")
+        # llama.cpp's arithmetic is int8 activations and an f16 KV cache: half the cache's memory, and decode and
+        # prefill after 4096 tokens ~9% faster (their K/V reads are bound by memory bandwidth); --matmuls float
+        # keeps the exact float32 path, KV included
+        kv_dtype = options.kv_dtype or ("float16" if matmuls == "int8" else "float32")
+        return replace(options, mcpu=options.mcpu or host_cpu(), matmuls=matmuls, kv_dtype=kv_dtype)
+
+    def describe(self, options: CompileOptions) -> dict:
+        target = make_target(options.mcpu)
+        return {"kind": self.spec.name, "mcpu": str(target.attrs["mcpu"]),
+                "cpu_features": required_cpu_features(target), "matmuls": options.matmuls}
+
+    def build(self, mod, cfg: ModelConfig, options: CompileOptions, staging: Path, progress, contract: str):
+        target = make_target(options.mcpu)
+        progress.set_postfix_str("attach kernels, legalize, fuse")
+        lowered = lower(mod, cfg, target, int8_dot=options.matmuls == "int8")
+        progress.update(1)
+        progress.set_postfix_str("LLVM codegen")
+        kernels = kernel_names(lowered)
+        build(with_contract(lowered, contract), target, staging / LIBRARY)
+        progress.update(1)
+        return kernels
+
+    def finish(self, staging: Path, target: dict) -> None:
+        pass
+
+
+TARGET = LLVMTarget()
 

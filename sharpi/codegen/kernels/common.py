@@ -1,0 +1,18 @@
+"""What every kernel family shares: the token dimension, the CPU vector width, the finite minus infinity, the
+attributes of a hand-scheduled GPU kernel."""
+from __future__ import annotations
+
+from tvm import tirx
+
+# f32 lanes of the CPU kernels' vectors (AVX2's 256 bits; LLVM splits or joins them for other widths)
+LANES = 8
+# Finite "minus infinity" for masked scores and empty maxima: exp(NEG_INF - m) underflows to 0, and
+# exp(NEG_INF - NEG_INF) = 1 where a query has seen no visible slot yet, without the NaN of inf - inf.
+NEG_INF = -3.0e38
+# A GPU kernel written with explicit thread bindings: dlight leaves it be, fusion treats it as opaque.
+GPU_KERNEL_ATTRS = {"tirx.noalias": True, "op_pattern": 8, "tirx.is_scheduled": True}
+
+
+def token_count(tokens: int | None):
+    """The token dimension of a kernel: a symbolic int64 var, or a constant for specialized (decode) kernels."""
+    return tirx.Var("n", "int64") if tokens is None else tokens

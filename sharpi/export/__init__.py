@@ -1,0 +1,1 @@
+"""Emitters of the Relax module other than the targets' builds: ONNX graphs (onnx/)."""

@@ -1,0 +1,104 @@
+"""The engine: one loaded artifact's execution state that its sessions share.
+
+It holds the backend (sharpi.runtime.backend), the KV page pool, the lock that makes forwards and pool changes one
+at a time (TVM's VM and the pool are not thread-safe), and what a session needs to know of the artifact. Sessions
+are given an engine; they never reach into the Model.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from ..common.config import ModelConfig
+from ..common.errors import ArtifactError, ConfigError, NonFiniteLogitsError
+from ..common.manifest import KV_ITEMSIZE, Manifest
+from ..common.ops import SELECT_PARAMS, SELECT_PARAMS_BEFORE_SINKS
+from ..common.snapkv_settings import SnapKVSettings, auto_budget, check_against, settings_from
+from .backend import Backend
+from .kv_cache import PagePool, SequenceCache
+
+
+class Engine:
+    def __init__(self, backend: Backend, manifest: Manifest, config: ModelConfig, pool_sequences: int):
+        self.backend, self.manifest, self.config = backend, manifest, config
+        self.pool = self._make_pool(pool_sequences)
+        # Reentrant: eviction (select, compact) runs inside a prefill.
+        self.lock = threading.RLock()
+
+    def _make_pool(self, sequences: int) -> PagePool:
+        """Room for `sequences` full-context sequences (sessions and forks share it), or as many pages as the
+        backend can hold in one buffer (Vulkan's storage-binding limit) if that is less."""
+        cfg, m = self.config, self.manifest
+        page_bytes = KV_ITEMSIZE[m.kv_dtype] * 2 * cfg.n_kv_heads * m.page_size * cfg.head_dim
+        shape = (sequences * cfg.n_layers * m.max_pages, 2, cfg.n_kv_heads, m.page_size, cfg.head_dim)
+        pages = self.backend.allocate_pool(shape, m.kv_dtype)
+        return PagePool(self.backend, pages, m.page_size, page_bytes)
+
+    # -- what sessions read of the artifact -------------------------------------------------------------------
+    @property
+    def prefill_chunk(self) -> int:
+        return self.manifest.prefill_chunk
+
+    @property
+    def select_params(self) -> int:
+        """The length of the artifact's snapkv_select params (6 in artifacts compiled before sinks)."""
+        return int((self.manifest.snapkv or {}).get("select_params", SELECT_PARAMS_BEFORE_SINKS))
+
+    def has(self, function: str) -> bool:
+        return function in self.backend.functions
+
+    def new_cache(self) -> SequenceCache:
+        cfg = self.config
+        windows = [cfg.sliding_window if cfg.is_local(l) else 0 for l in range(cfg.n_layers)]
+        return SequenceCache(self.pool, cfg.n_layers, cfg.n_kv_heads, self.manifest.max_pages, windows)
+
+    # -- calls ------------------------------------------------------------------------------------------------
+    def forward(self, function: str, ids: np.ndarray, cache: SequenceCache, extra: tuple = ()):
+        """Feed `ids` (checked by the caller) to one of the artifact's forward functions through `cache`: its
+        pages reserved, the tokens at positions logical_length.., the cache advanced; the logits checked."""
+        with self.lock:
+            cache.reserve(len(ids))
+            positions = np.arange(cache.logical_length, cache.logical_length + len(ids), dtype=np.int32)
+            out = self.backend.forward(function, ids, positions, cache.page_table(), cache.kv_lens(), extra)
+            cache.advance(len(ids))
+        _check_finite(out[0] if function == "prefill_snapkv" else out, positions)
+        return out
+
+    def select(self, scores, params: np.ndarray):
+        return self.backend.select(scores, params)
+
+    def compact(self, cache: SequenceCache, keep, counts: np.ndarray) -> None:
+        self.backend.compact(cache.page_table(), keep, counts)
+
+    # -- SnapKV settings --------------------------------------------------------------------------------------
+    def resolve_snapkv(self, **knobs) -> tuple[SnapKVSettings, int]:
+        """The SnapKV settings for these knobs (argument > SHARPI_SNAPKV_* env > the artifact's defaults) and
+        the effective budget (0: no eviction; auto resolved for this artifact), checked against what the artifact
+        was compiled with."""
+        info = self.manifest.snapkv or {}
+        settings = settings_from(info.get("defaults"), **knobs)
+        budget = settings.budget
+        if budget is None:
+            full = self.pool.page_bytes * self.config.n_layers * self.manifest.max_pages   # one full sequence
+            budget = auto_budget(self.manifest.max_context, full, self.manifest.target.get("kind"))
+        if budget and not info.get("enabled"):
+            raise ConfigError("This artifact was compiled with --snapkv off; recompile with --snapkv on to evict.")
+        check_against(settings, budget, info.get("max_window", settings.window))
+        if budget and settings.sinks and self.select_params < SELECT_PARAMS:
+            raise ArtifactError(f"This artifact was compiled before SnapKV sinks existed (its snapkv_select takes "
+                                f"{self.select_params} parameters); compile it again with this sharpi to use "
+                                f"sinks {settings.sinks}.")
+        return settings, budget
+
+
+def _check_finite(logits: np.ndarray, positions: np.ndarray) -> None:
+    """A NonFiniteLogitsError if the model computed NaN or infinite logits: sampling or scoring them would give
+    garbage (or numpy's own errors), and the cause lies in the model, which a user should hear about."""
+    if np.isfinite(logits).all():
+        return
+    rows = np.flatnonzero(~np.isfinite(logits).reshape(len(logits), -1).all(axis=1))
+    at = positions[-len(logits):][rows[0]]
+    raise NonFiniteLogitsError(f"The model's logits are not finite (NaN or infinite) at position {at}: its weights "
+                               f"hold NaN or infinite values, or a tensor's type in the GGUF is mislabelled "
+                               f"(sharpi-compile warns of non-finite weights).")
