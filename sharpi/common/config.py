@@ -9,6 +9,9 @@ from . import schema
 # context this long already needs a page table of 1M pages per layer.
 MAX_SIZE = 1 << 24
 ROPE_LAYOUTS = ("norm", "neox")
+FFN_ACTIVATIONS = ("silu", "gelu_tanh")
+# fields added after artifacts of format version 2 were first written: a manifest may lack them (their defaults)
+LATER_FIELDS = ("post_norms", "ffn_activation")
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,8 @@ class ModelConfig:
     rope_theta_local: float = 0.0
     attn_scale: float = 0.0    # query scale; 0 means 1/sqrt(head_dim)
     embed_scale: float = 1.0   # embeddings are multiplied by this (gemma: sqrt(dim))
+    post_norms: bool = False   # gemma3: each sublayer's output RMS-normed before its residual add
+    ffn_activation: str = "silu"   # the gated FFN's activation: silu (SwiGLU) or gelu_tanh (gemma3's GeGLU)
 
     def is_local(self, layer: int) -> bool:
         """Whether `layer` attends within a sliding window (every layer of a mistral-style llama, gemma3's local
@@ -71,7 +76,8 @@ class ModelConfig:
             "rope_layout": schema.one_of(*ROPE_LAYOUTS), "tied_embeddings": schema.boolean,
             "qkv_bias": schema.boolean, "qk_norm": schema.boolean, "sliding_window": schema.integer(0, MAX_SIZE),
             "swa_pattern": schema.integer(0, 4096), "rope_theta_local": schema.number(0, 1e30),
-            "attn_scale": schema.number(0, 1e6), "embed_scale": positive})(d, path)
+            "attn_scale": schema.number(0, 1e6), "embed_scale": positive, "post_norms": schema.boolean,
+            "ffn_activation": schema.one_of(*FFN_ACTIVATIONS)}, optional_keys=LATER_FIELDS)(d, path)
         if d["n_heads"] % d["n_kv_heads"]:
             raise schema.SchemaError(f"{path}.n_kv_heads", f"a divisor of n_heads ({d['n_heads']})",
                                      d["n_kv_heads"])

@@ -2,15 +2,14 @@
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Callable
 
 from ..common.config import MAX_SIZE, ModelConfig
 from ..common.errors import GGUFError, UnsupportedArchitectureError
 from ..common.schema import SchemaError
 from .gguf_file import GGUFFile
 
-# Architectures with a frontend module, and the RoPE layout each uses (llama.cpp's llama_model_rope_type).
-LLAMA_FAMILY = {"llama": "norm", "gemma3": "neox", "qwen2": "neox", "qwen3": "neox"}
 # gemma3 facts llama.cpp hard-codes rather than reading from the GGUF (src/llama-model.cpp)
 GEMMA3_SWA_PATTERN = 6             # every 6th layer (index % 6 == 5) is global, the others local
 GEMMA3_LOCAL_ROPE_BASE = 10000.0
@@ -18,8 +17,8 @@ GEMMA3_LOCAL_ROPE_BASE = 10000.0
 
 def config_from_gguf(gguf: GGUFFile) -> ModelConfig:
     arch = gguf.architecture
-    if arch not in LLAMA_FAMILY:
-        known = ", ".join(sorted(LLAMA_FAMILY))
+    if arch not in ARCHITECTURES:
+        known = ", ".join(sorted(ARCHITECTURES))
         raise UnsupportedArchitectureError(f"Architecture {arch!r} is not supported by sharpi (supported: {known}).")
     field = _FieldReader(gguf, arch)
     get, get_float = field.integer, field.number
@@ -33,7 +32,7 @@ def config_from_gguf(gguf: GGUFFile) -> ModelConfig:
         arch=arch, n_layers=get("block_count"), n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim,
         dim=dim, ffn_dim=get("feed_forward_length"), vocab_size=vocab,
         context_length=get("context_length"), rope_theta=get_float("rope.freq_base", 10000.0),
-        rms_eps=get_float("attention.layer_norm_rms_epsilon"), rope_layout=LLAMA_FAMILY[arch],
+        rms_eps=get_float("attention.layer_norm_rms_epsilon"), rope_layout=ARCHITECTURES[arch].rope_layout,
         tied_embeddings="output.weight" not in gguf.tensors)
     _check_sizes(cfg, gguf.path.name)
     if get("attention.value_length", head_dim) != head_dim:
@@ -43,24 +42,46 @@ def config_from_gguf(gguf: GGUFFile) -> ModelConfig:
         if tname in gguf.tensors:
             raise UnsupportedArchitectureError(f"{gguf.path.name} has a {tname} tensor, which sharpi does not "
                                                f"implement yet.")
-    if arch == "llama":
-        # Mistral GGUFs are llama ones; llama.cpp reads no window for them, but a GGUF that sets one (Mistral 7B
-        # v0.1's 4096) gets it on every layer: a query at position p sees keys p - window + 1 .. p.
-        cfg = replace(cfg, sliding_window=get("attention.sliding_window", 0, lowest=0))
-    elif arch == "qwen2":          # llama.cpp's qwen2 graph: llama plus biases on q, k and v
-        cfg = replace(cfg, qkv_bias=True)
-    elif arch == "qwen3":          # llama.cpp's qwen3 graph: llama plus per-head RMSNorm of q and k before RoPE
-        cfg = replace(cfg, qk_norm=True)
-    elif arch == "gemma3":
-        for key in ("final_logit_softcapping", "attn_logit_softcapping", "rope.scaling.factor"):
-            if f"gemma3.{key}" in gguf.metadata:
-                raise UnsupportedArchitectureError(f"{gguf.path.name} sets gemma3.{key}, which sharpi does not "
-                                                   f"implement yet.")
-        cfg = replace(cfg, sliding_window=get("attention.sliding_window"), swa_pattern=GEMMA3_SWA_PATTERN,
-                      qk_norm=True, rope_theta_local=GEMMA3_LOCAL_ROPE_BASE, attn_scale=1.0 / math.sqrt(head_dim),
-                      embed_scale=math.sqrt(dim), rope_theta=get_float("rope.freq_base", 1000000.0))
+    cfg = ARCHITECTURES[arch].configure(cfg, field, gguf)
     _validate(cfg, gguf)
     return cfg
+
+
+# -- the architectures: each GGUF architecture of the llama family as configuration of the one graph (llama.py) --
+@dataclass(frozen=True)
+class Architecture:
+    rope_layout: str               # llama.cpp's llama_model_rope_type: "norm" (adjacent pairs) or "neox" (halves)
+    configure: Callable            # (cfg, fields, gguf) -> cfg with the architecture's flags and constants
+
+
+def _llama(cfg: ModelConfig, field, gguf: GGUFFile) -> ModelConfig:
+    # Mistral GGUFs are llama ones; llama.cpp reads no window for them, but a GGUF that sets one (Mistral 7B
+    # v0.1's 4096) gets it on every layer: a query at position p sees keys p - window + 1 .. p.
+    return replace(cfg, sliding_window=field.integer("attention.sliding_window", 0, lowest=0))
+
+
+def _gemma3(cfg: ModelConfig, field, gguf: GGUFFile) -> ModelConfig:
+    """llama.cpp's gemma3 graph: embeddings times sqrt(dim); q/k norms; local layers (index % 6 != 5) in a
+    sliding window with RoPE base 10000; queries scaled by 1/sqrt(head_dim); post-attention and post-FFN norms;
+    GeGLU. RMSNorm weights are used as stored (the converter folded Gemma's +1 into them)."""
+    for key in ("final_logit_softcapping", "attn_logit_softcapping", "rope.scaling.factor"):
+        if f"gemma3.{key}" in gguf.metadata:
+            raise UnsupportedArchitectureError(f"{gguf.path.name} sets gemma3.{key}, which sharpi does not "
+                                               f"implement yet.")
+    return replace(cfg, sliding_window=field.integer("attention.sliding_window"), swa_pattern=GEMMA3_SWA_PATTERN,
+                   qk_norm=True, rope_theta_local=GEMMA3_LOCAL_ROPE_BASE, attn_scale=1.0 / math.sqrt(cfg.head_dim),
+                   embed_scale=math.sqrt(cfg.dim), rope_theta=field.number("rope.freq_base", 1000000.0),
+                   post_norms=True, ffn_activation="gelu_tanh")
+
+
+# llama.cpp's src/models/*.cpp: qwen2 is llama plus biases on q, k and v; qwen3 llama plus per-head RMSNorm of q
+# and k before RoPE (its head size from key_length); both NEOX RoPE
+ARCHITECTURES = {
+    "llama": Architecture("norm", _llama),
+    "qwen2": Architecture("neox", lambda cfg, field, gguf: replace(cfg, qkv_bias=True)),
+    "qwen3": Architecture("neox", lambda cfg, field, gguf: replace(cfg, qk_norm=True)),
+    "gemma3": Architecture("neox", _gemma3),
+}
 
 
 class _FieldReader:
@@ -139,6 +160,8 @@ def _expected_shapes(cfg: ModelConfig):
                         p + "attn_v.bias": (cfg.kv_dim,)}.items()
         if cfg.qk_norm:
             yield from {p + "attn_q_norm.weight": (cfg.head_dim,), p + "attn_k_norm.weight": (cfg.head_dim,)}.items()
+        if cfg.post_norms:
+            yield from {p + "post_attention_norm.weight": (cfg.dim,), p + "post_ffw_norm.weight": (cfg.dim,)}.items()
     yield "output_norm.weight", (cfg.dim,)
     if not cfg.tied_embeddings:
         yield "output.weight", (cfg.vocab_size, cfg.dim)

@@ -1,6 +1,16 @@
 """The llama family as Relax functions: `prefill` (logits of the last token), `prefill_logits` (logits of
 every token, for score()), and `decode` (one token, static shapes).
 
+One graph for every architecture of the family, as llama.cpp builds them: what differs is configuration
+(sharpi.frontend.config maps each GGUF architecture onto it, from llama.cpp's src/models/*.cpp):
+- `qkv_bias` (qwen2): the q, k and v projections add a bias (blk.N.attn_{q,k,v}.bias) before the reshape;
+- `qk_norm` (qwen3, gemma3): q and k RMS-normed per head (blk.N.attn_{q,k}_norm.weight) before RoPE;
+- `rope_layout`: adjacent pairs (llama) or NEOX halves (qwen, gemma3);
+- `post_norms` (gemma3): each sublayer's output RMS-normed (post_attention_norm, post_ffw_norm) before its
+  residual add; `ffn_activation`: silu (SwiGLU) or gelu_tanh (gemma3's GeGLU);
+- `embed_scale` (gemma3: sqrt(dim)), `attn_scale` (0: 1/sqrt(head_dim)), and sliding-window layers (`is_local`:
+  every layer of a mistral-style llama, gemma3's local ones) with their own RoPE base `rope_theta_local`.
+
 Every function has the same signature:
     (ids [n] int32, pos [n] int32, pool, page_table [L, MP] int32, kv_lens [L] int32, params) -> logits
 `pos` are the tokens' logical positions (RoPE), `kv_lens` the slots each layer held before the call; the
@@ -22,17 +32,25 @@ from .weights import WeightTable, load_weights
 
 LAYER_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 LAYER_VECTORS = ("attn_norm", "ffn_norm")
+# per-layer vectors the flags add, by flag, in the order they follow the base ones (after output_norm)
+FLAG_VECTORS = {"qkv_bias": ("attn_q.bias", "attn_k.bias", "attn_v.bias"),
+                "qk_norm": ("attn_q_norm.weight", "attn_k_norm.weight"),
+                "post_norms": ("post_attention_norm.weight", "post_ffw_norm.weight")}
+ACTIVATIONS = {"silu": R.nn.silu, "gelu_tanh": R.nn.gelu_tanh}
 
 
-def llama_weights(gguf: GGUFFile, cfg: ModelConfig, show_progress: bool,
-                  extra_layer_vectors: tuple[str, ...] = ()) -> WeightTable:
-    """The llama weights; extra_layer_vectors are further per-layer f32 tensors by their name after `blk.N.`
-    (e.g. "attn_q.bias")."""
+def layer_vectors(cfg: ModelConfig) -> list[str]:
+    """The per-layer f32 tensors (names after `blk.N.`) a config's flags add to the base ones."""
+    return [v for flag, names in FLAG_VECTORS.items() if getattr(cfg, flag) for v in names]
+
+
+def llama_weights(gguf: GGUFFile, cfg: ModelConfig, show_progress: bool) -> WeightTable:
+    """The weights the config's graph takes, in the order of its parameters."""
     matrices = ["token_embd.weight"] + [f"blk.{l}.{m}.weight" for l in range(cfg.n_layers) for m in LAYER_MATRICES]
     if not cfg.tied_embeddings:
         matrices.append("output.weight")
     vectors = [f"blk.{l}.{v}.weight" for l in range(cfg.n_layers) for v in LAYER_VECTORS] + ["output_norm.weight"]
-    vectors += [f"blk.{l}.{v}" for l in range(cfg.n_layers) for v in extra_layer_vectors]
+    vectors += [f"blk.{l}.{v}" for l in range(cfg.n_layers) for v in layer_vectors(cfg)]
     return load_weights(gguf, matrices, vectors, show_progress)
 
 
@@ -98,31 +116,51 @@ class LlamaBuilder:
         w = self._dequantize(name)
         return self.bb.emit(R.matmul(x, R.permute_dims(w)))
 
+    def _norm(self, x, name: str):
+        return self.bb.emit(R.nn.rms_norm(x, self._vector(name), axes=[-1], epsilon=self.cfg.rms_eps))
+
     def _embedding(self, ids):
-        return self.bb.emit(R.take(self._dequantize("token_embd.weight"), ids, axis=0))
+        x = self.bb.emit(R.take(self._dequantize("token_embd.weight"), ids, axis=0))
+        if self.cfg.embed_scale != 1.0:
+            x = self.bb.emit(R.multiply(x, relax.const(self.cfg.embed_scale, "float32")))
+        return x
 
     # -- one transformer block ------------------------------------------------------------------------------
     def _layer(self, l, x, pos, pool, page_table, kv_lens, n):
         cfg, bb, p = self.cfg, self.bb, f"blk.{l}."
-        h = bb.emit(R.nn.rms_norm(x, self._vector(p + "attn_norm.weight"), axes=[-1], epsilon=cfg.rms_eps))
+        h = self._norm(x, p + "attn_norm.weight")
         q, k, v = self._qkv(p, h, n)
-        q, k = self._rope(q, pos), self._rope(k, pos)
-        attn, pool = self._attention(l, q, k, v, pool, page_table, kv_lens, n,
-                                     window=cfg.sliding_window if cfg.is_local(l) else 0)
-        x = bb.emit(R.add(x, self._linear(attn, p + "attn_output.weight")))
-        h = bb.emit(R.nn.rms_norm(x, self._vector(p + "ffn_norm.weight"), axes=[-1], epsilon=cfg.rms_eps))
+        local = cfg.is_local(l)
+        theta = cfg.rope_theta_local if local and cfg.rope_theta_local else cfg.rope_theta
+        q, k = self._rope(q, pos, theta), self._rope(k, pos, theta)
+        attn, pool = self._attention(l, q, k, v, pool, page_table, kv_lens, n, scale=cfg.attn_scale or None,
+                                     window=cfg.sliding_window if local else 0)
+        x = bb.emit(R.add(x, self._sublayer_out(self._linear(attn, p + "attn_output.weight"),
+                                                 p + "post_attention_norm.weight")))
+        h = self._norm(x, p + "ffn_norm.weight")
         gate, up = self._linear(h, p + "ffn_gate.weight"), self._linear(h, p + "ffn_up.weight")
-        act = bb.emit(R.multiply(R.nn.silu(gate), up))
-        x = bb.emit(R.add(x, self._linear(act, p + "ffn_down.weight")))
+        act = bb.emit(R.multiply(ACTIVATIONS[cfg.ffn_activation](gate), up))
+        x = bb.emit(R.add(x, self._sublayer_out(self._linear(act, p + "ffn_down.weight"), p + "post_ffw_norm.weight")))
         return x, pool
+
+    def _sublayer_out(self, out, post_norm: str):
+        """A sublayer's output as it joins the residual: RMS-normed first with post_norms."""
+        return self._norm(out, post_norm) if self.cfg.post_norms else out
 
     def _qkv(self, p: str, h, n):
         """Layer `p`'s ("blk.N.") q [n, H, D], k and v [n, KVH, D] from the normed input h, before RoPE."""
-        cfg, bb = self.cfg, self.bb
-        q = bb.emit(R.reshape(self._linear(h, p + "attn_q.weight"), (n, cfg.n_heads, cfg.head_dim)))
-        k = bb.emit(R.reshape(self._linear(h, p + "attn_k.weight"), (n, cfg.n_kv_heads, cfg.head_dim)))
-        v = bb.emit(R.reshape(self._linear(h, p + "attn_v.weight"), (n, cfg.n_kv_heads, cfg.head_dim)))
+        cfg = self.cfg
+        q, k, v = (self._project(h, p + name, heads, n) for name, heads in
+                   (("attn_q", cfg.n_heads), ("attn_k", cfg.n_kv_heads), ("attn_v", cfg.n_kv_heads)))
+        if cfg.qk_norm:
+            q, k = self._norm(q, p + "attn_q_norm.weight"), self._norm(k, p + "attn_k_norm.weight")
         return q, k, v
+
+    def _project(self, h, name: str, heads: int, n):
+        y = self._linear(h, name + ".weight")
+        if self.cfg.qkv_bias:
+            y = self.bb.emit(R.add(y, self._vector(name + ".bias")))
+        return self.bb.emit(R.reshape(y, (n, heads, self.cfg.head_dim)))
 
     def _attention(self, l, q, k, v, pool, page_table, kv_lens, n, scale: float | None = None, window: int = 0):
         """Append k and v to layer l's cache, attend; returns (attention output [n, q_dim], the pool)."""

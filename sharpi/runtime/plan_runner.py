@@ -1,6 +1,7 @@
-"""Running a Vulkan plan (sharpi.common.plan, written by sharpi.codegen.targets.vulkan) through wgpu: persistent buffers, and one command encoder per
-call in which every kernel of the plan is dispatched; only the result is read back. Calls can be recorded and
-replayed (bind groups and launch arguments built once), which is what makes a decode step cheap on the host."""
+"""Running a Vulkan plan (sharpi.common.plan, written by sharpi.codegen.targets.vulkan) through wgpu: persistent
+buffers, and one command encoder per call in which every kernel of the plan is dispatched; only the result is read
+back. Calls can be recorded and replayed (bind groups and launch arguments built once), which is what makes a
+decode step cheap on the host."""
 from __future__ import annotations
 
 from dataclasses import dataclass

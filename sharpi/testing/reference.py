@@ -1,10 +1,11 @@
 """The exact float32 numpy forward pass for the llama family and gemma3: an independent reference for sharpi's kernels.
 
 Weights come from `gguf.quants.dequantize` (not from sharpi's repacking), attention is materialized in full,
-so nothing here shares code with the compiled path except the GGUF reader. The architecture is the GGUF's
-`general.architecture`: "gemma3" gets the Gemma 3 graph (see `_gemma3_config`), anything else goes through
-`config_from_gguf` and the llama graph, whose variants are the config's flags: `qkv_bias` (qwen2), `qk_norm`
-(qwen3), `rope_layout` (NEOX for qwen2/qwen3) and `sliding_window` (a mistral-style llama: every layer).
+so nothing here shares code with the compiled path except the GGUF reader. One graph, as the frontend's, whose
+variants are the config's flags: `qkv_bias` (qwen2), `qk_norm` (qwen3, gemma3), `rope_layout`, `post_norms` and
+`ffn_activation` (gemma3), `embed_scale`, `attn_scale`, and sliding-window layers (`sliding_window`, `swa_pattern`,
+`rope_theta_local`: a mistral-style llama's every layer, gemma3's local ones). The config comes from
+`config_from_gguf`, except Gemma 3's, which `_gemma3_config` reads here on its own from the GGUF's metadata.
 """
 from __future__ import annotations
 
@@ -30,31 +31,22 @@ class NumpyReference:
 
         gguf = GGUFFile(gguf_path)
         self.arch = gguf.architecture
-        if self.arch == "gemma3":
-            self.config: ModelConfig = _gemma3_config(gguf)
-            md = gguf.metadata
-            self.sliding_window = int(gguf.require("gemma3.attention.sliding_window"))
-            self.local_rope_theta = GEMMA3_LOCAL_ROPE_BASE
-            self.embed_scale = np.float32(np.sqrt(np.float32(self.config.dim)))
-            # llama.cpp's f_attention_scale: 1/sqrt(head_dim), except Gemma 3 27B (62 layers): 1/sqrt(dim/heads).
-            cfg = self.config
-            self.attn_scale = (cfg.dim / cfg.n_heads if cfg.n_layers == 62 else cfg.head_dim) ** -0.5
-            # Linear RoPE scaling (the larger Gemma 3 models) applies to the global layers only; none on 270M.
-            factor = md.get("gemma3.rope.scaling.factor")
-            linear = md.get("gemma3.rope.scaling.type", "linear" if factor else "none") == "linear"
-            self.global_pos_scale = 1.0 / float(factor) if (factor and linear) else 1.0
-        else:
-            self.config = config_from_gguf(gguf)
-            self.sliding_window = self.config.sliding_window
-            self.local_rope_theta = self.config.rope_theta_local   # 0: local layers keep the model's RoPE base
-            self.embed_scale, self.attn_scale, self.global_pos_scale = 1.0, None, 1.0
-        self.swa_pattern = GEMMA3_SWA_PATTERN if self.arch == "gemma3" else self.config.swa_pattern
+        # Gemma 3's config is read here on its own (not through the frontend's mapping), so that the reference
+        # checks that mapping too; both drive the same flags of one graph
+        self.config: ModelConfig = _gemma3_config(gguf) if self.arch == "gemma3" else config_from_gguf(gguf)
+        cfg = self.config
+        self.sliding_window = cfg.sliding_window
+        self.swa_pattern = cfg.swa_pattern
+        self.local_rope_theta = cfg.rope_theta_local   # 0: local layers keep the model's RoPE base
+        self.embed_scale = np.float32(cfg.embed_scale)
+        self.attn_scale = cfg.attn_scale or None
+        # Linear RoPE scaling (the larger Gemma 3 models) applies to the global layers only; none on 270M.
+        md = gguf.metadata
+        factor = md.get(f"{self.arch}.rope.scaling.factor")
+        linear = md.get(f"{self.arch}.rope.scaling.type", "linear" if factor else "none") == "linear"
+        self.global_pos_scale = 1.0 / float(factor) if (factor and linear) else 1.0
         self.weights = {name: _dequantize(t, GGMLQuantizationType(t.type_id), dequantize)
                         for name, t in gguf.tensors.items()}
-
-    @property
-    def is_gemma3(self) -> bool:
-        return self.arch == "gemma3"
 
     def is_local(self, l: int) -> bool:
         """Whether layer l uses sliding-window attention (gemma3's local layers; every layer of a llama with a
@@ -123,7 +115,7 @@ class NumpyReference:
 
     def _embed(self, ids):
         x = self.weights["token_embd.weight"][ids]
-        return (x * self.embed_scale).astype(np.float32) if self.is_gemma3 else x
+        return (x * self.embed_scale).astype(np.float32) if self.embed_scale != 1 else x
 
     def _scale(self):
         return self.attn_scale
@@ -155,18 +147,19 @@ class NumpyReference:
         return rope(q, rpos, theta), rope(k, rpos, theta), v
 
     def _finish_layer(self, l, x, attn):
+        """The attention's output projection and the gated FFN, each joining the residual (RMS-normed first with
+        post_norms)."""
         cfg, W, p = self.config, self.weights, f"blk.{l}."
-        if self.is_gemma3:
-            a = attn.reshape(x.shape[0], cfg.q_dim) @ W[p + "attn_output.weight"].T
-            x = x + rms_norm(a, W[p + "post_attention_norm.weight"], cfg.rms_eps)
-            h = rms_norm(x, W[p + "ffn_norm.weight"], cfg.rms_eps)
-            g, u = h @ W[p + "ffn_gate.weight"].T, h @ W[p + "ffn_up.weight"].T
-            f = (gelu_tanh(g) * u) @ W[p + "ffn_down.weight"].T
-            return x + rms_norm(f, W[p + "post_ffw_norm.weight"], cfg.rms_eps)
-        x = x + attn.reshape(x.shape[0], cfg.q_dim) @ W[p + "attn_output.weight"].T
+
+        def joined(out, post_norm):
+            return rms_norm(out, W[p + post_norm], cfg.rms_eps) if cfg.post_norms else out
+
+        out = attn.reshape(x.shape[0], cfg.q_dim) @ W[p + "attn_output.weight"].T
+        x = x + joined(out, "post_attention_norm.weight")
         h = rms_norm(x, W[p + "ffn_norm.weight"], cfg.rms_eps)
         g, u = h @ W[p + "ffn_gate.weight"].T, h @ W[p + "ffn_up.weight"].T
-        return x + (silu(g) * u) @ W[p + "ffn_down.weight"].T
+        act = gelu_tanh(g) if cfg.ffn_activation == "gelu_tanh" else silu(g)
+        return x + joined((act * u) @ W[p + "ffn_down.weight"].T, "post_ffw_norm.weight")
 
     def _logits(self, x):
         W = self.weights
@@ -206,13 +199,19 @@ def _gemma3_config(gguf: GGUFFile) -> ModelConfig:
     for key in ("final_logit_softcapping", "attn_logit_softcapping"):
         if f"gemma3.{key}" in gguf.metadata:
             raise GGUFError(f"{gguf.path.name}: gemma3.{key} is set; the reference does no soft-capping.")
+    n_layers = int(get("block_count"))
+    # llama.cpp's f_attention_scale: 1/sqrt(head_dim), except Gemma 3 27B (62 layers): 1/sqrt(dim/heads).
+    attn_scale = (dim / n_heads if n_layers == 62 else head_dim) ** -0.5
     return ModelConfig(
-        arch="gemma3", n_layers=int(get("block_count")), n_heads=n_heads,
+        arch="gemma3", n_layers=n_layers, n_heads=n_heads,
         n_kv_heads=int(get("attention.head_count_kv", n_heads)), head_dim=head_dim, dim=dim,
         ffn_dim=int(get("feed_forward_length")), vocab_size=int(gguf.tensor("token_embd.weight").shape[0]),
         context_length=int(get("context_length")), rope_theta=float(get("rope.freq_base", 1000000.0)),
         rms_eps=float(get("attention.layer_norm_rms_epsilon")), rope_layout="neox", qk_norm=True,
-        tied_embeddings="output.weight" not in gguf.tensors)
+        tied_embeddings="output.weight" not in gguf.tensors,
+        sliding_window=int(gguf.require("gemma3.attention.sliding_window")), swa_pattern=GEMMA3_SWA_PATTERN,
+        rope_theta_local=GEMMA3_LOCAL_ROPE_BASE, attn_scale=attn_scale,
+        embed_scale=float(np.sqrt(np.float32(dim))), post_norms=True, ffn_activation="gelu_tanh")
 
 
 def _attention(q, k, v, visible, scale=None):

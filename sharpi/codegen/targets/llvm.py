@@ -59,7 +59,8 @@ def int8_dot_available(target: tvm.target.Target) -> bool:
 
 
 def lower(mod: tvm.IRModule, cfg: ModelConfig, target: tvm.target.Target, int8_dot: bool = False) -> tvm.IRModule:
-    """int8_dot: the quantized matmuls multiply int8-quantized activations (quant_matmul_int8; needs int8_dot_available)."""
+    """int8_dot: the quantized matmuls multiply int8-quantized activations (quant_matmul_int8; needs
+    int8_dot_available)."""
     with target:
         mod = attach_kernels(mod, cfg, int8_dot=int8_dot)
         mod = relax.transform.LegalizeOps(fast_math_legalizations())(mod)
