@@ -177,8 +177,8 @@ def make_seeds(directory: Path) -> list[Path]:
     seeds = [write_tiny_llama(directory / "llama-f32.gguf", **small),
              write_tiny_llama(directory / "qwen2-q8_0.gguf", arch="qwen2", qkv_bias=True, matrix_type="Q8_0", **small),
              write_tiny_llama(directory / "qwen3-f16.gguf", arch="qwen3", qk_norm=True, matrix_type="F16", **small),
-             write_tiny_llama(directory / "gemma3-q4_0.gguf", arch="gemma3", qk_norm=True, sliding_window=8,
-                              matrix_type="Q4_0", **small),
+             write_tiny_llama(directory / "gemma3-q4_0.gguf", arch="gemma3", qk_norm=True, post_norms=True,
+                              sliding_window=8, matrix_type="Q4_0", **small),
              write_tiny_llama(directory / "mistral-bf16.gguf", sliding_window=16, matrix_type="BF16", **small)]
     spm = layout_of(seeds[0])
     _set_field(spm, "tokenizer.ggml.model", STRING, "llama")

@@ -25,11 +25,12 @@ def write_tiny_llama(path: Path, *, arch: str = "llama", layers: int = 2, dim: i
                      kv_heads: int = 2, ffn: int = 128, context: int = 256, seed: int = 0,
                      matrix_type: str = "F32", override_raw: dict | None = None, head_dim: int | None = None,
                      qkv_bias: bool = False, qk_norm: bool = False, sliding_window: int = 0,
-                     rope_base: float = 10000.0) -> Path:
+                     rope_base: float = 10000.0, post_norms: bool = False) -> Path:
     """A tiny llama-family GGUF. head_dim (written as {arch}.attention.key_length/value_length) defaults to
     dim // heads; qkv_bias adds blk.N.attn_{q,k,v}.bias (qwen2), qk_norm blk.N.attn_{q,k}_norm.weight (qwen3),
-    sliding_window sets {arch}.attention.sliding_window (a mistral-style llama). With none of them the file is
-    the same as before they existed."""
+    sliding_window sets {arch}.attention.sliding_window (a mistral-style llama), post_norms adds
+    blk.N.post_attention_norm / post_ffw_norm.weight (gemma3). With none of them the file is the same as before
+    they existed."""
     import gguf
 
     rng = np.random.default_rng(seed)
@@ -70,6 +71,8 @@ def write_tiny_llama(path: Path, *, arch: str = "llama", layers: int = 2, dim: i
                            p + "attn_v.bias": (kv_heads * head_dim,)})
         if qk_norm:
             shapes.update({p + "attn_q_norm.weight": (head_dim,), p + "attn_k_norm.weight": (head_dim,)})
+        if post_norms:
+            shapes.update({p + "post_attention_norm.weight": (dim,), p + "post_ffw_norm.weight": (dim,)})
     override_raw = override_raw or {}
     for name, shape in shapes.items():
         if name in override_raw:

@@ -16,6 +16,14 @@ from pathlib import Path
 
 import numpy as np
 
+from ..common.errors import ConfigError, SharpiError
+from ..common.manifest import Manifest
+from ..common.settings import resolve_threads
+from ..common.tokenizer import Tokenizer, TokenizerInfo
+from ..frontend.fetch import models_dir
+from ..runtime.model import Model
+from .common import load_model, snapkv_keywords, snapkv_knobs
+
 FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ")
 
 
@@ -27,8 +35,6 @@ def prompt_ids(model, n_tokens: int) -> list[int]:
 
 def artifact_tokenizer(directory: Path):
     """An artifact's tokenizer without loading its kernels (the timing happens in other processes)."""
-    from ..common.manifest import Manifest
-    from ..common.tokenizer import Tokenizer, TokenizerInfo
 
     manifest = Manifest.read(Path(directory))
     return Tokenizer.load(Path(directory), TokenizerInfo.from_dict(manifest.tokenizer)), manifest
@@ -74,7 +80,6 @@ def time_in_process(spec: dict) -> dict:
     """Time one engine in a child process: spec {"engine": "sharpi", "artifact", ...} or {"engine": "llama.cpp",
     "gguf", ...} with "tokens", "gen", "threads", "repeats" (and "snapkv" for sharpi); returns the child's
     {"prefill_tok_s", "decode_tok_s"}. A SharpiError in the child is raised here with its sentence."""
-    from ..common.errors import ConfigError, SharpiError
 
     done = subprocess.run([sys.executable, "-m", "sharpi.cli.bench", "--child"], input=json.dumps(spec),
                           capture_output=True, text=True)
@@ -90,7 +95,6 @@ def time_in_process(spec: dict) -> dict:
 
 def _child() -> int:
     """The timing process: one engine, the spec on stdin, the result as the last line of stdout."""
-    from ..common.errors import SharpiError
 
     spec = json.loads(sys.stdin.read())
     try:
@@ -98,8 +102,7 @@ def _child() -> int:
             result = bench_llama_cpp(Path(spec["gguf"]), spec["tokens"], spec["gen"], spec["threads"],
                                      spec["repeats"])
         else:
-            import sharpi
-            model = sharpi.load(spec["artifact"], threads=spec["threads"], pool_sequences=1)
+            model = Model(spec["artifact"], threads=spec["threads"], pool_sequences=1)
             result = bench_sharpi(model, spec["tokens"], spec["gen"], spec["repeats"], spec.get("snapkv"))
     except SharpiError as exc:
         result = {"error": str(exc)}
@@ -120,15 +123,11 @@ def rounds(specs: dict[str, dict], repeats: int) -> dict[str, dict]:
 def find_gguf(manifest, explicit: str | None) -> Path | None:
     if explicit:
         return Path(explicit)
-    from ..frontend.fetch import models_dir
     candidate = models_dir() / manifest.source["name"]
     return candidate if candidate.is_file() else None
 
 
 def run_bench(args) -> None:
-    from ..common.errors import ConfigError
-    from ..common.settings import resolve_threads
-    from .common import load_model, snapkv_keywords, snapkv_knobs
 
     tokenizer, manifest = artifact_tokenizer(Path(args.artifact))
     threads = resolve_threads(args.threads)

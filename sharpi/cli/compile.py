@@ -3,13 +3,16 @@ from __future__ import annotations
 
 import sys
 
+from ..common.errors import ConfigError
+from ..common.manifest import manifest_sha256
 from ..common.targets import DEFAULT_TARGET, TARGETS, targets_taking
+from ..frontend.fetch import KNOWN_MODELS, resolve_model
 from .common import ArgumentParser, add_snapkv_flags, snapkv_keywords, user_errors_exit_2
 
 
 def build_parser() -> ArgumentParser:
     p = ArgumentParser(prog="sharpi-compile", description=__doc__)
-    p.add_argument("model", help="a .gguf path or a known model name (smollm2-135m, gemma3-270m)")
+    p.add_argument("model", help=f"a .gguf path or a known model name ({', '.join(KNOWN_MODELS)})")
     targets = ", ".join(f"{name} ({spec.about}{', the default' if name == DEFAULT_TARGET else ''})"
                         for name, spec in TARGETS.items())
     p.add_argument("--target", default=DEFAULT_TARGET, help=f"what to compile for: {targets}")
@@ -32,11 +35,11 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--dump-ir", default=None, metavar="FILE", help="write the Relax IR after the passes to FILE")
     p.add_argument("--no-cache", action="store_true", help="compile even if the cache has this artifact")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
-    # --check (issue #11): the conformance suite on the new artifact
+    # --check: the conformance suite on the new artifact
     p.add_argument("--check", action="store_true",
                    help="then run the conformance suite on the artifact (against the numpy reference) and print a "
                         "pass/fail table; exit code 1 if a check failed")
-    # --emit onnx (issue #9): ONNX graphs (prefill, decode, SnapKV) instead of a compiled artifact
+    # --emit onnx: ONNX graphs (prefill, decode, SnapKV) instead of a compiled artifact
     p.add_argument("--emit", default=None, choices=["onnx"],
                    help="onnx: export the lowered model as ONNX graphs into -o DIR instead of compiling for a target")
     p.add_argument("--onnx-weights", default="f32", choices=["f32", "f16"],
@@ -51,8 +54,7 @@ def _taking(option: str) -> str:
 @user_errors_exit_2
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    if args.emit == "onnx":               # --emit onnx (issue #9)
-        from ..common.errors import ConfigError
+    if args.emit == "onnx":
         from ..compiler import export_onnx
         used = [flag for flag, on in (("--mcpu", args.mcpu), ("--arch", args.arch), ("--cuda-graph", args.cuda_graph),
                                       ("--matmuls", args.matmuls), ("--kv-dtype", args.kv_dtype), ("--check", args.check),
@@ -69,11 +71,9 @@ def main(argv=None) -> int:
                         max_context=args.max_context, snapkv=args.snapkv, dump_ir=args.dump_ir,
                         use_cache=not args.no_cache, show_progress=not args.quiet, **snapkv_keywords(args))
     print(out)
-    from ..common.manifest import manifest_sha256
     print(f"sharpi: manifest sha256 {manifest_sha256(out)} (an artifact is code: whoever loads this copy can pin it "
           f"with --expect-sha256 or sharpi.load(..., expect_sha256=...))", file=sys.stderr)
-    if args.check:        # --check (issue #11): exit code 1 if a check failed
-        from ..frontend.fetch import resolve_model
+    if args.check:        # exit code 1 if a check failed
         from ..testing.conformance import run_and_report
         return run_and_report(out, gguf=resolve_model(args.model, show_progress=False))
     return 0

@@ -3,9 +3,18 @@ from __future__ import annotations
 
 import json
 import sys
+import time
+from pathlib import Path
+
+from .. import compile_cache
+from ..common.errors import ConfigError
+from ..common.settings import parse_positive_int
+from ..frontend.fetch import fetch
+from ..frontend.inspect import describe
 
 from .common import (ArgumentParser, add_device_flags, add_sampling_flags, add_snapkv_flags, generation_options,
                      load_model, user_errors_exit_2)
+from .bench import run_bench
 from .eval import add_eval_parser, cmd_eval
 
 
@@ -61,13 +70,11 @@ def main(argv=None) -> int:
 
 
 def cmd_fetch(args) -> int:
-    from ..frontend.fetch import fetch
     print(fetch(args.name))
     return 0
 
 
 def cmd_inspect(args) -> int:
-    from ..frontend.inspect import describe
     info = describe(args.model)
     if args.json:
         print(json.dumps(info, indent=1))
@@ -125,17 +132,13 @@ def cmd_adapters(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import run_bench
     _check_bench_flags(args)
     run_bench(args)
     return 0
 
 
 def _check_bench_flags(args) -> None:
-    from pathlib import Path
 
-    from ..common.errors import ConfigError
-    from ..common.settings import parse_positive_int
 
     parse_positive_int(args.prompt_tokens, "--prompt-tokens")
     parse_positive_int(args.gen_tokens, "--gen-tokens", allow_zero=True)
@@ -145,9 +148,7 @@ def _check_bench_flags(args) -> None:
 
 
 def cmd_cache(args) -> int:
-    import time
 
-    from .. import compile_cache
     limit = compile_cache.limit_bytes()
     listed = compile_cache.clear() if args.clear else compile_cache.entries(unfinished=True)
     for entry in listed:

@@ -12,8 +12,14 @@ GGUF needed at run time).
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+import numpy as np
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
 
 from . import schema
 from .errors import ConfigError, TokenizerError
@@ -114,8 +120,6 @@ def build_from_gguf_metadata(meta: dict) -> tuple["Tokenizer", TokenizerInfo]:
 
 
 def _byte_level_bpe(tokens, merges, types, pre: str):
-    from tokenizers import Regex, decoders, models, pre_tokenizers
-    from tokenizers import Tokenizer as HFTokenizer
 
     if pre not in PRE_TOKENIZERS:
         known = ", ".join(sorted(PRE_TOKENIZERS))
@@ -158,8 +162,6 @@ def _sentencepiece_bpe(tokens, scores, types, unk_id, add_space_prefix: bool):
     leading space of a text starting with a "▁" token on add_space_prefix models, which is not done here
     (so that decoding a generated continuation keeps its first space).
     """
-    from tokenizers import decoders, models, normalizers
-    from tokenizers import Tokenizer as HFTokenizer
 
     vocab = {tok: i for i, tok in enumerate(tokens)}      # a repeated text maps to its last id, as in llama.cpp
     ranked = []
@@ -183,7 +185,6 @@ def _sentencepiece_bpe(tokens, scores, types, unk_id, add_space_prefix: bool):
 def _with_added_tokens(hf, tokens, types, special_types: tuple):
     """Register the tokens split off before the model: `special_types` as special tokens (matched only with
     special=True), user-defined ones always."""
-    from tokenizers import AddedToken
 
     special = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty in special_types]
     user = [AddedToken(t, special=False, normalized=False)
@@ -281,7 +282,6 @@ class Tokenizer:
     @classmethod
     def load(cls, directory: Path, info: TokenizerInfo) -> "Tokenizer":
         """The tokenizer saved in an artifact; a file the `tokenizers` library cannot read is a TokenizerError."""
-        from tokenizers import Tokenizer as HFTokenizer
         path = Path(directory) / "tokenizer.json"
         try:
             hf = HFTokenizer.from_file(str(path))
@@ -297,7 +297,6 @@ class TextStream:
     (it holds back an incomplete UTF-8 character or byte-fallback sequence until it is whole)."""
 
     def __init__(self, tokenizer: Tokenizer, special: bool):
-        from tokenizers.decoders import DecodeStream
 
         self._tokenizer = tokenizer
         self._stream = DecodeStream(skip_special_tokens=not special)
@@ -314,9 +313,7 @@ class TextStream:
 def token_ids(ids, what: str) -> list[int]:
     """A sequence of token ids as a list of ints: Python or numpy integers only (not bools, floats, bytes or a
     str, which iterate into something else), or a ConfigError saying what `what` takes and was given."""
-    import numbers
 
-    import numpy as np
 
     wrong = f"{what} must be a sequence of integer token ids, got {type(ids).__name__}"
     if isinstance(ids, (str, bytes, bytearray, memoryview, dict)) or isinstance(ids, np.ndarray) and ids.ndim != 1:

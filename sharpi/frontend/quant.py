@@ -4,6 +4,9 @@ from __future__ import annotations
 import warnings
 
 import numpy as np
+from gguf import GGMLQuantizationType
+from gguf.quants import _type_traits  # the registry of types the gguf package can dequantize
+from gguf.quants import dequantize
 
 from ..common.errors import SharpiWarning, UnsupportedTensorTypeError
 from ..common.quant_layout import BLOCK, EXPANDED_TYPE, K_QUANTS, NATIVE_TYPES, SUPER_BLOCK
@@ -25,8 +28,6 @@ def layout_of(t: GGUFTensor) -> str:
 
 
 def _check_dequantizable(t: GGUFTensor) -> None:
-    from gguf import GGMLQuantizationType
-    from gguf.quants import _type_traits  # registry of types the gguf package can dequantize
 
     if GGMLQuantizationType(t.type_id) not in _type_traits:
         raise UnsupportedTensorTypeError(
@@ -48,8 +49,6 @@ def repack(t: GGUFTensor) -> dict[str, np.ndarray]:
     if qtype == "f16":
         if t.type_name == "F16":
             return {"w": np.ascontiguousarray(np.asarray(t.data, dtype=np.float16).reshape(n, k))}
-        from gguf import GGMLQuantizationType
-        from gguf.quants import dequantize
         return {"w": dequantize(t.data, GGMLQuantizationType(t.type_id)).reshape(n, k).astype(np.float16)}
     if qtype == "bf16":
         return {"w": np.ascontiguousarray(np.asarray(t.data).view(np.uint16).reshape(n, k))}

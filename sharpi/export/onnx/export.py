@@ -247,7 +247,6 @@ class GraphBuilder:
         self.outputs.append(info)
 
     def model(self, doc: str, metadata: dict):
-        from ...common.version import __version__
         graph = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, initializer=self.initializers,
                                   doc_string=doc)
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], ir_version=IR_VERSION,
@@ -299,7 +298,6 @@ class Translator:
         embedding: take() reads it as stored, the LM head transposed). permute_dims of any other dequantized
         weight is evaluated at export time; of these it stays a Transpose node, so the weight is stored once."""
 
-        from ...ir_passes.named_ops import extern_name
         index, weight_of, plain = {}, {}, set()
         for block in body.blocks:
             for binding in block.bindings:
@@ -394,8 +392,6 @@ class Translator:
     def dequantized(self, qtype: str, parts, shape) -> ConstWeight:
         """The weight a sharpi.dequantize call makes from its parts (numpy, at export time; the kernel tests'
         reference dequantization), in the export's weight dtype."""
-        from ...common.quant_layout import LAYOUTS
-        from ...common.quant_layout import dequantize_layout
         if not all(isinstance(p, WeightRef) for p in parts):
             raise CompileError(f"ONNX export: {self.function} dequantizes a value that is not a weight.")
         indices = [p.index for p in parts]
@@ -483,7 +479,6 @@ class Translator:
 def _op_label(expr) -> str:
     """What a binding computes, for node doc strings: the Relax op or the named op."""
 
-    from ...ir_passes.named_ops import extern_name
     if isinstance(expr, relax.Call):
         return extern_name(expr) or getattr(expr.op, "name", "call")
     return type(expr).__name__
