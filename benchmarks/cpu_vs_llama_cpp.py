@@ -37,7 +37,7 @@ def machine() -> str:
 
 
 def sharpi_cpu() -> str:
-    from sharpi.codegen.llvm import host_cpu
+    from sharpi.codegen.targets.llvm import host_cpu
     return host_cpu()
 
 

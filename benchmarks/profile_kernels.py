@@ -19,7 +19,7 @@ import sharpi
 
 def profile(artifact: str, tokens: int, function: str) -> tuple[dict, float]:
     model = sharpi.load(artifact)
-    backend = model._backend          # the TVM backend: its VM and forward()
+    backend = model.engine.backend    # the TVM backend: its VM and forward()
     vm = backend._vm
     totals: dict[str, list] = collections.defaultdict(lambda: [0.0, 0])
     started: dict[str, float] = {}

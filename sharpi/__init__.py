@@ -5,11 +5,13 @@
 from .common.errors import (ArtifactError, CompileError, ConfigError, ContextLengthError, FetchError, GGUFError,
                             KeepSetError, ModelNotFoundError, NonFiniteLogitsError, SharpiError, SharpiWarning,
                             TokenizerError, UnsupportedArchitectureError, UnsupportedTensorTypeError)
+from .common.targets import DEFAULT_TARGET
 from .common.version import __version__
 
 
-def compile(model, target: str = "llvm", output=None, **options):
-    """Compile a GGUF file or known model name for a target; returns the artifact directory."""
+def compile(model, target: str = DEFAULT_TARGET, output=None, **options):
+    """Compile a GGUF file or known model name for a target (sharpi.common.targets: llvm, cuda, vulkan); returns
+    the artifact directory. See sharpi.compiler.compile for the options."""
     from .compiler import compile as _compile
     return _compile(model, target=target, output=output, **options)
 

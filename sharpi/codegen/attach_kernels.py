@@ -109,7 +109,7 @@ class KernelAttacher(relax.PyExprMutator):
             return self._kv_compact(args, call.ty)
         if name.startswith(ops.DEQUANTIZE):
             return call  # consumed by a fused matmul or embedding; dead code after this pass
-        raise CompileError(f"The frontend emitted {name}, which the {'GPU' if self.gpu else 'llvm'} codegen has "
+        raise CompileError(f"The frontend emitted {name}, which the {'GPU' if self.gpu else 'CPU'} codegen has "
                            f"no kernel for.")
 
     def _fuse_matmul(self, call):
