@@ -45,7 +45,7 @@ from .frontend.gguf_file import GGUFFile
 from .frontend.weights import WeightTable
 from .ir_passes.snapkv import SNAPKV_FUNCTIONS, snapkv_pass
 
-BASE_FUNCTIONS = ["prefill", "prefill_logits", "decode"]
+BASE_FUNCTIONS = ["prefill", "prefill_logits", "decode", "decode_batch"]
 
 
 @dataclass

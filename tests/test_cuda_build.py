@@ -35,6 +35,18 @@ def test_smollm2_cuda_artifact_holds_sass_and_ptx(smollm2_cuda_artifact):
     assert {"prefill", "decode", "prefill_snapkv", "snapkv_select", "snapkv_compact"} <= set(m.functions)
 
 
+def test_decode_batch_is_compiled_for_cuda(smollm2_cuda_artifact):
+    """The serving engine's batched decode: its own kernels (B sequences' page tables and lengths), in the fatbin."""
+    from sharpi.common.manifest import Manifest
+    m = Manifest.read(smollm2_cuda_artifact)
+    assert "decode_batch" in m.functions
+    batch_kernels = [k for k in m.kernels if "_batch" in k]
+    assert any(k.startswith("paged_attention_batch") for k in batch_kernels), m.kernels
+    assert any(k.startswith("kv_append_batch") for k in batch_kernels), m.kernels
+    library = (smollm2_cuda_artifact / "model.so").read_bytes()
+    assert b"paged_attention_batch" in library
+
+
 def test_arch_and_cuda_graph_are_chosen_and_validated(tmp_path, capsys, smollm2_cuda_artifact):
     """--arch picks the SASS and PTX; --cuda-graph makes TVM's RewriteCUDAGraph lift decode into one captured region
     (all but the lm_head, whose output is the result); without it (the SmolLM2 artifact) nothing is captured."""

@@ -21,7 +21,8 @@ from ..common import ops
 from ..common.config import ModelConfig
 from ..common.errors import CompileError
 from ..ir_passes.named_ops import extern_name
-from .kernels.paged_attention import make_kv_append, make_paged_attention
+from .kernels.paged_attention import (make_kv_append, make_kv_append_batch, make_paged_attention,
+                                      make_paged_attention_batch)
 from ..common.quant_layout import QUANTIZED
 from .kernels.quant_matmul_int8 import INT8_DOT_TYPES, make_gemm_int8, make_gemv_int8
 from .kernels.quant_matmul import cpu_quants, make_embedding, make_matmul
@@ -97,10 +98,10 @@ class KernelAttacher(relax.PyExprMutator):
         args = list(call.args[1].fields)
         if name.startswith(ops.ROPE):
             return self._rope(name[len(ops.ROPE):], args, call.ty)
-        if name == ops.KV_APPEND:
-            return self._kv_append(args, call.ty)
-        if name == ops.PAGED_ATTENTION:
-            return self._attention(args, call.ty)
+        if name in (ops.KV_APPEND, ops.KV_APPEND_BATCH):
+            return self._kv_append(args, call.ty, batched=name == ops.KV_APPEND_BATCH)
+        if name in (ops.PAGED_ATTENTION, ops.PAGED_ATTENTION_BATCH):
+            return self._attention(args, call.ty, batched=name == ops.PAGED_ATTENTION_BATCH)
         if name == ops.SNAPKV_SCORE:
             return self._snapkv_score(args, call.ty)
         if name == ops.SNAPKV_SELECT:
@@ -180,27 +181,44 @@ class KernelAttacher(relax.PyExprMutator):
                          lambda: make(int(heads), int(head_dim), theta, layout, tokens))
         return relax.call_tir(gv, [x, pos], ty)
 
-    def _kv_append(self, args, ty):
+    def _kv_append(self, args, ty, batched: bool = False):
         pool, k, v, page_table, kv_lens, layer = args
         tokens = _static_int(k.ty.shape[0])
         cfg = self.cfg
-        make = gpu_attention.make_gpu_kv_append if self.gpu else make_kv_append
         kv = _kv_dtype(pool)
-        gv = self.kernel(("kv_append", tokens, _kv_key(kv)),
-                         lambda: make(cfg.n_kv_heads, cfg.head_dim, ops.PAGE_SIZE, tokens, kv_dtype=kv))
+        if self.gpu:
+            def make():
+                return gpu_attention.make_gpu_kv_append(cfg.n_kv_heads, cfg.head_dim, ops.PAGE_SIZE, tokens,
+                                                        kv_dtype=kv, batched=batched)
+        elif batched:
+            def make():
+                return make_kv_append_batch(cfg.n_kv_heads, cfg.head_dim, ops.PAGE_SIZE, kv_dtype=kv)
+        else:
+            def make():
+                return make_kv_append(cfg.n_kv_heads, cfg.head_dim, ops.PAGE_SIZE, tokens, kv_dtype=kv)
+        gv = self.kernel(("kv_append_batch" if batched else "kv_append", tokens, _kv_key(kv)), make)
         return relax.call_tir_inplace(gv, [pool, k, v, page_table, kv_lens, layer], [0], ty)
 
-    def _attention(self, args, ty):
+    def _attention(self, args, ty, batched: bool = False):
         q, pool, page_table, kv_lens, layer, scale, window = args
         tokens = _static_int(ty.shape[0])
         window = int(_prim_constant(window))
         cfg = self.cfg
         scale = _prim_constant(scale)
-        make = gpu_attention.make_gpu_paged_attention if self.gpu else make_paged_attention
         kv = _kv_dtype(pool)
-        gv = self.kernel(("paged_attention", tokens, _kv_key(kv), f"w{window}" if window else None),
-                         lambda: make(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, ops.PAGE_SIZE, scale, tokens,
-                                      kv_dtype=kv, window=window))
+        shape = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, ops.PAGE_SIZE, scale)
+        if self.gpu:
+            def make():
+                return gpu_attention.make_gpu_paged_attention(*shape, tokens, kv_dtype=kv, window=window,
+                                                              batched=batched)
+        elif batched:
+            def make():
+                return make_paged_attention_batch(*shape, kv_dtype=kv, window=window)
+        else:
+            def make():
+                return make_paged_attention(*shape, tokens, kv_dtype=kv, window=window)
+        gv = self.kernel(("paged_attention_batch" if batched else "paged_attention", tokens, _kv_key(kv),
+                          f"w{window}" if window else None), make)
         return relax.call_tir(gv, [q, pool, page_table, kv_lens, layer], ty)
 
 

@@ -35,7 +35,8 @@ PLAN = PLAN_FILE              # vulkan: the plan of calls (common.plan); one .wg
 TOKENIZER = "tokenizer.json"
 WEIGHT_ALIGN = 64
 CONTRACT_FUNCTION = "sharpi_contract"   # the library's function returning kernel_contract() as JSON
-FUNCTIONS = ("prefill", "prefill_logits", "decode", "prefill_snapkv", "snapkv_select", "snapkv_compact")
+FUNCTIONS = ("prefill", "prefill_logits", "decode", "decode_batch", "prefill_snapkv", "snapkv_select",
+             "snapkv_compact")
 REQUIRED_FUNCTIONS = FUNCTIONS[:3]
 MAX_PREFILL_CHUNK = 8192
 

@@ -15,6 +15,12 @@ KV_APPEND = "sharpi.kv_append"
 # sharpi.paged_attention(q [n, H, D], pool, page_table, kv_lens, layer: i64, scale: f32, window: i64) -> [n, H, D]
 #   window > 0: a sliding window, query t sees only the last `window` of its slots (0: all of them)
 PAGED_ATTENTION = "sharpi.paged_attention"
+# decode_batch's pair (one new token for each of B sequences; token b is sequence b's):
+# sharpi.kv_append_batch(pool, k [B, KVH, D], v, page_tables [B, L, MP], kv_lens [B, L], layer: i64) -> pool
+# sharpi.paged_attention_batch(q [B, H, D], pool, page_tables, kv_lens, layer, scale, window) -> [B, H, D]
+#   token b sees its sequence's slots [0, kv_lens[b, l]] (its own written last)
+KV_APPEND_BATCH = "sharpi.kv_append_batch"
+PAGED_ATTENTION_BATCH = "sharpi.paged_attention_batch"
 
 PAGE_SIZE = 16
 

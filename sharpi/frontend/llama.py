@@ -69,18 +69,23 @@ class LlamaBuilder:
         self._function("prefill", tokens=None, all_logits=False)
         self._function("prefill_logits", tokens=None, all_logits=True)
         self._function("decode", tokens=1, all_logits=False)
+        self._function("decode_batch", tokens=None, all_logits=True, batched=True)
         return self.bb.get()
 
     # -- function skeleton -------------------------------------------------------------------------------------
-    def _function(self, name: str, tokens: int | None, all_logits: bool) -> None:
+    def _function(self, name: str, tokens: int | None, all_logits: bool, batched: bool = False) -> None:
+        """One Relax function; batched: decode_batch, n tokens of n sequences (page tables [n, L, MP], lengths
+        [n, L]; every token's logits)."""
         cfg = self.cfg
         n = tvm.tirx.Var("n", "int64") if tokens is None else tokens
         pages = tvm.tirx.Var("pages", "int64")
         ids = relax.Var("ids", tensor_type((n,), "int32"))
         pos = relax.Var("pos", tensor_type((n,), "int32"))
         pool = relax.Var("pool", tensor_type((pages, 2, cfg.n_kv_heads, self.page_size, cfg.head_dim), self.kv_dtype))
-        page_table = relax.Var("page_table", tensor_type((cfg.n_layers, self.max_pages), "int32"))
-        kv_lens = relax.Var("kv_lens", tensor_type((cfg.n_layers,), "int32"))
+        per_sequence = (n,) if batched else ()
+        page_table = relax.Var("page_table", tensor_type((*per_sequence, cfg.n_layers, self.max_pages), "int32"))
+        kv_lens = relax.Var("kv_lens", tensor_type((*per_sequence, cfg.n_layers), "int32"))
+        self._batched = batched
         params = relax.Var("params", relax.TupleType([tensor_type(a.shape, str(a.dtype))
                                                       for a in self.weights.arrays]))
         bb = self.bb
@@ -166,10 +171,12 @@ class LlamaBuilder:
         """Append k and v to layer l's cache, attend; returns (attention output [n, q_dim], the pool)."""
         cfg, bb = self.cfg, self.bb
         layer = relax.prim_value(tvm.tirx.IntImm("int64", l))
-        pool = bb.emit(relax.call_dps_packed(ops.KV_APPEND, [pool, k, v, page_table, kv_lens, layer], pool.ty))
+        append, attend = ((ops.KV_APPEND_BATCH, ops.PAGED_ATTENTION_BATCH) if self._batched else
+                          (ops.KV_APPEND, ops.PAGED_ATTENTION))
+        pool = bb.emit(relax.call_dps_packed(append, [pool, k, v, page_table, kv_lens, layer], pool.ty))
         scale = relax.prim_value(tvm.tirx.FloatImm("float32", scale or 1.0 / math.sqrt(cfg.head_dim)))
         window = relax.prim_value(tvm.tirx.IntImm("int64", window))
-        attn = bb.emit(relax.call_dps_packed(ops.PAGED_ATTENTION, [q, pool, page_table, kv_lens, layer, scale, window],
+        attn = bb.emit(relax.call_dps_packed(attend, [q, pool, page_table, kv_lens, layer, scale, window],
                                              tensor_type((n, cfg.n_heads, cfg.head_dim), "float32")))
         return bb.emit(R.reshape(attn, (n, cfg.q_dim))), pool
 

@@ -65,6 +65,25 @@ class Engine:
         _check_finite(out[0] if function == "prefill_snapkv" else out, positions)
         return out
 
+    def forward_batch(self, ids: np.ndarray, caches: list[SequenceCache]) -> np.ndarray:
+        """One new token for each of several sequences (ids [B], checked by the caller) in one decode_batch call
+        when the artifact has it (older ones: one decode each); logits [B, vocab]. The pages every sequence needs
+        are reserved first, so a full pool refuses the step before anything is written."""
+        with self.lock:
+            for cache in caches:
+                cache.reserve(1)
+            positions = np.array([c.logical_length for c in caches], np.int32)
+            if self.has("decode_batch") and len(caches) > 1:
+                out = self.backend.forward("decode_batch", ids, positions, np.stack([c.page_table() for c in caches]),
+                                           np.stack([c.kv_lens() for c in caches]))
+            else:
+                out = np.concatenate([self.backend.forward("decode", ids[i:i + 1], positions[i:i + 1],
+                                                           c.page_table(), c.kv_lens()) for i, c in enumerate(caches)])
+            for cache in caches:
+                cache.advance(1)
+        _check_finite(out, positions)
+        return out
+
     def select(self, scores, params: np.ndarray):
         return self.backend.select(scores, params)
 

@@ -229,3 +229,17 @@ class Session:
 
     def _forward(self, function: str, ids: np.ndarray, extra: tuple = ()):
         return self._engine.forward(function, ids, self._cache, extra)
+
+
+def decode_batch(sessions: list[Session], tokens) -> np.ndarray:
+    """Feed one token to each of several sessions of one model at once (one decode_batch call: the weights are
+    read once for all of them); returns their logits, float32 [len(sessions), vocab], row i for sessions[i]."""
+    if not sessions:
+        return np.zeros((0, 0), np.float32)
+    engine = sessions[0]._engine
+    if any(s._engine is not engine for s in sessions):
+        raise ConfigError("decode_batch takes sessions of one model.")
+    if len({id(s) for s in sessions}) != len(sessions):
+        raise ConfigError("decode_batch takes each session once.")
+    ids = np.concatenate([s._check_ids([t]) for s, t in zip(sessions, tokens, strict=True)])
+    return engine.forward_batch(ids, [s._cache for s in sessions])

@@ -5,6 +5,10 @@ page_table [layers, max_pages] int32 maps a layer's slot s to pool page page_tab
 kv_lens [layers] int32 = slots a layer held before this call; the n new tokens go to slots kv_lens[l] + t.
 Query t sees slots [0, kv_lens[l] + t]: all held slots (whatever logical positions they came from, e.g. after
 SnapKV compaction) plus the new tokens up to itself. Softmax is online, one page at a time, so no n x n matrix.
+
+The batch variants (decode_batch: one new token for each of B sequences) take page_tables [B, layers, max_pages]
+and kv_lens [B, layers]: token b is sequence b's, appended at its slot kv_lens[b, l], and attends over that
+sequence's slots [0, kv_lens[b, l]] only.
 """
 from __future__ import annotations
 
@@ -150,6 +154,32 @@ def make_kv_append(kv_heads: int, head_dim: int, page_size: int, tokens: int | N
                     pool[page, 1, h, slot % page_size, d] = T.Cast(kv_dtype, v[t, h, d])
 
     return kv_append
+
+
+def make_kv_append_batch(kv_heads: int, head_dim: int, page_size: int, kv_dtype: str = "float32"):
+    """PrimFunc (pool, k [B, KVH, D], v [B, KVH, D], page_tables [B, L, MP], kv_lens [B, L], layer) writing token
+    b at sequence b's slot kv_lens[b, layer], in place."""
+    n = token_count(None)
+    pages, layers, max_pages = T.int64(), T.int64(), T.int64()
+
+    @T.prim_func
+    def kv_append_batch(var_pool: T.handle, var_k: T.handle, var_v: T.handle, var_pt: T.handle,
+                        var_lens: T.handle, layer: T.int64):
+        T.func_attr({"tirx.noalias": True, "op_pattern": 8})
+        pool = T.match_buffer(var_pool, (pages, 2, kv_heads, page_size, head_dim), kv_dtype)
+        k = T.match_buffer(var_k, (n, kv_heads, head_dim), "float32")
+        v = T.match_buffer(var_v, (n, kv_heads, head_dim), "float32")
+        page_tables = T.match_buffer(var_pt, (n, layers, max_pages), "int32")
+        kv_lens = T.match_buffer(var_lens, (n, layers), "int32")
+        for t in range(n):
+            slot = T.Cast("int64", kv_lens[t, layer])
+            page = T.Cast("int64", page_tables[t, layer, slot // page_size])
+            for h in range(kv_heads):
+                for d in T.vectorized(head_dim):
+                    pool[page, 0, h, slot % page_size, d] = T.Cast(kv_dtype, k[t, h, d])
+                    pool[page, 1, h, slot % page_size, d] = T.Cast(kv_dtype, v[t, h, d])
+
+    return kv_append_batch
 
 
 def make_paged_attention(heads: int, kv_heads: int, head_dim: int, page_size: int, scale: float,
@@ -320,22 +350,122 @@ def _paged_attention_decode(heads, kv_heads, head_dim, page_size, scale, group, 
     return paged_attention
 
 
-def _paged_attention_scalar(heads, kv_heads, head_dim, page_size, scale, n, group, kv_dtype, window):
+def make_paged_attention_batch(heads: int, kv_heads: int, head_dim: int, page_size: int, scale: float,
+                               kv_dtype: str = "float32", window: int = 0):
+    """PrimFunc (q [B, H, D], pool, page_tables [B, L, MP], kv_lens [B, L], layer, out [B, H, D]): one new token per
+    sequence, token b over sequence b's slots [0, kv_lens[b, layer]] (its own appended last), as decode's kernel
+    does for one sequence."""
+    n = token_count(None)
+    group = heads // kv_heads
+    if head_dim % LANES:
+        return _paged_attention_scalar(heads, kv_heads, head_dim, page_size, scale, n, group, kv_dtype, window,
+                                       batched=True)
+    return _paged_attention_batch(heads, kv_heads, head_dim, page_size, scale, n, group, LANES, kv_dtype, window)
+
+
+def _paged_attention_batch(heads, kv_heads, head_dim, page_size, scale, n, group, LANES, kv_dtype, window):
+    """decode's split-K kernel (_paged_attention_decode) over B sequences: one task per (token, KV head, range of
+    its sequence's visible pages), then a merge per (token, query head)."""
     pages, layers, max_pages = T.int64(), T.int64(), T.int64()
+    DC = head_dim // LANES
+    SP = decode_splits(kv_heads)
+    QP, OS, VC = _register_blocks(group, DC, LANES, page_size)
+
+    def part_row(t, h, sp):
+        """The row of part / part_stats holding token t's query head h's partial result over range sp."""
+        return ((t * kv_heads + h // group) * SP + sp) * group + h % group
+
+    @T.prim_func
+    def paged_attention_batch(var_q: T.handle, var_pool: T.handle, var_pt: T.handle, var_lens: T.handle,
+                              layer: T.int64, var_out: T.handle):
+        T.func_attr({"tirx.noalias": True, "op_pattern": 8})
+        q = T.match_buffer(var_q, (n, heads, head_dim), "float32")
+        pool = T.match_buffer(var_pool, (pages, 2, kv_heads, page_size, head_dim), kv_dtype)
+        page_tables = T.match_buffer(var_pt, (n, layers, max_pages), "int32")
+        kv_lens = T.match_buffer(var_lens, (n, layers), "int32")
+        out = T.match_buffer(var_out, (n, heads, head_dim), "float32")
+        part = T.decl_buffer((n * kv_heads * SP * group, head_dim), "float32")
+        part_stats = T.decl_buffer((n * kv_heads * SP * group, 2), "float32")
+        for task in T.parallel(n * kv_heads * SP):
+            t = T.meta_var(task // (kv_heads * SP))
+            kvh = T.meta_var(task // SP % kv_heads)
+            sp = T.meta_var(task % SP)
+            total = T.meta_var(T.Cast("int64", kv_lens[t, layer]) + 1)
+            first = T.meta_var(first_page(total, window, page_size))
+            count = T.meta_var((total + page_size - 1) // page_size - first)
+            score = T.decl_buffer((group, page_size), "float32", scope="global")
+            sacc = T.decl_buffer((QP * OS, LANES), "float32", scope="global")
+            vacc = T.decl_buffer((QP, VC // LANES, LANES), "float32", scope="global")
+            # per query head: running max, running sum, page max, new max, correction
+            stats = T.decl_buffer((group, 5), "float32", scope="global")
+            for g in T.unroll(group):
+                stats[g, 0] = T.float32(NEG_INF)
+                stats[g, 1] = T.float32(0)
+                for d in T.vectorized(head_dim):
+                    part[task * group + g, d] = T.float32(0)
+            for p in range(first + count * sp // SP, first + count * (sp + 1) // SP):
+                page = T.meta_var(T.Cast("int64", page_tables[t, layer, p]))
+                for ip in range(group // QP):
+                    page_scores(score, ip * QP, sacc, q, t, kvh * group + ip * QP, pool, page, kvh, p * page_size,
+                                total, window, page_size, QP, OS, DC, LANES, scale)
+                    for qq in range(QP):
+                        online_softmax_page(stats, score, ip * QP + qq, p * page_size, total, window, page_size)
+                    add_page_values(part, task * group + ip * QP, vacc, score, stats, ip * QP, pool, page, kvh,
+                                    T.min(T.Cast("int64", page_size), total - p * page_size), head_dim, QP, VC,
+                                    LANES)
+            for g in T.unroll(group):
+                part_stats[task * group + g, 0] = stats[g, 0]
+                part_stats[task * group + g, 1] = stats[g, 1]
+        for th in T.parallel(n * heads):
+            t = T.meta_var(th // heads)
+            h = T.meta_var(th % heads)
+            # merge the ranges: rescale each to the common max (an empty range has max -3e38 and weight 0)
+            m = T.decl_buffer((2,), "float32", scope="global")
+            m[0] = T.float32(NEG_INF)
+            for sp in range(SP):
+                m[0] = T.max(m[0], part_stats[part_row(t, h, sp), 0])
+            m[1] = T.float32(0)
+            for sp in range(SP):
+                m[1] = m[1] + part_stats[part_row(t, h, sp), 1] * T.exp(part_stats[part_row(t, h, sp), 0] - m[0])
+            for d in T.vectorized(head_dim):
+                out[t, h, d] = T.float32(0)
+            for sp in range(SP):
+                for d in T.vectorized(head_dim):
+                    out[t, h, d] = out[t, h, d] + part[part_row(t, h, sp), d] * (
+                        T.exp(part_stats[part_row(t, h, sp), 0] - m[0]) / m[1])
+
+    return paged_attention_batch
+
+
+def _paged_attention_scalar(heads, kv_heads, head_dim, page_size, scale, n, group, kv_dtype, window,
+                            batched: bool = False):
+    """One task per (token, query head), one slot at a time: for head sizes the vector kernels cannot tile.
+    batched: token t is sequence t's (page_tables [n, L, MP], kv_lens [n, L]); else all are one sequence's."""
+    pages, layers, max_pages = T.int64(), T.int64(), T.int64()
+    table_shape = (n, layers, max_pages) if batched else (layers, max_pages)
+    lens_shape = (n, layers) if batched else (layers,)
+
+    def held(kv_lens, layer, t):
+        """The slots token t sees, its own included."""
+        return T.Cast("int64", kv_lens[t, layer]) + 1 if batched else T.Cast("int64", kv_lens[layer]) + t + 1
+
+    def page_of(page_table, layer, t, p):
+        return T.Cast("int64", page_table[t, layer, p] if batched else page_table[layer, p])
+
     @T.prim_func
     def paged_attention(var_q: T.handle, var_pool: T.handle, var_pt: T.handle, var_lens: T.handle,
                         layer: T.int64, var_out: T.handle):
         T.func_attr({"tirx.noalias": True, "op_pattern": 8})
         q = T.match_buffer(var_q, (n, heads, head_dim), "float32")
         pool = T.match_buffer(var_pool, (pages, 2, kv_heads, page_size, head_dim), kv_dtype)
-        page_table = T.match_buffer(var_pt, (layers, max_pages), "int32")
-        kv_lens = T.match_buffer(var_lens, (layers,), "int32")
+        page_table = T.match_buffer(var_pt, table_shape, "int32")
+        kv_lens = T.match_buffer(var_lens, lens_shape, "int32")
         out = T.match_buffer(var_out, (n, heads, head_dim), "float32")
         for th in T.parallel(n * heads):
             t = th // heads
             h = th % heads
             kvh = h // group
-            total = T.Cast("int64", kv_lens[layer]) + t + 1
+            total = held(kv_lens, layer, t)
             acc = T.decl_buffer((head_dim,), "float32", scope="global")
             score = T.decl_buffer((page_size,), "float32", scope="global")
             stats = T.decl_buffer((3,), "float32", scope="global")  # running max, running sum, block max
@@ -344,7 +474,7 @@ def _paged_attention_scalar(heads, kv_heads, head_dim, page_size, scale, n, grou
             for d in T.vectorized(head_dim):
                 acc[d] = T.float32(0)
             for p in range(first_page(total, window, page_size), (total + page_size - 1) // page_size):
-                page = T.Cast("int64", page_table[layer, p])
+                page = page_of(page_table, layer, t, p)
                 stats[2] = T.float32(NEG_INF)
                 for o in range(page_size):
                     score[o] = T.float32(NEG_INF)

@@ -56,12 +56,24 @@ def _threads(head_dim: int) -> tuple[int, int]:
     return tx, (head_dim + tx - 1) // tx
 
 
+def _tables(batched: bool, n, layers, max_pages):
+    """The page table's and kv_lens' shapes, and a token's slot count and page by index: one sequence's
+    ([L, MP], [L]: token t after the held slots) or, batched, one per token ([n, L, MP], [n, L])."""
+    if batched:
+        return ((n, layers, max_pages), (n, layers), lambda lens, layer, t: T.Cast("int64", lens[t, layer]),
+                lambda table, layer, t, p: table[t, layer, p])
+    return ((layers, max_pages), (layers,), lambda lens, layer, t: T.Cast("int64", lens[layer]) + t,
+            lambda table, layer, t, p: table[layer, p])
+
+
 def make_gpu_kv_append(kv_heads: int, head_dim: int, page_size: int, tokens: int | None = None,
-                       kv_dtype: str = "float32") -> tirx.PrimFunc:
-    """PrimFunc (pool, k [n, KVH, D], v [n, KVH, D], page_table, kv_lens, layer) writing the pool in place."""
+                       kv_dtype: str = "float32", batched: bool = False) -> tirx.PrimFunc:
+    """PrimFunc (pool, k [n, KVH, D], v [n, KVH, D], page_table, kv_lens, layer) writing the pool in place;
+    batched: token t is sequence t's, written at its slot kv_lens[t, layer] (page_tables [n, L, MP])."""
     n = token_count(tokens)
     pages, layers, max_pages = _pool_vars()
     TX, DPT = _threads(head_dim)
+    table_shape, lens_shape, slot_of, page_of = _tables(batched, n, layers, max_pages)
 
     @T.prim_func
     def gpu_kv_append(var_pool: T.handle, var_k: T.handle, var_v: T.handle, var_pt: T.handle, var_lens: T.handle,
@@ -70,31 +82,35 @@ def make_gpu_kv_append(kv_heads: int, head_dim: int, page_size: int, tokens: int
         pool = T.match_buffer(var_pool, (pages, 2, kv_heads, page_size, head_dim), kv_dtype)
         k = T.match_buffer(var_k, (n, kv_heads, head_dim), "float32")
         v = T.match_buffer(var_v, (n, kv_heads, head_dim), "float32")
-        page_table = T.match_buffer(var_pt, (layers, max_pages), "int32")
-        kv_lens = T.match_buffer(var_lens, (layers,), "int32")
+        page_table = T.match_buffer(var_pt, table_shape, "int32")
+        kv_lens = T.match_buffer(var_lens, lens_shape, "int32")
         for b in T.thread_binding(n * kv_heads, thread="blockIdx.x"):
             for tx in T.thread_binding(TX, thread="threadIdx.x"):
                 t = T.meta_var(b // kv_heads)
                 h = T.meta_var(b % kv_heads)
-                slot = T.meta_var(T.Cast("int64", kv_lens[layer]) + t)
-                page = T.meta_var(T.Cast("int64", page_table[layer, slot // page_size]))
+                slot = T.meta_var(slot_of(kv_lens, layer, t))
+                page = T.meta_var(T.Cast("int64", page_of(page_table, layer, t, slot // page_size)))
                 for c in T.unroll(DPT):
                     if c * TX + tx < head_dim:
                         pool[page, 0, h, slot % page_size, c * TX + tx] = T.Cast(kv_dtype, k[t, h, c * TX + tx])
                         pool[page, 1, h, slot % page_size, c * TX + tx] = T.Cast(kv_dtype, v[t, h, c * TX + tx])
 
-    return _named(gpu_kv_append, f"gpu_kv_append_{kv_heads}_{head_dim}_{page_size}", tokens)
+    return _named(gpu_kv_append, f"gpu_kv_append{'_batch' if batched else ''}_{kv_heads}_{head_dim}_{page_size}",
+                  tokens)
 
 
 def make_gpu_paged_attention(heads: int, kv_heads: int, head_dim: int, page_size: int, scale: float,
-                             tokens: int | None = None, kv_dtype: str = "float32", window: int = 0) -> tirx.PrimFunc:
+                             tokens: int | None = None, kv_dtype: str = "float32", window: int = 0,
+                             batched: bool = False) -> tirx.PrimFunc:
     """PrimFunc (q [n, H, D], pool, page_table, kv_lens, layer, out [n, H, D]): causal attention per query head.
     Workgroup memory: (D + 3 * TX) * 4 bytes, at most 4 KiB for D <= 256. With a sliding `window` (> 0) query t
-    sees only the last `window` of its slots, and tiles wholly before them are skipped."""
+    sees only the last `window` of its slots, and tiles wholly before them are skipped. batched: token t is
+    sequence t's and sees its slots [0, kv_lens[t, layer]] (page_tables [n, L, MP])."""
     n = token_count(tokens)
     pages, layers, max_pages = _pool_vars()
     group = heads // kv_heads
     TX, DPT = _threads(head_dim)
+    table_shape, lens_shape, slot_of, page_of = _tables(batched, n, layers, max_pages)
 
     @T.prim_func
     def gpu_paged_attention(var_q: T.handle, var_pool: T.handle, var_pt: T.handle, var_lens: T.handle,
@@ -102,8 +118,8 @@ def make_gpu_paged_attention(heads: int, kv_heads: int, head_dim: int, page_size
         T.func_attr(ATTRS)
         q = T.match_buffer(var_q, (n, heads, head_dim), "float32")
         pool = T.match_buffer(var_pool, (pages, 2, kv_heads, page_size, head_dim), kv_dtype)
-        page_table = T.match_buffer(var_pt, (layers, max_pages), "int32")
-        kv_lens = T.match_buffer(var_lens, (layers,), "int32")
+        page_table = T.match_buffer(var_pt, table_shape, "int32")
+        kv_lens = T.match_buffer(var_lens, lens_shape, "int32")
         out = T.match_buffer(var_out, (n, heads, head_dim), "float32")
         for b in T.thread_binding(n * heads, thread="blockIdx.x"):
             for tx in T.thread_binding(TX, thread="threadIdx.x"):
@@ -118,7 +134,7 @@ def make_gpu_paged_attention(heads: int, kv_heads: int, head_dim: int, page_size
                 t = T.meta_var(b // heads)
                 h = T.meta_var(b % heads)
                 kvh = T.meta_var(b % heads // group)
-                total = T.meta_var(T.Cast("int64", kv_lens[layer]) + t + 1)   # visible slots
+                total = T.meta_var(slot_of(kv_lens, layer, t) + 1)   # visible slots
                 for c in T.unroll(DPT):
                     if c * TX + tx < head_dim:
                         q_sh[c * TX + tx] = q[t, h, c * TX + tx] * T.float32(scale)
@@ -132,7 +148,7 @@ def make_gpu_paged_attention(heads: int, kv_heads: int, head_dim: int, page_size
                     # 1. this invocation's slot: its page (read by every slot the query sees, so masked slots of
                     # the tile still name a page the layer holds), and its score
                     if tile * TX + tx < total:
-                        page_sh[tx] = page_table[layer, (tile * TX + tx) // page_size]
+                        page_sh[tx] = page_of(page_table, layer, t, (tile * TX + tx) // page_size)
                     if visible(tile * TX + tx, total, window):
                         dot[0] = T.float32(0)
                         for d in range(head_dim):
@@ -166,4 +182,5 @@ def make_gpu_paged_attention(heads: int, kv_heads: int, head_dim: int, page_size
                     if c * TX + tx < head_dim:
                         out[t, h, c * TX + tx] = acc[c] / st[1]
 
-    return _named(gpu_paged_attention, f"gpu_paged_attention_{heads}_{kv_heads}_{head_dim}_{page_size}", tokens)
+    return _named(gpu_paged_attention,
+                  f"gpu_paged_attention{'_batch' if batched else ''}_{heads}_{kv_heads}_{head_dim}_{page_size}", tokens)
