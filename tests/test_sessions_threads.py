@@ -80,8 +80,23 @@ def test_tokenize_from_several_threads(smollm2):
 
 
 def _prompt(model) -> list[int]:
-    """100 tokens: 7 pages a layer, 210 in all; forks (page copies) fill the pool without more prefill work."""
+    """100 tokens: 7 pages a layer, 210 in all, the last one part full."""
     return model.tokenize("Once upon a time there was a cat. " * 20)[:100]
+
+
+def _fill_with_forks(session, token: int) -> tuple[list, np.ndarray]:
+    """Fork `session` and decode `token` in each fork until the pool runs out. A fork shares every page; its
+    decode copies the shared, part-full last page of each layer (copy-on-write), so each fork costs n_layers
+    pages. Returns the forks (the last one's decode was refused) and the first fork's logits."""
+    pool = session._engine.pool
+    forks, first = [], None
+    with pytest.raises(PoolExhaustedError, match="KV page pool is exhausted") as info:
+        for _ in range(pool.num_pages):                                   # bounded: each round takes pages
+            forks.append(session.fork())
+            logits = forks[-1].decode(token)
+            first = logits if first is None else first
+    assert isinstance(info.value, sharpi.ContextLengthError) and "\n" not in str(info.value)
+    return forks, first
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +107,7 @@ def small_pool(smollm2_artifact):
 
 def test_pool_exhaustion_is_clear_and_harms_no_other_session(small_pool, smollm2):
     model, pool = small_pool, small_pool.engine.pool
+    n_layers = model.config.n_layers
     ids = _prompt(model)
     other_ids = model.tokenize("The capital of France is")
     with smollm2.session() as reference:                                             # what `other` must give
@@ -100,26 +116,50 @@ def test_pool_exhaustion_is_clear_and_harms_no_other_session(small_pool, smollm2
     big, other = model.session(), model.session()
     big.prefill(ids)
     other.prefill(other_ids)
-    forks = []
-    with pytest.raises(PoolExhaustedError, match="KV page pool is exhausted") as info:
-        while True:
-            forks.append(big.fork())                                               # a copy of big's pages
-    assert isinstance(info.value, sharpi.ContextLengthError) and "\n" not in str(info.value)
     page = pool.page_bytes
-    assert len(forks) == (pool.num_pages - (big.kv_bytes + other.kv_bytes) // page) // (big.kv_bytes // page)
+    own = (big.kv_bytes + other.kv_bytes) // page
+    assert pool.used_count == own
+    forks, first = _fill_with_forks(big, 11)
+    assert len(forks) - 1 == (pool.num_pages - own) // n_layers                    # a fork: one page a layer
+    assert pool.used_count == own + (len(forks) - 1) * n_layers                    # the refused decode took none
+    refused = forks[-1]
+    assert refused.logical_length == big.logical_length and refused.kv_length == big.kv_length
     free = pool.free_count
     with pytest.raises(PoolExhaustedError):
         model.session().prefill(ids)                                               # a prefill fails the same way
     assert pool.free_count == free                                                 # nothing leaked
     np.testing.assert_array_equal(other.decode(11), expected)                      # the others are intact
-    last = forks[-1].decode(11)
-    np.testing.assert_array_equal(forks[0].decode(11), last)
-
-    held = sum(s.kv_bytes for s in [big, other, *forks])
-    assert held == (pool.num_pages - pool.free_count) * pool.page_bytes
+    forks[0].close()
+    np.testing.assert_array_equal(refused.decode(11), first)                       # it runs once pages are back
     for s in [big, other, *forks]:
         s.close()
         assert s.kv_bytes == 0
+    assert pool.free_count == pool.num_pages
+
+
+def test_a_fork_shares_pages_until_it_writes(small_pool):
+    """A fork takes no page; each side's first write into the shared last page copies that page, once; the two
+    sides then go on as separate sequences (the same logits as sequences that never shared)."""
+    model, pool = small_pool, small_pool.engine.pool
+    n_layers = model.config.n_layers
+    ids = _prompt(model)
+    with model.session() as solo:
+        solo.prefill(ids)
+        want = [solo.decode(t) for t in (11, 12, 13)]
+    with model.session() as s:
+        s.prefill(ids)
+        used = pool.used_count
+        f = s.fork()
+        assert pool.used_count == used and f.kv_bytes == s.kv_bytes
+        got_s = [s.decode(t) for t in (11, 12, 13)]                                # s copies the tail, once
+        assert pool.used_count == used + n_layers
+        got_f = [f.decode(t) for t in (11, 12, 13)]                                # f now owns the original
+        assert pool.used_count == used + n_layers
+        f.close()
+        assert pool.used_count == used
+    for a, b, c in zip(want, got_s, got_f):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a, c)
     assert pool.free_count == pool.num_pages
 
 
@@ -132,15 +172,13 @@ def test_refused_prefill_leaves_the_session_empty_and_usable(small_pool):
         expected = s.prefill(ids)
     first = model.session()
     first.prefill(ids)
-    forks = []
-    with pytest.raises(PoolExhaustedError):
-        while True:
-            forks.append(first.fork())
+    forks, _ = _fill_with_forks(first, 11)
     waiting = model.session()
     with pytest.raises(PoolExhaustedError):
         waiting.prefill(ids)
     assert (waiting.logical_length, waiting.kv_bytes, max(waiting.kv_length)) == (0, 0, 0)
-    forks.pop().close()
+    for f in forks[:8]:                                                            # 8 x 30 pages > the 210 it needs
+        f.close()
     np.testing.assert_array_equal(waiting.prefill(ids), expected)
     for s in [first, waiting, *forks]:
         s.close()

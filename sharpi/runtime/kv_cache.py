@@ -30,8 +30,10 @@ class PoolAllocationError(SharpiError):
 
 
 class PagePool:
-    """The free list of the pool's pages; the pool's memory belongs to the backend (a TVM tensor on CPU, a wgpu
-    buffer on Vulkan), which the kernels write in place."""
+    """The pool's pages, reference-counted: a page may be held by several sequences (a fork, a shared prompt
+    prefix) and by the prefix cache, and goes back to the free list when its last holder lets it go. Holders
+    never write a page they share (SequenceCache copies it first). The pool's memory belongs to the backend (a TVM
+    tensor on CPU, a wgpu buffer on Vulkan), which the kernels write in place."""
 
     def __init__(self, backend, num_pages: int, page_size: int, page_bytes: int):
         self.backend = backend
@@ -39,19 +41,42 @@ class PagePool:
         self.page_bytes = page_bytes
         self.num_pages = num_pages
         self.free: list[int] = list(range(self.num_pages - 1, -1, -1))
+        self.refs = np.zeros(num_pages, np.int32)
+        # Called with the number of pages wanted when the free list is short (the prefix cache gives back pages
+        # only it holds); returns whether it freed any.
+        self.reclaim = None
 
     @property
     def free_count(self) -> int:
         return len(self.free)
 
+    @property
+    def used_count(self) -> int:
+        return self.num_pages - len(self.free)
+
     def allocate(self, count: int) -> list[int]:
+        if count > len(self.free) and self.reclaim is not None:
+            self.reclaim(count - len(self.free))
         if count > len(self.free):
             raise PoolExhaustedError(f"The KV page pool is exhausted: {count} more pages needed, "
                                      f"{len(self.free)} of {self.num_pages} free; release a session first.")
-        return [self.free.pop() for _ in range(count)]
+        pages = [self.free.pop() for _ in range(count)]
+        self.refs[pages] = 1
+        return pages
+
+    def share(self, pages: list[int]) -> None:
+        """One more holder of each page."""
+        np.add.at(self.refs, pages, 1)
 
     def release(self, pages: list[int]) -> None:
-        self.free.extend(reversed(pages))
+        """One holder fewer of each page; pages nobody holds go back to the free list."""
+        for page in reversed(pages):
+            self.refs[page] -= 1
+            if self.refs[page] == 0:
+                self.free.append(page)
+
+    def shared(self, page: int) -> bool:
+        return self.refs[page] > 1
 
     def copy_pages(self, src: list[int], dst: list[int]) -> None:
         self.backend.copy_pages(src, dst)
@@ -81,6 +106,7 @@ class SequenceCache:
         # per layer [kv_heads, length]: the logical position each held slot came from
         self.positions: list[np.ndarray] = [self._no_positions() for _ in range(n_layers)]
         self._table = np.zeros((n_layers, max_pages), np.int32)
+        self.compacted = False                              # kept slots no longer equal positions
 
     def _no_positions(self) -> np.ndarray:
         return np.zeros((self.kv_heads, 0), np.int64)
@@ -100,13 +126,40 @@ class SequenceCache:
         if max(self.length) + n_new > self.capacity:
             raise ContextLengthError(f"The sequence would hold {max(self.length) + n_new} tokens, more than the "
                                      f"context of {self.capacity}.")
-        total = sum(max(0, k) for k in need_per_layer)
+        # the page the first new slot lands in, where it is already held (partly filled) and shared: copied first
+        shared_tail = [l for l in range(self.n_layers) if self._tail_page_shared(l)]
+        total = sum(max(0, k) for k in need_per_layer) + len(shared_tail)
         new_pages = self.pool.allocate(total)
+        for l in shared_tail:
+            self._copy_on_write(l, (self.start[l] + self.length[l]) // size, new_pages.pop())
         for l, need in enumerate(need_per_layer):
             for _ in range(max(0, need)):
                 page = new_pages.pop()
                 self._table[l, len(self.pages[l])] = page
                 self.pages[l].append(page)
+
+    def _tail_page_shared(self, layer: int) -> bool:
+        """Whether the next slot of `layer` falls in a page it already holds, and that page is shared."""
+        slot = self.start[layer] + self.length[layer]
+        index = slot // self.pool.page_size
+        return slot % self.pool.page_size != 0 and index < len(self.pages[layer]) and \
+            self.pool.shared(self.pages[layer][index])
+
+    def _copy_on_write(self, layer: int, index: int, fresh: int) -> None:
+        """Give `layer` its own copy (page `fresh`) of its index-th page, which others hold too."""
+        old = self.pages[layer][index]
+        self.pool.copy_pages([old], [fresh])
+        self.pool.release([old])
+        self.pages[layer][index] = fresh
+        self._table[layer, index] = fresh
+
+    def own_pages(self, layer: int, count: int) -> None:
+        """Make the first `count` pages of `layer` this sequence's alone (copies of the shared ones), before a
+        compaction writes them."""
+        shared = [i for i in range(min(count, len(self.pages[layer]))) if self.pool.shared(self.pages[layer][i])]
+        fresh = self.pool.allocate(len(shared))
+        for i, page in zip(shared, fresh):
+            self._copy_on_write(layer, i, page)
 
     def advance(self, n_new: int) -> None:
         """Record n_new tokens written at slots length[l].. and logical positions logical_length.."""
@@ -157,23 +210,41 @@ class SequenceCache:
             self.positions[l] = self._no_positions()
         self._table[:] = 0
         self.logical_length = 0
+        self.compacted = False
 
     def fork(self) -> "SequenceCache":
-        """A copy with its own pages (contents copied), so both sequences can go on independently."""
+        """A copy that shares every page (copy-on-write: whichever sequence writes a shared page first copies it),
+        so both sequences can go on independently; a fork costs no memory until they differ."""
         other = SequenceCache(self.pool, self.n_layers, self.kv_heads, self.max_pages, self.windows)
-        count = sum(len(p) for p in self.pages)
-        fresh = self.pool.allocate(count)
         for l in range(self.n_layers):
-            mine = self.pages[l]
-            theirs = [fresh.pop() for _ in mine]
-            self.pool.copy_pages(mine, theirs)
-            other.pages[l] = theirs
-            other._table[l, :len(theirs)] = theirs
+            self.pool.share(self.pages[l])
+            other.pages[l] = list(self.pages[l])
+            other._table[l, :len(self.pages[l])] = self.pages[l]
         other.length = list(self.length)
         other.start = list(self.start)
         other.positions = [p.copy() for p in self.positions]
         other.logical_length = self.logical_length
+        other.compacted = self.compacted
         return other
+
+    def adopt(self, pages: list[list[int]], tokens: int) -> None:
+        """Start this (empty) sequence from a shared prefix: `pages` per layer holding its first `tokens` tokens'
+        keys and values, contiguous from position 0 (the prefix cache's full pages)."""
+        assert self.logical_length == 0 and all(not p for p in self.pages)
+        for l, layer_pages in enumerate(pages):
+            self.pool.share(layer_pages)
+            self.pages[l] = list(layer_pages)
+            self._table[l, :len(layer_pages)] = layer_pages
+            self.length[l] = tokens
+            self.positions[l] = np.broadcast_to(np.arange(tokens, dtype=np.int64), (self.kv_heads, tokens)).copy()
+        self.logical_length = tokens
+
+    @property
+    def contiguous(self) -> bool:
+        """Whether every layer holds every position from 0, in order (no eviction, no sliding-window drop): its
+        full pages can be shared as a prompt prefix."""
+        return all(self.start[l] == 0 and self.length[l] == self.logical_length and not self.windows[l]
+                   for l in range(self.n_layers)) and not self.compacted
 
     def keep_rows(self, keep) -> list[np.ndarray | None]:
         """Validate a keep set for compact(): one list for every layer and head, or per layer either one list
@@ -208,6 +279,7 @@ class SequenceCache:
     def record_compaction(self, rows: list[np.ndarray]) -> None:
         """Bookkeeping after the slots moved: lengths, kept positions, trailing pages back to the pool at once.
         logical_length is unchanged, so later tokens are still RoPE'd at their true positions."""
+        self.compacted = True
         for layer, layer_rows in enumerate(rows):
             if layer_rows is None:
                 continue

@@ -167,6 +167,9 @@ class Session:
                     keep_table[layer, :, :r.shape[1]] = r
             self._compact_on_device(keep_table, rows)
         else:                 # an artifact without the SnapKV ops: moved through host memory
+            for layer, r in enumerate(rows):
+                if r is not None:
+                    self._cache.own_pages(layer, len(self._cache.pages[layer]))
             self._cache.move_slots(rows)
             self._cache.record_compaction(rows)
 
@@ -174,11 +177,15 @@ class Session:
         """Gather keep[l, h, :count[l]] to the front with the compiled snapkv_compact (count 0 for layers left
         alone: rows[l] None), then the bookkeeping."""
         counts = np.array([0 if r is None else r.shape[1] for r in rows], np.int32)
+        for layer, count in enumerate(counts):     # the pages the gather writes: this sequence's alone first
+            if count:
+                self._cache.own_pages(layer, -(-int(count) // self._cache.pool.page_size))
         self._engine.compact(self._cache, keep, counts)
         self._cache.record_compaction(rows)
 
     def fork(self) -> "Session":
-        """An independent copy of this session (its pages copied): one prefill, many continuations."""
+        """An independent copy of this session: one prefill, many continuations. The copy shares the pages until
+        either side writes one (copy-on-write), so a fork costs at most a page a layer."""
         self._check_open()
         with self._engine.lock:
             other = Session(self._engine, self.snapkv, self.snapkv_budget, cache=self._cache.fork())
