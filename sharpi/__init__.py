@@ -3,8 +3,8 @@
 `import sharpi` stays light: the compiler (and tvm.relax) loads only when `sharpi.compile` is called.
 """
 from .common.errors import (ArtifactError, CompileError, ConfigError, ContextLengthError, FetchError, GGUFError,
-                            KeepSetError, ModelNotFoundError, NonFiniteLogitsError, SharpiError, SharpiWarning,
-                            TokenizerError, UnsupportedArchitectureError, UnsupportedTensorTypeError)
+                            KeepSetError, ModelNotFoundError, NonFiniteLogitsError, ServerBusyError, SharpiError,
+                            SharpiWarning, TokenizerError, UnsupportedArchitectureError, UnsupportedTensorTypeError)
 from .common.targets import DEFAULT_TARGET
 from .common.version import __version__
 
@@ -24,7 +24,8 @@ def export_onnx(model, output=None, **options):
 
 
 def load(directory, **options):
-    """Load a compiled artifact directory (options: threads, verify, pool_sequences, adapter, expect_sha256).
+    """Load a compiled artifact directory (options: threads, verify, pool_sequences or pool_tokens, adapter,
+    expect_sha256).
 
     An artifact is code: its kernel library is loaded into this process. Load only artifacts you built or trust,
     and pin one you got from elsewhere with expect_sha256=artifact_sha256(...) of the copy you trust."""
@@ -47,5 +48,5 @@ def fetch(name: str, show_progress: bool = True):
 
 __all__ = ["compile", "export_onnx", "load", "artifact_sha256", "fetch", "SharpiError", "ArtifactError",
            "CompileError", "ConfigError", "ContextLengthError", "FetchError", "GGUFError", "KeepSetError",
-           "ModelNotFoundError", "NonFiniteLogitsError", "SharpiWarning", "TokenizerError", "UnsupportedArchitectureError",
-           "UnsupportedTensorTypeError", "__version__"]
+           "ModelNotFoundError", "NonFiniteLogitsError", "ServerBusyError", "SharpiWarning", "TokenizerError",
+           "UnsupportedArchitectureError", "UnsupportedTensorTypeError", "__version__"]

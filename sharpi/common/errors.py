@@ -53,5 +53,9 @@ class NonFiniteLogitsError(SharpiError):
     """The model computed NaN or infinite logits (non-finite weights, or a mislabelled tensor type in the GGUF)."""
 
 
+class ServerBusyError(SharpiError):
+    """The server's queue of waiting requests is full; the request was not taken (try again later)."""
+
+
 class SharpiWarning(UserWarning):
     """Something the user should know that does not stop the work (the CLIs print it as one `warning:` line)."""

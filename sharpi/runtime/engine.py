@@ -20,18 +20,21 @@ from .kv_cache import PagePool, SequenceCache
 
 
 class Engine:
-    def __init__(self, backend: Backend, manifest: Manifest, config: ModelConfig, pool_sequences: int):
+    def __init__(self, backend: Backend, manifest: Manifest, config: ModelConfig, pool_sequences: int,
+                 pool_tokens: int | None = None):
         self.backend, self.manifest, self.config = backend, manifest, config
-        self.pool = self._make_pool(pool_sequences)
+        self.pool = self._make_pool(pool_sequences, pool_tokens)
         # Reentrant: eviction (select, compact) runs inside a prefill.
         self.lock = threading.RLock()
 
-    def _make_pool(self, sequences: int) -> PagePool:
-        """Room for `sequences` full-context sequences (sessions and forks share it), or as many pages as the
-        backend can hold in one buffer (Vulkan's storage-binding limit) if that is less."""
+    def _make_pool(self, sequences: int, tokens: int | None) -> PagePool:
+        """Room for `sequences` full-context sequences (sessions and forks share it), or for `tokens` slots in
+        every layer when given (a server's pool: llama.cpp's -c), or as many pages as the backend can hold in one
+        buffer (Vulkan's storage-binding limit) if that is less."""
         cfg, m = self.config, self.manifest
         page_bytes = KV_ITEMSIZE[m.kv_dtype] * 2 * cfg.n_kv_heads * m.page_size * cfg.head_dim
-        shape = (sequences * cfg.n_layers * m.max_pages, 2, cfg.n_kv_heads, m.page_size, cfg.head_dim)
+        pages_per_layer = -(-tokens // m.page_size) if tokens else sequences * m.max_pages
+        shape = (cfg.n_layers * pages_per_layer, 2, cfg.n_kv_heads, m.page_size, cfg.head_dim)
         pages = self.backend.allocate_pool(shape, m.kv_dtype)
         return PagePool(self.backend, pages, m.page_size, page_bytes)
 
@@ -47,6 +50,11 @@ class Engine:
 
     def has(self, function: str) -> bool:
         return function in self.backend.functions
+
+    @property
+    def slot_bytes(self) -> int:
+        """The KV bytes of one token in every layer."""
+        return self.pool.page_bytes * self.config.n_layers // self.manifest.page_size
 
     def new_cache(self) -> SequenceCache:
         cfg = self.config

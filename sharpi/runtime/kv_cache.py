@@ -121,22 +121,31 @@ class SequenceCache:
     def reserve(self, n_new: int) -> None:
         """Make room for n_new more slots in every layer (allocating pages)."""
         size = self.pool.page_size
-        need_per_layer = [math.ceil((self.start[l] + self.length[l] + n_new) / size) - len(self.pages[l])
-                          for l in range(self.n_layers)]
         if max(self.length) + n_new > self.capacity:
             raise ContextLengthError(f"The sequence would hold {max(self.length) + n_new} tokens, more than the "
                                      f"context of {self.capacity}.")
-        # the page the first new slot lands in, where it is already held (partly filled) and shared: copied first
-        shared_tail = [l for l in range(self.n_layers) if self._tail_page_shared(l)]
-        total = sum(max(0, k) for k in need_per_layer) + len(shared_tail)
-        new_pages = self.pool.allocate(total)
+        need_per_layer, shared_tail = self._growth(n_new)
+        new_pages = self.pool.allocate(sum(need_per_layer) + len(shared_tail))
         for l in shared_tail:
             self._copy_on_write(l, (self.start[l] + self.length[l]) // size, new_pages.pop())
         for l, need in enumerate(need_per_layer):
-            for _ in range(max(0, need)):
+            for _ in range(need):
                 page = new_pages.pop()
                 self._table[l, len(self.pages[l])] = page
                 self.pages[l].append(page)
+
+    def pages_needed(self, n_new: int) -> int:
+        """The pages reserve(n_new) would take from the pool now (new pages, and copies of a shared tail page)."""
+        need_per_layer, shared_tail = self._growth(n_new)
+        return sum(need_per_layer) + len(shared_tail)
+
+    def _growth(self, n_new: int) -> tuple[list[int], list[int]]:
+        """Per layer the new pages n_new more slots need, and the layers whose first new slot lands in a page
+        they hold part full and share (copied first)."""
+        size = self.pool.page_size
+        need = [max(0, math.ceil((self.start[l] + self.length[l] + n_new) / size) - len(self.pages[l]))
+                for l in range(self.n_layers)]
+        return need, [l for l in range(self.n_layers) if self._tail_page_shared(l)]
 
     def _tail_page_shared(self, layer: int) -> bool:
         """Whether the next slot of `layer` falls in a page it already holds, and that page is shared."""
@@ -241,10 +250,10 @@ class SequenceCache:
 
     @property
     def contiguous(self) -> bool:
-        """Whether every layer holds every position from 0, in order (no eviction, no sliding-window drop): its
-        full pages can be shared as a prompt prefix."""
-        return all(self.start[l] == 0 and self.length[l] == self.logical_length and not self.windows[l]
-                   for l in range(self.n_layers)) and not self.compacted
+        """Whether every layer holds every position from 0, in order (no eviction, nothing dropped by a sliding
+        window yet): its full pages can be shared as a prompt prefix."""
+        return not self.compacted and all(self.start[l] == 0 and self.length[l] == self.logical_length
+                                          for l in range(self.n_layers))
 
     def keep_rows(self, keep) -> list[np.ndarray | None]:
         """Validate a keep set for compact(): one list for every layer and head, or per layer either one list

@@ -20,10 +20,12 @@ from .backend import Backend
 from .engine import Engine
 from .sampling import Sampler, SamplingParams
 from .session import Session
+from .text_output import TextOutput, stop_strings
 from .tvm_backend import TVMBackend
 from .vulkan import VulkanBackend
 
 MAX_POOL_SEQUENCES = 4096
+MAX_POOL_TOKENS = 2**26
 
 
 @dataclass
@@ -36,20 +38,24 @@ class GenerationResult:
 
 class Model:
     def __init__(self, directory: str | Path, *, threads: int | None = None, verify: bool = True,
-                 pool_sequences: int = 4, adapter: str | None = None, expect_sha256: str | None = None):
+                 pool_sequences: int = 4, adapter: str | None = None, expect_sha256: str | None = None,
+                 pool_tokens: int | None = None):
         """Load an artifact. threads: CPU threads (llvm); adapter: part of the Vulkan adapter's name to use
         (default: the highest-performance one, or $SHARPI_VULKAN_ADAPTER). verify: check every file's sha256
         (and the manifest's digest) before loading; without it, the manifest is still checked in full.
         expect_sha256: the sha256 of the manifest file (sharpi.artifact_sha256; sharpi-compile prints it) that
         this artifact must have: an artifact is code (its kernel library is loaded into this process), so pin
         one you did not build yourself; every file is then verified, whatever `verify` says, before any of it
-        is loaded."""
+        is loaded. The KV page pool holds pool_sequences full-context sequences, or pool_tokens slots in every
+        layer when given (what sequences of any lengths share: a server's pool)."""
         self.path = Path(directory)
         if not isinstance(verify, bool):
             raise ConfigError(f"verify must be True or False, got {verify!r}.")
         verify = verify or expect_sha256 is not None
         self.threads = resolve_threads(threads)
         pool_sequences = parse_positive_int(pool_sequences, "pool_sequences", highest=MAX_POOL_SEQUENCES)
+        if pool_tokens is not None:
+            pool_tokens = parse_positive_int(pool_tokens, "pool_tokens", highest=MAX_POOL_TOKENS)
         manifest = Manifest.read(self.path, verify_digest=verify, expect_sha256=expect_sha256)
         backend = open_backend(self.path, manifest, threads=self.threads, verify=verify, adapter=adapter)
         self.config = ModelConfig.from_dict(manifest.config)
@@ -57,7 +63,7 @@ class Model:
         if self.tokenizer.vocab_size > self.config.vocab_size:
             raise ArtifactError(f"{self.path}/tokenizer.json has {self.tokenizer.vocab_size} tokens, more than the "
                                 f"model's {self.config.vocab_size}; compile it again.")
-        self.engine = Engine(backend, manifest, self.config, pool_sequences)
+        self.engine = Engine(backend, manifest, self.config, pool_sequences, pool_tokens)
         # Tokenizing without special tokens flips a flag on the shared tokenizer for the call.
         self._tokenizer_lock = threading.Lock()
 
@@ -145,7 +151,7 @@ class _Generation:
         self.model, self.session = model, session
         self.max_tokens = parse_int(max_tokens, "max_tokens", 0, MAX_COUNT, text=False)
         self.sampler = Sampler(params)
-        self.stop = _stop_strings(stop)
+        self.stop = stop_strings(stop)
         if not isinstance(special, bool):
             raise ConfigError(f"special must be True or False, got {special!r}.")
         self.special = special
@@ -164,42 +170,33 @@ class _Generation:
         model = self.model
         stop_ids = set(model.tokenizer.info.stop_ids)
         out: list[int] = []
-        emitted = ""
         finish = "length"
-        stream = model.tokenizer.stream(special=self.special)
+        text = TextOutput(model.tokenizer, self.stop, self.special)
         with self.session as session:
             t0 = time.perf_counter()
             logits = session.prefill(self.prompt_ids)
             t1 = time.perf_counter()
             kv_after_prefill = (max(session.kv_length), session.kv_bytes, session.evicted)
             while len(out) < self.max_tokens:
-                token = self.sampler(logits, self.prompt_ids + out)
+                token = self.sampler(logits, self.prompt_ids + out, out)
                 if token in stop_ids:
                     finish = "stop"
                     break
                 out.append(token)
-                stream.step(token)
-                text = stream.text
-                cut = _find_stop(text, self.stop)
-                if cut is not None:
-                    text, finish = text[:cut], "stop"
-                    if len(text) > len(emitted):
-                        yield text[len(emitted):]
-                    emitted = text
+                piece = text.feed(token)
+                if piece:
+                    yield piece
+                if text.stopped:
+                    finish = "stop"
                     break
-                safe = _safe_prefix(text, self.stop)
-                if len(safe) > len(emitted):
-                    yield safe[len(emitted):]
-                    emitted = safe
                 if len(out) >= self.max_tokens or session.context_left == 0:
                     break
                 logits = session.decode(token)
             t2 = time.perf_counter()
-        if finish != "stop":
-            text = model.detokenize(out, special=self.special)   # once; it also shows an unfinished character
-            if len(text) > len(emitted):
-                yield text[len(emitted):]
-            emitted = text
+        piece = text.finish()
+        if piece:
+            yield piece
+        emitted = text.emitted
         n_decode = max(len(out) - 1, 0)
         self.result = GenerationResult(
             text=emitted, token_ids=out, finish_reason=finish,
@@ -210,15 +207,6 @@ class _Generation:
                    "decode_tok_s": n_decode / max(t2 - t1, 1e-9) if n_decode else 0.0})
 
 
-def _stop_strings(stop) -> list[str]:
-    if stop is None:
-        return []
-    stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) for s in stops):
-        raise ConfigError(f"stop must be a string or a list of strings, got {stop!r}.")
-    return list(stops)
-
-
 def open_backend(path: Path, manifest: Manifest, *, threads: int, verify: bool, adapter: str | None) -> Backend:
     """The backend of the artifact's target's runtime (sharpi.common.targets): TVM's Relax VM, or the wgpu plan."""
     spec = target_spec(manifest.target["kind"])
@@ -227,21 +215,3 @@ def open_backend(path: Path, manifest: Manifest, *, threads: int, verify: bool, 
 
 
 RUNTIMES = {"tvm-vm": TVMBackend, "wgpu-plan": VulkanBackend}
-
-
-def _find_stop(text: str, stops: list[str]) -> int | None:
-    hits = [text.find(s) for s in stops if s and s in text]
-    return min(hits) if hits else None
-
-
-def _safe_prefix(text: str, stops: list[str]) -> str:
-    """Text that can be shown now: hold back an incomplete UTF-8 character and any tail that could start a stop."""
-    end = len(text)
-    while end > 0 and text[end - 1] == "\ufffd":
-        end -= 1
-    for s in stops:
-        for k in range(min(len(s) - 1, end), 0, -1):
-            if text[:end].endswith(s[:k]):
-                end -= k
-                break
-    return text[:end]

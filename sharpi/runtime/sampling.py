@@ -1,4 +1,5 @@
-"""Token sampling from logits (numpy): greedy, temperature, top-k, top-p, min-p, repetition penalty.
+"""Token sampling from logits (numpy): greedy, temperature, top-k, top-p, min-p, repetition penalty (llama.cpp's:
+over the prompt and the output), frequency and presence penalties (OpenAI's: over the output).
 
 Every accepted value is numerically safe: logits are taken in float64 and shifted so that the largest is 0 before
 the temperature divides them (a temperature near zero sends the others to -inf, never to inf - inf = NaN), and a
@@ -27,6 +28,8 @@ class SamplingParams:
     min_p: float = 0.0
     repeat_penalty: float = 1.0
     seed: int | None = None
+    frequency_penalty: float = 0.0        # subtracted once per earlier occurrence in the output
+    presence_penalty: float = 0.0         # subtracted once if the token occurs in the output
 
     def validate(self) -> None:
         """A ConfigError naming the first value outside its range (numbers must be finite; top_k and seed
@@ -43,8 +46,14 @@ class SamplingParams:
                   (real(self.min_p) and 0 <= self.min_p <= 1, "min_p must be a number in [0, 1]"),
                   (real(self.repeat_penalty) and self.repeat_penalty > 0,
                    "repeat_penalty must be a finite number > 0"),
-                  (self.seed is None or integer(self.seed, MAX_SEED), f"seed must be an integer in [0, {MAX_SEED}]")]
-        for (ok, message), name in zip(checks, ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "seed")):
+                  (self.seed is None or integer(self.seed, MAX_SEED), f"seed must be an integer in [0, {MAX_SEED}]"),
+                  (real(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+                   "frequency_penalty must be a number in [-2, 2]"),
+                  (real(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+                   "presence_penalty must be a number in [-2, 2]")]
+        names = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "seed", "frequency_penalty",
+                 "presence_penalty")
+        for (ok, message), name in zip(checks, names):
             if not ok:
                 raise ConfigError(f"{message}, got {getattr(self, name)!r}.")
 
@@ -55,7 +64,9 @@ class Sampler:
         self.params = params
         self.rng = np.random.default_rng(params.seed)
 
-    def __call__(self, logits: np.ndarray, history: list[int]) -> int:
+    def __call__(self, logits: np.ndarray, history: list[int], output: list[int] | None = None) -> int:
+        """The next token from `logits`; `history` is every token so far (prompt and output: the repetition
+        penalty's), `output` the generated ones (the frequency and presence penalties')."""
         p = self.params
         z = np.asarray(logits, dtype=np.float64).copy()
         if p.repeat_penalty != 1.0 and history:
@@ -64,6 +75,9 @@ class Sampler:
             with np.errstate(over="ignore"):
                 z[seen] = np.clip(np.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty),
                                   -_FINITE, _FINITE)
+        if (p.frequency_penalty or p.presence_penalty) and output:
+            tokens, counts = np.unique(np.asarray(output, dtype=np.int64), return_counts=True)
+            z[tokens] -= p.frequency_penalty * counts + p.presence_penalty
         if p.temperature == 0.0:
             return int(np.argmax(z))
         with np.errstate(over="ignore", under="ignore"):
@@ -84,3 +98,21 @@ class Sampler:
             probs[~mask] = 0
             probs /= probs.sum()
         return int(self.rng.choice(probs.size, p=probs))
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """The model's log-probabilities (float64) from raw logits: what OpenAI's logprobs report, before any
+    sampling setting reshapes the distribution."""
+    z = np.asarray(logits, dtype=np.float64)
+    z = z - z.max()
+    return z - np.log(np.exp(z).sum())
+
+
+def top_logprobs(logprobs: np.ndarray, k: int) -> list[tuple[int, float]]:
+    """The k most likely tokens and their log-probabilities, most likely first (ties: the lower id first)."""
+    if k <= 0:
+        return []
+    k = min(k, logprobs.size)
+    best = np.argpartition(-logprobs, k - 1)[:k]
+    best = best[np.lexsort((best, -logprobs[best]))]
+    return [(int(t), float(logprobs[t])) for t in best]

@@ -33,6 +33,7 @@ class Session:
         self.evicted = False
         self._scores = None           # SnapKV scores of the fresh prompt, kept for evict()
         self._scored_length = 0       # the tokens those scores cover
+        self._adopted = 0             # prompt tokens taken from other sequences' pages (adopt_prefix)
         self._closed = False
 
     # -- state ------------------------------------------------------------------------------------------------
@@ -67,44 +68,42 @@ class Session:
         A fresh prompt longer than the SnapKV budget and window is evicted (see the class doc). With
         keep_scores, a fresh prompt is scored but not evicted, so evict() can later apply any budget, e.g. on
         forks of this session (one prefill, many budgets)."""
-        ids = self._check_ids(ids)
-        fresh = self._cache.logical_length == 0
-        evict = fresh and self._should_evict(len(ids), self.snapkv_budget)
-        try:
-            if not (evict or (keep_scores and fresh)):
-                return self._prefill_chunks(ids)
-            logits = self._prefill_scored(ids)
-        except PoolExhaustedError:
-            if fresh:      # a later chunk found the pool full: leave the session empty, as it was
-                with self._engine.lock:
-                    self._cache.release()
-            raise
-        if evict:
-            self.evict()
-        return logits
+        job = self.start_prefill(ids, keep_scores=keep_scores)
+        while not job.step():
+            pass
+        return job.logits
 
-    def _prefill_chunks(self, ids: np.ndarray) -> np.ndarray:
-        last = None
-        for chunk in self._chunks(ids):
-            last = self._forward("prefill", chunk)[-1]
-        return last
+    def start_prefill(self, ids, *, keep_scores: bool = False, on_fed=None) -> "PrefillJob":
+        """The same prefill, fed one chunk per PrefillJob.step() (a server interleaves the chunks of several
+        prompts with decode steps of running sequences). on_fed(), if given, runs once every token is in the
+        cache, before any eviction (a prefix cache indexes the whole prompt then)."""
+        return PrefillJob(self, self._check_ids(ids), keep_scores, on_fed)
+
+    def adopt_prefix(self, pages: list[list[int]], tokens: int) -> None:
+        """Start this new session from `tokens` tokens whose keys and values other sequences computed (`pages`
+        per layer: full pages, shared until written). The prompt that follows is still this session's first: a
+        prefill of the rest scores and evicts the whole prompt as a fresh one would."""
+        self._check_open()
+        with self._engine.lock:
+            self._cache.adopt(pages, tokens)
+        self._adopted = tokens
+
+    @property
+    def fresh(self) -> bool:
+        """Whether the next prefill is this session's first prompt (nothing fed beyond an adopted prefix)."""
+        return self._cache.logical_length == self._adopted and not self.evicted
+
+    @property
+    def cache(self) -> SequenceCache:
+        """The session's pages and their bookkeeping (the server's prefix cache reads and shares them)."""
+        return self._cache
+
+    def evicts(self, n: int) -> bool:
+        """Whether a first prompt of n tokens (an adopted prefix included) is compressed after its prefill."""
+        return self._should_evict(n, self.snapkv_budget)
 
     def _should_evict(self, n: int, budget: int) -> bool:
         return bool(budget) and n > budget and n > self.snapkv.window
-
-    def _prefill_scored(self, ids: np.ndarray) -> np.ndarray:
-        """Chunked prefill whose last chunk holds the whole scoring window; keeps the scores."""
-        if not self._engine.has("prefill_snapkv"):
-            raise ConfigError("This artifact was compiled with --snapkv off; recompile with --snapkv on to score.")
-        window = min(self.snapkv.window, len(ids))
-        step = self._engine.prefill_chunk
-        tail = max(window, len(ids) % step or step)
-        for start in range(0, len(ids) - tail, step):
-            self._forward("prefill", ids[start:min(start + step, len(ids) - tail)])
-        self._scored_length = len(ids)
-        logits, self._scores = self._forward("prefill_snapkv", ids[len(ids) - tail:],
-                                             extra=(np.array([window], np.int32),))
-        return logits[-1]
 
     def evict(self, budget: int | None = None, **knobs) -> bool:
         """Select and compact with the scores of this session's prompt (budget, recency, pooling, kernel,
@@ -199,6 +198,10 @@ class Session:
                 self._cache.release()
             self._closed = True
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def __enter__(self):
         return self
 
@@ -236,6 +239,78 @@ class Session:
 
     def _forward(self, function: str, ids: np.ndarray, extra: tuple = ()):
         return self._engine.forward(function, ids, self._cache, extra)
+
+
+class PrefillJob:
+    """One prefill, chunk by chunk: step() feeds the next chunk and returns True once the prompt is all fed; then
+    .logits holds its last token's logits, and a fresh prompt over the SnapKV budget has been evicted.
+
+    The chunks are the artifact's prefill chunks; a scored prompt's last chunk holds the whole scoring window
+    (prefill_snapkv scores every held position with those queries). A fresh prompt whose chunk finds the pool
+    full leaves the session empty, as it was."""
+
+    def __init__(self, session: Session, ids: np.ndarray, keep_scores: bool, on_fed=None):
+        self.session, self.ids, self.on_fed = session, ids, on_fed
+        self.fresh = session.fresh
+        total = session.logical_length + len(ids)
+        self.evict = self.fresh and session._should_evict(total, session.snapkv_budget)
+        scored = self.evict or (keep_scores and self.fresh)
+        if scored and not session._engine.has("prefill_snapkv"):
+            raise ConfigError("This artifact was compiled with --snapkv off; recompile with --snapkv on to score.")
+        self.window = min(session.snapkv.window, total) if scored else 0
+        if self.window > len(ids):
+            raise ConfigError(f"Scoring a prompt needs its last {self.window} tokens computed here; only "
+                              f"{len(ids)} follow the adopted prefix.")
+        self._chunks = self._plan(len(ids), session._engine.prefill_chunk, self.window)
+        self.logits: np.ndarray | None = None
+
+    @staticmethod
+    def _plan(n: int, step: int, window: int) -> list[tuple[int, int, bool]]:
+        """(start, end, scored) of each chunk; a scored plan's last chunk is at least the window long."""
+        if not window:
+            return [(start, min(start + step, n), False) for start in range(0, n, step)]
+        tail = max(window, n % step or step)
+        return [(start, min(start + step, n - tail), False) for start in range(0, n - tail, step)] + \
+            [(n - tail, n, True)]
+
+    @property
+    def done(self) -> bool:
+        return not self._chunks
+
+    @property
+    def next_tokens(self) -> int:
+        """The tokens the next step() feeds."""
+        start, end, _ = self._chunks[0]
+        return end - start
+
+    def pages_needed(self) -> int:
+        """The pages the next step() takes from the pool."""
+        return self.session._cache.pages_needed(self.next_tokens)
+
+    def step(self) -> bool:
+        session = self.session
+        start, end, scored = self._chunks[0]
+        try:
+            if scored:
+                session._scored_length = session.logical_length + end - start
+                out, session._scores = session._forward("prefill_snapkv", self.ids[start:end],
+                                                        extra=(np.array([self.window], np.int32),))
+            else:
+                out = session._forward("prefill", self.ids[start:end])
+        except PoolExhaustedError:
+            if self.fresh:
+                with session._engine.lock:
+                    session._cache.release()
+                session._adopted = 0
+            raise
+        self._chunks.pop(0)
+        if self.done:
+            self.logits = out[-1]
+            if self.on_fed is not None:
+                self.on_fed()
+            if self.evict:
+                session.evict()
+        return self.done
 
 
 def decode_batch(sessions: list[Session], tokens) -> np.ndarray:
