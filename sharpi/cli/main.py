@@ -1,4 +1,5 @@
-"""sharpi fetch | inspect | run | chat | adapters | bench | eval | cache: use compiled artifacts and known models."""
+"""sharpi fetch | inspect | run | chat | serve | adapters | bench | eval | cache: use compiled artifacts and known
+models."""
 from __future__ import annotations
 
 import json
@@ -16,6 +17,7 @@ from .common import (ArgumentParser, add_device_flags, add_sampling_flags, add_s
                      load_model, user_errors_exit_2)
 from .bench import run_bench
 from .eval import add_eval_parser, cmd_eval
+from .serve import add_serve_parser, cmd_serve
 
 
 def build_parser() -> ArgumentParser:
@@ -57,6 +59,7 @@ def build_parser() -> ArgumentParser:
     add_device_flags(b)
 
     add_eval_parser(sub)
+    add_serve_parser(sub)
 
     k = sub.add_parser("cache", help="list the compile cache's artifacts (least recently used first), or clear it")
     k.add_argument("--clear", action="store_true", help="delete every cached compile")
@@ -169,7 +172,8 @@ def cmd_cache(args) -> int:
 
 
 COMMANDS = {"fetch": cmd_fetch, "inspect": cmd_inspect, "run": cmd_run, "chat": cmd_chat, "adapters": cmd_adapters,
-            "bench": cmd_bench, "eval": cmd_eval, "cache": cmd_cache}
+            "bench": cmd_bench, "eval": cmd_eval, "cache": cmd_cache,
+            "serve": cmd_serve}
 
 if __name__ == "__main__":
     sys.exit(main())

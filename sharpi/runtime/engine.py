@@ -32,7 +32,7 @@ class Engine:
         every layer when given (a server's pool: llama.cpp's -c), or as many pages as the backend can hold in one
         buffer (Vulkan's storage-binding limit) if that is less."""
         cfg, m = self.config, self.manifest
-        page_bytes = KV_ITEMSIZE[m.kv_dtype] * 2 * cfg.n_kv_heads * m.page_size * cfg.head_dim
+        page_bytes = kv_slot_bytes(m, cfg) // cfg.n_layers * m.page_size
         pages_per_layer = -(-tokens // m.page_size) if tokens else sequences * m.max_pages
         shape = (cfg.n_layers * pages_per_layer, 2, cfg.n_kv_heads, m.page_size, cfg.head_dim)
         pages = self.backend.allocate_pool(shape, m.kv_dtype)
@@ -50,11 +50,6 @@ class Engine:
 
     def has(self, function: str) -> bool:
         return function in self.backend.functions
-
-    @property
-    def slot_bytes(self) -> int:
-        """The KV bytes of one token in every layer."""
-        return self.pool.page_bytes * self.config.n_layers // self.manifest.page_size
 
     def new_cache(self) -> SequenceCache:
         cfg = self.config
@@ -117,6 +112,11 @@ class Engine:
                                 f"{self.select_params} parameters); compile it again with this sharpi to use "
                                 f"sinks {settings.sinks}.")
         return settings, budget
+
+
+def kv_slot_bytes(manifest: Manifest, config: ModelConfig) -> int:
+    """The KV cache's bytes for one token in every layer (keys and values)."""
+    return KV_ITEMSIZE[manifest.kv_dtype] * 2 * config.n_kv_heads * config.head_dim * config.n_layers
 
 
 def _check_finite(logits: np.ndarray, positions: np.ndarray) -> None:

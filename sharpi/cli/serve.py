@@ -1,0 +1,125 @@
+"""sharpi serve: an OpenAI-compatible HTTP server for one compiled artifact (sharpi.serve)."""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+
+from ..common.config import ModelConfig
+from ..common.errors import ConfigError, SharpiError
+from ..common.manifest import Manifest
+from ..common.settings import parse_positive_int
+from ..runtime.engine import kv_slot_bytes
+from .common import add_device_flags, add_snapkv_flags, snapkv_knobs
+
+DEFAULT_PORT = 8080
+
+
+def add_serve_parser(sub) -> None:
+    s = sub.add_parser("serve", help="serve the model over HTTP (OpenAI's API: completions, chat completions)")
+    s.add_argument("artifact")
+    s.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 for every interface)")
+    s.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"TCP port (default {DEFAULT_PORT}; 0: any free one)")
+    s.add_argument("--model-name", default=None, help="the model's id in the API (default: the GGUF's file name)")
+    s.add_argument("--parallel", type=int, default=16, help="sequences generated at once (default 16)")
+    memory = s.add_mutually_exclusive_group()
+    memory.add_argument("--kv-memory", type=int, default=None, metavar="MIB",
+                        help="KV page pool size in MiB, which all requests share")
+    memory.add_argument("--pool-tokens", type=int, default=None, metavar="N",
+                        help="KV page pool size in token slots a layer (llama-server's -c)")
+    s.add_argument("--max-queue", type=int, default=256, help="requests waiting for admission before 503 (256)")
+    s.add_argument("--prefill-budget", type=int, default=None, metavar="TOKENS",
+                   help="prompt tokens computed between two decode steps (default: the artifact's prefill chunk)")
+    s.add_argument("--no-prefix-cache", action="store_true", help="recompute every prompt in full")
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health (default: SHARPI_API_KEY)")
+    s.add_argument("--drain-seconds", type=float, default=10.0,
+                   help="on SIGINT/SIGTERM, how long in-flight requests may finish before they are cancelled (10)")
+    add_snapkv_flags(s)
+    add_device_flags(s)
+
+
+def cmd_serve(args) -> int:
+    # Heavy and optional (pip install "sharpi[serve]"): imported when serving, so the other commands never need it.
+    try:
+        from ..serve.app import ServerState
+        from ..serve.server import bind, serve
+    except ImportError as error:
+        raise ConfigError(f"sharpi serve needs the serving extra ({error.name} is missing): "
+                          f"pip install \"sharpi[serve]\".") from None
+    parallel = parse_positive_int(args.parallel, "--parallel", highest=1024)
+    parse_positive_int(args.max_queue, "--max-queue", allow_zero=True, highest=1 << 20)
+    if args.prefill_budget is not None:
+        parse_positive_int(args.prefill_budget, "--prefill-budget", highest=1 << 20)
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port must be in [0, 65535], got {args.port}.")
+    if not (args.drain_seconds >= 0):
+        raise ConfigError(f"--drain-seconds must be >= 0, got {args.drain_seconds}.")
+    api_key = args.api_key if args.api_key is not None else os.environ.get("SHARPI_API_KEY") or None
+    if api_key is not None and not api_key.strip():
+        raise ConfigError("--api-key is empty.")
+    manifest = Manifest.read(Path(args.artifact), verify_digest=False)       # a bad directory fails here, fast
+    name = args.model_name or Path(manifest.source.get("name", Path(args.artifact).name)).stem
+    pool_tokens = _pool_tokens(args, manifest)
+    sock = bind(args.host, args.port)
+    state = ServerState(name, api_key=api_key, snapkv_knobs=snapkv_knobs(args))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    host, port = sock.getsockname()[:2]
+    print(f"sharpi serve: http://{host}:{port}/v1 serves '{name}' (loading {args.artifact})", flush=True)
+    loader = threading.Thread(target=_load, args=(state, args, parallel, pool_tokens), daemon=True,
+                              name="sharpi-load")
+    loader.start()
+    try:
+        serve(state, sock, drain_seconds=args.drain_seconds)
+    finally:
+        loader.join(timeout=60)
+        if state.engine is not None:
+            state.engine.shutdown(cancel=True, timeout=30)
+            pool = state.engine.pool_summary()
+            print(f"sharpi serve: stopped; {pool['used']} of {pool['pages']} KV pages still held", flush=True)
+    return 0 if state.load_error is None else 2
+
+
+def _pool_tokens(args, manifest: Manifest) -> int | None:
+    """--pool-tokens, or the slots a layer --kv-memory MiB holds (None: the runtime's default pool)."""
+    if args.pool_tokens is not None:
+        return parse_positive_int(args.pool_tokens, "--pool-tokens", highest=1 << 26)
+    if args.kv_memory is None:
+        return None
+    mib = parse_positive_int(args.kv_memory, "--kv-memory", highest=1 << 24)
+    tokens = mib * 2**20 // kv_slot_bytes(manifest, ModelConfig.from_dict(manifest.config))
+    if tokens < manifest.page_size:
+        raise ConfigError(f"--kv-memory {mib} MiB holds less than one page ({manifest.page_size} tokens) of this "
+                          f"model's KV cache.")
+    return tokens
+
+
+def _load(state, args, parallel: int, pool_tokens: int | None) -> None:
+    """Load the model and start the engine (the server answers /health with 503 meanwhile)."""
+    import sharpi
+    from ..serve.engine import ServeEngine, ServeSettings
+    try:
+        model = sharpi.load(args.artifact, threads=args.threads, adapter=args.adapter,
+                            expect_sha256=args.expect_sha256, pool_tokens=pool_tokens)
+        model.snapkv_settings(**state.snapkv_knobs)                           # bad SnapKV flags fail here
+        engine = ServeEngine(model, ServeSettings(parallel=parallel, max_queue=args.max_queue,
+                                                  prefill_budget=args.prefill_budget,
+                                                  prefix_cache=not args.no_prefix_cache)).start()
+    except SharpiError as error:
+        state.load_error = str(error)
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        _stop_server()
+        return
+    state.model, state.engine = model, engine
+    pool = engine.pool_summary()
+    slots = pool["pages"] // model.config.n_layers * model.manifest.page_size
+    print(f"sharpi serve: ready on {model.backend}; KV pool {slots} tokens a layer "
+          f"({pool['pages'] * engine.pool.page_bytes / 2**20:.0f} MiB), {parallel} sequences at once", flush=True)
+
+
+def _stop_server() -> None:
+    """A load that failed ends the process as SIGINT would (the server then exits with status 2)."""
+    os.kill(os.getpid(), signal.SIGINT)

@@ -1,0 +1,506 @@
+"""The HTTP layer: OpenAI's routes on FastAPI, a thin translation of request bodies (sharpi.serve.protocol) into
+engine requests and of engine events into OpenAI responses and server-sent events.
+
+Errors are OpenAI's body, {"error": {"message", "type", "param", "code"}}: 400 for a bad body or value (the field
+named), 401 for a missing or wrong API key, 404 for another model or route, 413 for a body over the bound, 503
+while the model loads or when the queue is full, 500 if the engine fails.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..common.chat import render_chat
+from ..common.errors import ConfigError, ContextLengthError, ServerBusyError, SharpiError
+from ..common.tokenizer import token_ids
+from ..runtime.model import Model
+from ..runtime.sampling import SamplingParams
+from .engine import ServeEngine
+from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                       _Generation)
+from .request import Event, GenerationRequest, TokenLogprob
+
+log = logging.getLogger("sharpi.serve")
+MAX_BODY_BYTES = 16 << 20            # a 100k-token prompt as JSON is well under 1 MiB
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": {"message": self.message, "type": self.type, "param": self.param,
+                                       "code": self.code}}, status_code=self.status)
+
+
+@dataclass
+class ServerState:
+    """What the routes see: the model and its engine once loaded (None while loading), the model's id, the API
+    key, and the server's SnapKV knobs (the defaults of a request's own)."""
+    model_name: str
+    api_key: str | None = None
+    snapkv_knobs: dict = field(default_factory=dict)
+    model: Model | None = None
+    engine: ServeEngine | None = None
+    load_error: str | None = None
+
+    def ready(self) -> tuple[Model, ServeEngine]:
+        if self.engine is None:
+            detail = f": {self.load_error}" if self.load_error else "; try again shortly"
+            raise ApiError(503, f"The model is not loaded{detail}.", "server_error", code="loading")
+        return self.model, self.engine
+
+
+def create_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="sharpi", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.sharpi = state
+    _install_error_handlers(app)
+    app.add_middleware(_BoundedBodyAndLog)
+    auth = [Depends(_require_key(state))]
+
+    @app.get("/health")
+    async def health():
+        if state.engine is None:
+            return JSONResponse({"status": "error" if state.load_error else "loading"}, status_code=503)
+        if state.engine.fatal is not None:
+            return JSONResponse({"status": "error"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/v1/models", dependencies=auth)
+    async def models():
+        return {"object": "list", "data": [_model_card(state)]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=auth)
+    async def model(model_id: str):
+        _check_model(state, model_id)
+        return _model_card(state)
+
+    @app.get("/metrics", dependencies=auth)
+    async def metrics():
+        _, engine = state.ready()
+        engine._update_gauges()
+        return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.post("/tokenize", dependencies=auth)
+    async def tokenize(request: Request):
+        model, _ = state.ready()
+        body = await _parse(request, TokenizeRequest)
+        _check_model(state, body.model)
+        ids = await run_in_threadpool(model.tokenize, body.prompt, None if body.add_special_tokens else False)
+        return {"tokens": ids, "count": len(ids), "max_model_len": model.max_context}
+
+    @app.post("/detokenize", dependencies=auth)
+    async def detokenize(request: Request):
+        model, _ = state.ready()
+        body = await _parse(request, DetokenizeRequest)
+        _check_model(state, body.model)
+        _check_ids(model, body.tokens, "tokens")
+        text = model.detokenize(body.tokens)
+        return {"prompt": text, "content": text}
+
+    @app.post("/v1/completions", dependencies=auth)
+    async def completions(request: Request):
+        model, engine = state.ready()
+        body = await _parse(request, CompletionRequest)
+        _check_model(state, body.model)
+        if isinstance(body.prompt, str):
+            ids = await run_in_threadpool(model.tokenize, body.prompt)
+        else:
+            ids = _check_ids(model, body.prompt, "prompt")
+        generation = _generation_request(state, model, body, ids, body.max_tokens, body.logprobs)
+        return await _respond(request, engine, model, state, generation, body, chat=False)
+
+    @app.post("/v1/chat/completions", dependencies=auth)
+    async def chat_completions(request: Request):
+        model, engine = state.ready()
+        body = await _parse(request, ChatCompletionRequest)
+        _check_model(state, body.model)
+        ids = await run_in_threadpool(_chat_prompt, model, body)
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        generation = _generation_request(state, model, body, ids, body.token_limit(), logprobs)
+        return await _respond(request, engine, model, state, generation, body, chat=True)
+
+    return app
+
+
+# -- requests ----------------------------------------------------------------------------------------------------
+async def _parse(request: Request, schema: type[BaseModel]):
+    """The body as `schema`, whatever its Content-Type says (curl -d sends form encoding; llama-server and
+    vLLM read JSON regardless); a 400 naming the field otherwise."""
+    try:
+        return schema.model_validate_json(await request.body())
+    except ValidationError as error:
+        raise _validation_error(error.errors()) from None
+
+
+def _check_model(state: ServerState, name: str | None) -> None:
+    if name is not None and name != state.model_name:
+        raise ApiError(404, f"The model '{name}' does not exist; this server serves '{state.model_name}'.",
+                       param="model", code="model_not_found")
+
+
+def _model_card(state: ServerState) -> dict:
+    model = state.model
+    card = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "sharpi"}
+    if model is not None:
+        card["max_model_len"] = model.max_context
+    return card
+
+
+def _check_ids(model: Model, ids, name: str) -> list[int]:
+    try:
+        ids = token_ids(ids, name)
+    except ConfigError as error:
+        raise ApiError(400, str(error), param=name) from None
+    vocab = model.config.vocab_size
+    if any(not 0 <= t < vocab for t in ids):
+        raise ApiError(400, f"{name}: token ids must be in [0, {vocab}).", param=name)
+    return ids
+
+
+def _chat_prompt(model: Model, body: ChatCompletionRequest) -> list[int]:
+    info = model.tokenizer.info
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    try:
+        prompt = render_chat(info.chat_template, messages, bos_token=info.bos_token, eos_token=info.eos_token)
+    except SharpiError as error:
+        raise ApiError(400, str(error), param="messages") from None
+    return model.tokenize(prompt, special=True)
+
+
+def _generation_request(state: ServerState, model: Model, body: _Generation, ids: list[int],
+                        max_tokens: int | None, logprobs: int | None) -> GenerationRequest:
+    room = model.max_context - len(ids)
+    if room <= 0:
+        raise ApiError(400, f"The prompt has {len(ids)} tokens; the context holds {model.max_context} (one more "
+                            f"is needed for the first generated token).", param="messages" if
+                       isinstance(body, ChatCompletionRequest) else "prompt", code="context_length_exceeded")
+    sampling = SamplingParams(temperature=body.temperature, top_k=max(body.top_k, 0), top_p=body.top_p,
+                              min_p=body.min_p, repeat_penalty=body.repetition_penalty, seed=body.seed,
+                              frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty)
+    knobs = {**state.snapkv_knobs, **(body.snapkv.knobs() if body.snapkv else {})}
+    try:
+        sampling.validate()
+    except ConfigError as error:
+        raise ApiError(400, str(error)) from None
+    try:
+        settings, _ = model.snapkv_settings(**knobs)
+    except SharpiError as error:
+        raise ApiError(400, str(error), param="snapkv") from None
+    return GenerationRequest(ids, max_tokens=room if max_tokens is None else min(max_tokens, room),
+                             sampling=sampling, stop=tuple(s for s in body.stops() if s), logprobs=logprobs,
+                             snapkv=settings, ignore_eos=body.ignore_eos)
+
+
+# -- responses ---------------------------------------------------------------------------------------------------
+@dataclass
+class _Reply:
+    """One request's answer as it comes: text, logprobs, finish reason, usage, and the times for its log line."""
+    id: str
+    created: int
+    model: str
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: dict | None = None
+    error: str | None = None
+    first_token_s: float | None = None
+
+
+async def _respond(request: Request, engine: ServeEngine, model: Model, state: ServerState,
+                   generation: GenerationRequest, body: _Generation, chat: bool):
+    reply = _Reply(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], int(time.time()), state.model_name)
+    request.scope["sharpi_reply"] = reply           # for the request's log line
+    start = time.monotonic()
+    if generation.max_tokens == 0:                  # nothing to generate: the prompt is not even computed
+        events = _no_tokens(generation)
+    else:
+        events = _EventSource(engine, generation)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(_sse(engine, model, events, reply, start, chat, include_usage),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    async for event in _events_until_disconnect(engine, request, events):
+        _take(reply, event, start)
+    if reply.finish_reason is None:                 # the client went away: nothing to answer
+        return Response(status_code=499)
+    _raise_if_failed(reply)
+    return _full_response(model, reply, chat)
+
+
+class _EventSource:
+    """The engine's events of one request, as an asyncio queue filled from the scheduler thread."""
+
+    def __init__(self, engine: ServeEngine | None, generation: GenerationRequest):
+        loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.engine, self.handle = engine, None
+        if engine is not None:
+            try:
+                self.handle = engine.submit(generation, lambda e: loop.call_soon_threadsafe(self.queue.put_nowait, e))
+            except ServerBusyError as error:
+                raise ApiError(503, str(error), "server_error", code="overloaded") from None
+            except ContextLengthError as error:
+                raise ApiError(400, str(error), param="prompt", code="context_length_exceeded") from None
+            except ConfigError as error:
+                raise ApiError(400, str(error)) from None
+
+    def cancel(self) -> None:
+        if self.handle is not None:
+            self.handle.cancel()
+            self.engine.wake()
+
+
+def _no_tokens(generation: GenerationRequest) -> _EventSource:
+    source = _EventSource(None, generation)
+    source.queue.put_nowait(Event("finish", finish_reason="length", usage={
+        "prompt_tokens": len(generation.prompt_ids), "completion_tokens": 0, "cached_tokens": 0}))
+    return source
+
+
+async def _events_until_disconnect(engine: ServeEngine, request: Request, source: _EventSource):
+    """The request's events until its finish; a client that disconnects cancels it (its pages freed)."""
+    try:
+        while True:
+            try:
+                event = await asyncio.wait_for(source.queue.get(), timeout=0.25)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    return
+                continue
+            yield event
+            if event.kind == "finish":
+                source.handle = None
+                return
+    finally:
+        source.cancel()
+
+
+def _take(reply: _Reply, event: Event, start: float) -> None:
+    if event.text and reply.first_token_s is None:
+        reply.first_token_s = time.monotonic() - start
+    reply.text += event.text
+    reply.logprobs.extend(event.logprobs)
+    if event.kind == "finish":
+        reply.finish_reason, reply.usage = event.finish_reason, event.usage
+        reply.error = event.message
+
+
+def _raise_if_failed(reply: _Reply) -> None:
+    if reply.finish_reason == "error":
+        raise ApiError(500, reply.error or "The server's engine failed.", "server_error")
+    if reply.finish_reason == "cancelled":
+        raise ApiError(503, "The request was cancelled: the server is shutting down.", "server_error")
+
+
+def _usage(usage: dict) -> dict:
+    return {"prompt_tokens": usage["prompt_tokens"], "completion_tokens": usage["completion_tokens"],
+            "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"],
+            "prompt_tokens_details": {"cached_tokens": usage["cached_tokens"]}}
+
+
+def _full_response(model: Model, reply: _Reply, chat: bool) -> dict:
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": reply.text},
+                  "logprobs": _chat_logprobs(model, reply.logprobs) if reply.logprobs else None,
+                  "finish_reason": reply.finish_reason}
+    else:
+        choice = {"index": 0, "text": reply.text,
+                  "logprobs": _completion_logprobs(model, reply.logprobs, 0) if reply.logprobs else None,
+                  "finish_reason": reply.finish_reason}
+    return {"id": reply.id, "object": "chat.completion" if chat else "text_completion", "created": reply.created,
+            "model": reply.model, "choices": [choice], "usage": _usage(reply.usage)}
+
+
+async def _sse(engine, model: Model, source: _EventSource, reply: _Reply, start: float, chat: bool,
+               include_usage: bool):
+    """Server-sent events: a chunk per piece of text, the finish reason, the usage if asked, then [DONE]. The
+    stream's consumer going away (a disconnect) closes this generator, which cancels the request."""
+    object_name = "chat.completion.chunk" if chat else "text_completion"
+    offset = 0
+
+    def chunk(choices: list, **extra) -> str:
+        body = {"id": reply.id, "object": object_name, "created": reply.created, "model": reply.model,
+                "choices": choices, **extra}
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    def choice(text: str, logprobs: list[TokenLogprob], finish: str | None) -> dict:
+        nonlocal offset
+        if chat:
+            lp = {"content": _chat_logprobs(model, logprobs)["content"]} if logprobs else None
+            out = {"index": 0, "delta": {"content": text} if text or not finish else {}, "logprobs": lp,
+                   "finish_reason": finish}
+        else:
+            lp = _completion_logprobs(model, logprobs, offset) if logprobs else None
+            out = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}
+        offset += len(text)
+        return out
+
+    try:
+        if chat:
+            yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None}])
+        while True:
+            event = await source.queue.get()
+            _take(reply, event, start)
+            if event.kind == "text":
+                if event.text or event.logprobs:
+                    yield chunk([choice(event.text, event.logprobs, None)])
+                continue
+            source.handle = None
+            if event.finish_reason in ("error", "cancelled"):
+                message = event.message or "The request was cancelled: the server is shutting down."
+                yield f"data: {json.dumps({'error': {'message': message, 'type': 'server_error'}})}\n\n"
+            else:
+                if event.text:
+                    yield chunk([choice(event.text, [], None)])
+                yield chunk([choice("", [], event.finish_reason)])
+                if include_usage:
+                    yield chunk([], usage=_usage(event.usage))
+            yield "data: [DONE]\n\n"
+            return
+    finally:
+        source.cancel()
+
+
+def _token_text(model: Model, token: int) -> str:
+    return model.detokenize([token])
+
+
+def _chat_logprobs(model: Model, logprobs: list[TokenLogprob]) -> dict:
+    def entry(token: int, logprob: float) -> dict:
+        text = _token_text(model, token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+    return {"content": [{**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                        for lp in logprobs]}
+
+
+def _completion_logprobs(model: Model, logprobs: list[TokenLogprob], offset: int) -> dict:
+    tokens = [_token_text(model, lp.token) for lp in logprobs]
+    offsets = []
+    for text in tokens:
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [{_token_text(model, t): v for t, v in lp.top} for lp in logprobs],
+            "text_offset": offsets}
+
+
+# -- errors, auth, limits, logging -------------------------------------------------------------------------------
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, error: ApiError):
+        return error.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, error: RequestValidationError):
+        return _validation_error(error.errors()).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException):
+        if error.status_code == 404:
+            return ApiError(404, f"There is no route {request.method} {request.url.path}.",
+                            code="not_found").response()
+        if error.status_code == 405:
+            return ApiError(405, f"{request.url.path} does not take {request.method}.").response()
+        return ApiError(error.status_code, str(error.detail)).response()
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, error: Exception):
+        log.exception("request failed")
+        return ApiError(500, f"The server failed on this request: {type(error).__name__}.",
+                        "server_error").response()
+
+
+def _validation_error(errors: list[dict]) -> ApiError:
+    """The most specific pydantic error (the deepest field: of a union's branches, the one that got furthest) as
+    one sentence naming the field."""
+    first = max(errors, key=lambda e: len(e.get("loc", ())))
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    # pydantic names the branch of a union it tried (e.g. prompt.str); keep only the field's path
+    loc = [part for part in loc if part not in _TYPE_NAMES and not part.startswith(("list[", "function-"))]
+    param = ".".join(loc) or None
+    kind = first.get("type", "")
+    if kind == "json_invalid":
+        return ApiError(400, "The request body is not valid JSON.", code="invalid_json")
+    if kind == "missing" and param:
+        return ApiError(400, f"The field '{param}' is required.", param=param)
+    if kind == "extra_forbidden":
+        return ApiError(400, f"The field '{param}' is not supported by this server.", param=param,
+                        code="unsupported_field")
+    if kind in ("model_type", "model_attributes_type", "dict_type") and not param:
+        return ApiError(400, "The request body must be a JSON object.")
+    message = first.get("msg", "invalid value").removeprefix("Value error, ")
+    return ApiError(400, f"{param}: {message}." if param else f"{message}.", param=param)
+
+
+_TYPE_NAMES = {"str", "int", "float", "bool", "literal['auto']", "TextPart", "ChatMessage"}
+
+
+def _require_key(state: ServerState):
+    async def check(request: Request):
+        if state.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), state.api_key.encode()):
+            raise ApiError(401, "A valid API key is required: send it as 'Authorization: Bearer KEY'.",
+                           code="invalid_api_key")
+    return check
+
+
+class _BoundedBodyAndLog:
+    """Pure ASGI middleware (a BaseHTTPMiddleware would hide client disconnects from the routes): refuses a body
+    over MAX_BODY_BYTES or of unknown length before it is read, and logs one line per request when its response
+    ends (a stream's at its last event), with the token counts of a generation."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start, status = time.monotonic(), [0]
+        headers = dict(scope.get("headers") or [])
+        length = headers.get(b"content-length")
+
+        async def send_and_note(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
+                error = ApiError(413, f"The request body is over {MAX_BODY_BYTES >> 20} MiB.")
+                await error.response()(scope, receive, send_and_note)
+            elif length is None and b"chunked" in headers.get(b"transfer-encoding", b""):
+                error = ApiError(411, "Send the request body with a Content-Length.")
+                await error.response()(scope, receive, send_and_note)
+            else:
+                await self.app(scope, receive, send_and_note)
+        finally:
+            reply = scope.get("sharpi_reply")
+            extra = ""
+            if reply is not None and reply.usage is not None:
+                u = reply.usage
+                extra = (f" prompt={u['prompt_tokens']} cached={u['cached_tokens']} "
+                         f"completion={u['completion_tokens']} finish={reply.finish_reason}")
+                if reply.first_token_s is not None:
+                    extra += f" first_token={reply.first_token_s:.3f}s"
+            elif reply is not None:
+                extra = " cancelled: the client went away"
+            log.info("%s %s %d %.3fs%s", scope["method"], scope["path"], status[0], time.monotonic() - start, extra)

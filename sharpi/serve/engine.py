@@ -1,0 +1,455 @@
+"""The serving engine: one scheduler thread owns the model and runs continuous batching over its page pool.
+
+Each step:
+1. cancelled requests leave and give their pages back;
+2. one decode_batch call feeds every running sequence its last sampled token (the weights read once for all of
+   them), and each samples its next token with its own settings;
+3. prefill chunks of admitted prompts, up to the step's token budget (so a running sequence waits at most one
+   budget of prefill between two tokens); a prompt whose prefill ends is compressed at once when its SnapKV
+   settings say so, and the admission of the next waiting request, right after, sees the pages it freed.
+
+Memory: one pool for all sequences. A waiting request is admitted when its whole prompt fits in the free pages
+(and those only the prefix cache holds) with one more page a layer for every running sequence to grow into.
+When a step needs pages that are not there, the prefix cache gives back its least recently used blocks, and then
+the most recently admitted sequence is preempted: its pages are freed and it waits at the head of the queue; when
+readmitted it is recomputed (its prompt prefilled, and compressed, again; its generated tokens fed as a
+continuation), its sampler and text carried over, so its output goes on exactly where it was. Recomputation was
+chosen over swapping pages to host memory because on a CPU the pool already is host memory, and over refusing
+the request because a client should never see a sequence dropped for another's sake. The prefix cache makes the
+recomputation of a prompt cheap while its blocks survive.
+
+The prefix cache (sharpi.runtime.prefix_cache) indexes the prompt's full pages when its prefill ends (before any
+compression: the whole prompt is then in the cache) and the conversation's when it finishes; a new prompt adopts
+the longest cached prefix, leaving at least its last token (and a SnapKV-compressed prompt its scoring window)
+to compute.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..common.errors import ConfigError, ContextLengthError, ServerBusyError, SharpiError
+from ..common.settings import parse_positive_int
+from ..runtime.kv_cache import PoolExhaustedError
+from ..runtime.model import Model
+from ..runtime.prefix_cache import PrefixCache
+from ..runtime.sampling import Sampler, log_softmax, top_logprobs
+from ..runtime.session import PrefillJob, Session, decode_batch
+from ..runtime.text_output import TextOutput
+from .metrics import ServeMetrics
+from .request import Event, GenerationRequest, RequestHandle, TokenLogprob
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    parallel: int = 16                  # sequences prefilling or decoding at once (the decode batch's bound)
+    max_queue: int = 256                # waiting requests before submit() refuses more
+    prefill_budget: int | None = None   # prompt tokens a step computes (default: the artifact's prefill chunk)
+    prefix_cache: bool = True
+
+    def validate(self) -> None:
+        parse_positive_int(self.parallel, "parallel", highest=1024)
+        parse_positive_int(self.max_queue, "max_queue", allow_zero=True, highest=1 << 20)
+        if self.prefill_budget is not None:
+            parse_positive_int(self.prefill_budget, "prefill_budget", highest=1 << 20)
+        if not isinstance(self.prefix_cache, bool):
+            raise ConfigError(f"prefix_cache must be True or False, got {self.prefix_cache!r}.")
+
+
+class _Sequence:
+    """A request inside the engine: its session while admitted, its generated tokens, sampler and text always."""
+
+    def __init__(self, handle: RequestHandle, model: Model, order: int):
+        request = handle.request
+        self.handle, self.request, self.order = handle, request, order
+        self.prompt = list(request.prompt_ids)
+        self.sampler = Sampler(request.sampling)
+        self.text = TextOutput(model.tokenizer, list(request.stop), request.special)
+        self.out: list[int] = []
+        self.session: Session | None = None
+        self.jobs: list[tuple[str, PrefillJob | None, list[int]]] = []  # (kind, job once started, ids) to prefill
+        self.pending: int | None = None        # sampled, not yet fed
+        self.cached_tokens: int | None = None  # the prefix-cache hit of the first admission
+        self.arrival = time.monotonic()
+        self.last_token_at: float | None = None
+        self.pages_before_eviction = 0
+        self.finished = False
+
+
+class ServeEngine:
+    def __init__(self, model: Model, settings: ServeSettings = ServeSettings()):
+        settings.validate()
+        self.model, self.settings = model, settings
+        self.engine = model.engine
+        self.pool = self.engine.pool
+        self.n_layers = model.config.n_layers
+        self.page_size = self.pool.page_size
+        self.budget = settings.prefill_budget or self.engine.prefill_chunk
+        self.metrics = ServeMetrics()
+        self.prefix_cache = PrefixCache(self.pool, self.n_layers) if settings.prefix_cache else None
+        if self.prefix_cache is not None:
+            self.pool.reclaim = self.prefix_cache.reclaim
+        self.stop_ids = set(model.tokenizer.info.stop_ids)
+        self._inbox: deque[_Sequence] = deque()
+        self._waiting: list[_Sequence] = []    # by arrival order (preempted ones keep theirs: they go first)
+        self._active: list[_Sequence] = []     # admitted (prefilling or running), by admission
+        self._cv = threading.Condition()
+        self._order = 0
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.fatal: BaseException | None = None
+
+    # -- the client side (any thread) ---------------------------------------------------------------------------
+    def start(self) -> "ServeEngine":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="sharpi-scheduler", daemon=True)
+            self._thread.start()
+        return self
+
+    def submit(self, request: GenerationRequest, on_event) -> RequestHandle:
+        """Queue a request; its events go to on_event(Event) from the scheduler thread. Raises
+        ContextLengthError for a prompt that cannot fit, ServerBusyError when the queue is full."""
+        self._check_fits(request.prompt_ids)
+        handle = RequestHandle(request, on_event)
+        with self._cv:
+            if self._stopping:
+                raise ServerBusyError("The server is shutting down and takes no new requests.")
+            if len(self._inbox) + len(self._waiting) >= self.settings.max_queue:
+                self.metrics.requests.labels("refused").inc()
+                raise ServerBusyError(f"The server is busy: {self.settings.max_queue} requests are already "
+                                      f"waiting; try again later.")
+            self._order += 1
+            self._inbox.append(_Sequence(handle, self.model, self._order))
+            self._cv.notify()
+        return handle
+
+    def wake(self) -> None:
+        """Make the scheduler look at cancellations now."""
+        with self._cv:
+            self._cv.notify()
+
+    def stop_intake(self) -> None:
+        """Refuse new requests (ServerBusyError); those in flight go on."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+
+    def cancel_all(self) -> None:
+        """Cancel every request in flight or waiting (each finishes with finish_reason "cancelled")."""
+        with self._cv:
+            for seq in [*self._inbox, *self._waiting, *self._active]:
+                seq.handle.cancel()
+            self._cv.notify()
+
+    def shutdown(self, cancel: bool = True, timeout: float | None = None) -> None:
+        """Stop taking requests; cancel the ones in flight (or, cancel=False, let them finish), stop the thread,
+        and give every page back."""
+        self.stop_intake()
+        if cancel:
+            self.cancel_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        if self.prefix_cache is not None:
+            with self.engine.lock:
+                self.prefix_cache.clear()
+                self.pool.reclaim = None
+        self._update_gauges()
+
+    @property
+    def idle(self) -> bool:
+        with self._cv:
+            return not (self._inbox or self._waiting or self._active)
+
+    def pool_summary(self) -> dict:
+        with self.engine.lock:
+            cached = self.prefix_cache.pages if self.prefix_cache else 0
+            return {"pages": self.pool.num_pages, "free": self.pool.free_count, "used": self.pool.used_count,
+                    "prefix_cache": cached}
+
+    def _check_fits(self, ids: list[int]) -> None:
+        context = self.model.max_context
+        if not ids:
+            raise ConfigError("The prompt is empty.")
+        if len(ids) >= context:
+            raise ContextLengthError(f"The prompt has {len(ids)} tokens; the context holds {context} (one more is "
+                                     f"needed for the first generated token).")
+        if self._peak_pages(len(ids)) + self.n_layers > self.pool.num_pages:
+            raise ContextLengthError(f"The prompt has {len(ids)} tokens, more than the server's KV pool holds "
+                                     f"({self.pool.num_pages // self.n_layers * self.page_size} tokens a layer); "
+                                     f"start it with more --kv-memory.")
+
+    def _peak_pages(self, tokens: int, held: int = 0) -> int:
+        """Pages a prefill of `tokens` more tokens holds at most, on top of `held` tokens already held (a
+        sliding-window layer holds about its window and a chunk)."""
+        total = 0
+        cfg = self.model.config
+        for layer in range(self.n_layers):
+            need = -(-(held + tokens) // self.page_size) - held // self.page_size
+            if cfg.is_local(layer):
+                need = min(need, -(-(cfg.sliding_window + self.budget) // self.page_size) + 1)
+            total += need
+        return total
+
+    # -- the scheduler thread -----------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cv:
+                    while not (self._inbox or self._waiting or self._active or self._stopping):
+                        self._cv.wait()
+                    self._waiting.extend(self._inbox)
+                    self._inbox.clear()
+                    if self._stopping and not (self._waiting or self._active):
+                        return
+                if not self._step():
+                    with self._cv:                # nothing could run (the queue waits for pages): do not spin
+                        self._cv.wait(0.01)
+        except BaseException as error:  # noqa: BLE001 -- a bug must not leave clients waiting forever
+            self.fatal = error
+            for seq in [*self._waiting, *self._active, *self._inbox]:
+                self._finish(seq, "error", f"The server's engine failed: {error}")
+            raise
+
+    def _step(self) -> bool:
+        """One scheduler step; returns whether it ran the model."""
+        self._drop_cancelled()
+        decoded = self._decode_step()
+        prefilled = self._prefill_step()
+        self._update_gauges()
+        return decoded or prefilled
+
+    def _drop_cancelled(self) -> None:
+        for seq in [s for s in [*self._waiting, *self._active] if s.handle.cancelled]:
+            self._finish(seq, "cancelled")
+
+    def _decode_step(self) -> None:
+        running = [s for s in self._active if s.pending is not None and not s.jobs]
+        if not running:
+            return False
+        while running and self._pages_for_decode(running) > self._available():
+            victim = self._active[-1]
+            if len(self._active) == 1:        # alone and still no room: the pool is its context
+                self._finish(victim, "length")
+            else:
+                self._preempt(victim)
+            running = [s for s in running if s is not victim]
+        if not running:
+            return True
+        tokens = [s.pending for s in running]
+        with self.engine.lock:
+            logits = decode_batch([s.session for s in running], tokens)
+        self.metrics.decode_steps.inc()
+        self.metrics.decode_batch_size.observe(len(running))
+        for seq, row in zip(running, logits):
+            seq.pending = None
+            self._next_token(seq, row)
+        return True
+
+    def _pages_for_decode(self, running: list[_Sequence]) -> int:
+        return sum(s.session.cache.pages_needed(1) for s in running)
+
+    def _available(self) -> int:
+        """Free pages and those only the prefix cache holds."""
+        return self.pool.free_count + (self.prefix_cache.reclaimable() if self.prefix_cache else 0)
+
+    def _prefill_step(self) -> bool:
+        spent = 0
+        while spent < self.budget:
+            seq = next((s for s in self._active if s.jobs), None) or self._admit()
+            if seq is None:
+                break
+            kind, job, ids = seq.jobs[0]
+            if job is None:
+                job = seq.session.start_prefill(ids)
+                job.on_fed = lambda seq=seq, kind=kind, job=job: self._prompt_fed(seq, kind, job)
+                seq.jobs[0] = (kind, job, ids)
+            if not self._make_room(job.pages_needed(), seq):
+                continue                          # seq itself was preempted; the next one may fit
+            n = job.next_tokens
+            with self.engine.lock:
+                try:
+                    done = job.step()
+                except PoolExhaustedError:        # pages went elsewhere after all: wait and recompute
+                    self._preempt(seq)
+                    continue
+            spent += n
+            self.metrics.prefill_tokens.labels("recompute" if kind == "resume" or seq.out else "prompt").inc(n)
+            if done:
+                seq.jobs.pop(0)
+                self._prefill_done(seq, kind, job)
+        return spent > 0
+
+    def _admit(self) -> _Sequence | None:
+        """Take the first waiting request into a session if the pool and the parallel bound allow."""
+        if not self._waiting or len(self._active) >= self.settings.parallel:
+            return None
+        seq = self._waiting[0]
+        session = self.model.session(snapkv=seq.request.snapkv)
+        hit = self._adopt_prefix(seq, session)
+        tokens = len(seq.prompt) + max(0, len(seq.out) - 1)
+        need = self._peak_pages(tokens - hit, hit) + self.n_layers       # the prefill and a first decode page
+        # with others running: room for each to grow a page, and for the compaction's copies of shared pages
+        comfort = need + self.n_layers * len(self._active)
+        if session.evicts(len(seq.prompt)) and self.prefix_cache is not None:
+            comfort += -(-session.snapkv_budget // self.page_size) * self.n_layers
+        available = self._available()
+        if comfort > available and (self._active or need > available):
+            session.close()
+            if not self._active:              # alone and it cannot fit: generated past what the pool holds
+                self._waiting.pop(0)
+                self._finish(seq, "length")
+            return None
+        self._waiting.pop(0)
+        seq.session = session
+        if seq.cached_tokens is None:                 # the first admission (not a recomputation)
+            seq.cached_tokens = hit
+            if self.prefix_cache is not None:
+                self.metrics.prefix_cache_queries.inc()
+                self.metrics.prefix_cache_hits.inc(hit > 0)
+                self.metrics.prefix_cache_hit_tokens.inc(hit)
+        seq.jobs = [("prompt", None, seq.prompt[hit:])]
+        if len(seq.out) > 1:
+            seq.jobs.append(("resume", None, seq.out[:-1]))
+        self._active.append(seq)
+        return seq
+
+    def _adopt_prefix(self, seq: _Sequence, session: Session) -> int:
+        """Start the session from the longest cached prefix of the prompt; returns its token count."""
+        if self.prefix_cache is None:
+            return 0
+        limit = len(seq.prompt) - 1
+        if session.evicts(len(seq.prompt)):
+            limit = len(seq.prompt) - session.snapkv.window
+        with self.engine.lock:
+            tokens, pages = self.prefix_cache.lookup(seq.prompt, limit)
+            if tokens:
+                session.adopt_prefix(pages, tokens)
+        return tokens
+
+    def _make_room(self, pages: int, requester: _Sequence) -> bool:
+        """Free `pages` pages: the prefix cache's first, then by preempting the latest admitted sequences (the
+        requester too, when it is the latest). Returns whether the requester is still admitted."""
+        while self.pool.free_count < pages:
+            if self.prefix_cache is not None:
+                with self.engine.lock:
+                    if self.prefix_cache.reclaim(pages - self.pool.free_count):
+                        continue
+            victim = self._active[-1]
+            if victim is requester and len(self._active) == 1:   # alone and still no room
+                self._finish(victim, "length")
+                return False
+            self._preempt(victim)
+            if victim is requester:
+                return False
+        return True
+
+    def _prompt_fed(self, seq: _Sequence, kind: str, job: PrefillJob) -> None:
+        """Every token of a prefill is in the cache, before any compression: index the prompt's full pages, if
+        the compaction can then copy the shared pages it writes (else the prompt is not cached)."""
+        session = seq.session
+        seq.pages_before_eviction = self._pages_of(session)
+        if kind != "prompt" or self.prefix_cache is None:
+            return
+        copies = -(-session.snapkv_budget // self.page_size) * self.n_layers if job.evict else 0
+        if copies <= self.pool.free_count:
+            self.prefix_cache.insert(seq.prompt, session.cache)
+
+    def _prefill_done(self, seq: _Sequence, kind: str, job: PrefillJob) -> None:
+        session = seq.session
+        if job.evict:
+            self.metrics.snapkv_evictions.inc()
+            self.metrics.snapkv_pages_freed.inc(max(0, seq.pages_before_eviction - self._pages_of(session)))
+        if kind == "prompt" and not seq.out:
+            self._next_token(seq, job.logits)
+        elif not seq.jobs:                  # recomputed: go on with the token sampled before the preemption
+            seq.pending = seq.out[-1]
+
+    def _pages_of(self, session: Session) -> int:
+        return session.kv_bytes // self.pool.page_bytes
+
+    def _next_token(self, seq: _Sequence, logits: np.ndarray) -> None:
+        """Sample the sequence's next token, send its text, and finish it or leave the token to decode."""
+        request = seq.request
+        token = seq.sampler(logits, seq.prompt + seq.out, seq.out)
+        now = time.monotonic()
+        if seq.last_token_at is None:
+            self.metrics.time_to_first_token.observe(now - seq.arrival)
+        else:
+            self.metrics.inter_token_latency.observe(now - seq.last_token_at)
+        seq.last_token_at = now
+        if token in self.stop_ids and not request.ignore_eos:
+            self._finish(seq, "stop")
+            return
+        seq.out.append(token)
+        self.metrics.generation_tokens.inc()
+        logprobs = []
+        if request.logprobs is not None:
+            lp = log_softmax(logits)
+            logprobs = [TokenLogprob(token, float(lp[token]), top_logprobs(lp, request.logprobs))]
+        piece = seq.text.feed(token)
+        seq.handle.emit(Event("text", text=piece, token_ids=[token], logprobs=logprobs))
+        if seq.text.stopped:
+            self._finish(seq, "stop")
+        elif len(seq.out) >= request.max_tokens or seq.session.context_left == 0:
+            self._finish(seq, "length")
+        else:
+            seq.pending = token
+
+    def _preempt(self, seq: _Sequence) -> None:
+        """Free the sequence's pages; it waits at the head of the queue and is recomputed when readmitted."""
+        self.metrics.preemptions.inc()
+        with self.engine.lock:
+            seq.session.close()
+        seq.session, seq.jobs, seq.pending = None, [], None
+        self._active.remove(seq)
+        self._waiting.append(seq)
+        self._waiting.sort(key=lambda s: s.order)
+
+    def _finish(self, seq: _Sequence, reason: str, message: str | None = None) -> None:
+        if seq.finished:
+            return
+        seq.finished = True
+        if seq.session is not None:
+            with self.engine.lock:
+                if reason in ("stop", "length") and self.prefix_cache is not None:
+                    self.prefix_cache.insert(seq.prompt + seq.out, seq.session.cache)
+                seq.session.close()
+        for queue in (self._active, self._waiting):
+            if seq in queue:
+                queue.remove(seq)
+        piece = seq.text.finish() if reason in ("stop", "length") else ""
+        usage = {"prompt_tokens": len(seq.prompt), "completion_tokens": len(seq.out),
+                 "cached_tokens": seq.cached_tokens or 0}
+        if reason in ("stop", "length"):
+            self.metrics.prompt_tokens.inc(len(seq.prompt))
+            self.metrics.request_latency.observe(time.monotonic() - seq.arrival)
+        self.metrics.requests.labels({"stop": "finished", "length": "finished"}.get(reason, reason)).inc()
+        seq.handle.emit(Event("finish", text=piece, finish_reason=reason, usage=usage, message=message))
+
+    def _update_gauges(self) -> None:
+        m = self.metrics
+        m.queue_depth.set(len(self._waiting) + len(self._inbox))
+        m.running.set(len(self._active))
+        m.pool_pages_used.set(self.pool.used_count)
+        m.pool_pages_free.set(self.pool.free_count)
+        m.prefix_cache_pages.set(self.prefix_cache.pages if self.prefix_cache else 0)
+
+
+def generate(engine: ServeEngine, request: GenerationRequest, timeout: float = 600) -> tuple[str, Event, list]:
+    """Submit and wait (for tests, benchmarks and scripts): the text, the finish event and every event."""
+    events: list[Event] = []
+    done = threading.Event()
+
+    def on_event(event: Event) -> None:
+        events.append(event)
+        if event.kind == "finish":
+            done.set()
+
+    engine.submit(request, on_event)
+    if not done.wait(timeout):
+        raise SharpiError(f"The request did not finish within {timeout} s.")
+    return "".join(e.text for e in events), events[-1], events
