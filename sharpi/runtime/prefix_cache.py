@@ -47,6 +47,7 @@ class PrefixCache:
         self._blocks: dict[tuple, _Block] = {}
         self._lru: OrderedDict[int, _Block] = OrderedDict()    # least recently used first
         self._next_id = 1
+        self._page_array: np.ndarray | None = None    # every block's pages, rebuilt after a change
         self.stats = PrefixStats()
 
     @property
@@ -61,8 +62,9 @@ class PrefixCache:
         """Pages that only the cache holds: what reclaim() can give back now."""
         if not self._blocks:
             return 0
-        pages = np.fromiter((p for b in self._blocks.values() for p in b.pages), np.int64)
-        return int((self.pool.refs[pages] == 1).sum())
+        if self._page_array is None:
+            self._page_array = np.fromiter((p for b in self._blocks.values() for p in b.pages), np.int64)
+        return int((self.pool.refs[self._page_array] == 1).sum())
 
     def _key(self, tokens: list[int], index: int, parent: _Block | None) -> tuple:
         return parent.id if parent else 0, tuple(tokens[index * self.page_size:(index + 1) * self.page_size])
@@ -106,6 +108,7 @@ class PrefixCache:
                 self._next_id += 1
                 self.pool.share(block.pages)
                 self._blocks[key] = self._lru[block.id] = block
+                self._page_array = None
                 if parent is not None:
                     parent.children += 1
                 added += 1
@@ -133,8 +136,10 @@ class PrefixCache:
             self.pool.release(block.pages)
         self._blocks.clear()
         self._lru.clear()
+        self._page_array = None
 
     def _drop(self, block: _Block) -> None:
+        self._page_array = None
         del self._blocks[block.key]
         del self._lru[block.id]
         if block.parent is not None:

@@ -68,6 +68,9 @@ class Sampler:
         """The next token from `logits`; `history` is every token so far (prompt and output: the repetition
         penalty's), `output` the generated ones (the frequency and presence penalties')."""
         p = self.params
+        penalized = p.repeat_penalty != 1.0 or p.frequency_penalty or p.presence_penalty
+        if p.temperature == 0.0 and not penalized:
+            return int(np.argmax(logits))             # exact in float32: no copy of the vocabulary
         z = np.asarray(logits, dtype=np.float64).copy()
         if p.repeat_penalty != 1.0 and history:
             seen = np.unique(np.asarray(history, dtype=np.int64))

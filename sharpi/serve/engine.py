@@ -230,7 +230,7 @@ class ServeEngine:
         running = [s for s in self._active if s.pending is not None and not s.jobs]
         if not running:
             return False
-        while running and self._pages_for_decode(running) > self._available():
+        while running and not self._have_pages(self._pages_for_decode(running)):
             victim = self._active[-1]
             if len(self._active) == 1:        # alone and still no room: the pool is its context
                 self._finish(victim, "length")
@@ -255,6 +255,9 @@ class ServeEngine:
     def _available(self) -> int:
         """Free pages and those only the prefix cache holds."""
         return self.pool.free_count + (self.prefix_cache.reclaimable() if self.prefix_cache else 0)
+
+    def _have_pages(self, pages: int) -> bool:
+        return pages <= self.pool.free_count or pages <= self._available()
 
     def _prefill_step(self) -> bool:
         spent = 0
@@ -296,7 +299,7 @@ class ServeEngine:
         comfort = need + self.n_layers * len(self._active)
         if session.evicts(len(seq.prompt)) and self.prefix_cache is not None:
             comfort += -(-session.snapkv_budget // self.page_size) * self.n_layers
-        available = self._available()
+        available = self.pool.free_count if comfort <= self.pool.free_count else self._available()
         if comfort > available and (self._active or need > available):
             session.close()
             if not self._active:              # alone and it cannot fit: generated past what the pool holds
@@ -374,7 +377,8 @@ class ServeEngine:
     def _next_token(self, seq: _Sequence, logits: np.ndarray) -> None:
         """Sample the sequence's next token, send its text, and finish it or leave the token to decode."""
         request = seq.request
-        token = seq.sampler(logits, seq.prompt + seq.out, seq.out)
+        history = seq.prompt + seq.out if request.sampling.repeat_penalty != 1.0 else seq.out
+        token = seq.sampler(logits, history, seq.out)
         now = time.monotonic()
         if seq.last_token_at is None:
             self.metrics.time_to_first_token.observe(now - seq.arrival)
