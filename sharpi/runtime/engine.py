@@ -51,6 +51,15 @@ class Engine:
     def has(self, function: str) -> bool:
         return function in self.backend.functions
 
+    @property
+    def batch_from(self) -> int:
+        """The fewest sequences forward_batch runs as one decode_batch call; fewer run one decode each. The CPU
+        int8 GEMM computes whole tiles of 8 tokens, so 2 tokens cost nearly what 8 do: measured on SmolLM2 int8
+        (znver5), 2 decodes give 241 tok/s and one decode_batch of 2 gives 179; from 3 on the batch is as fast
+        or faster (8: 477 against 231). The float GEMMs and the GPU kernels win from 2."""
+        target = self.manifest.target
+        return 3 if target.get("kind") == "llvm" and target.get("matmuls") == "int8" else 2
+
     def new_cache(self) -> SequenceCache:
         cfg = self.config
         windows = [cfg.sliding_window if cfg.is_local(l) else 0 for l in range(cfg.n_layers)]
@@ -70,13 +79,13 @@ class Engine:
 
     def forward_batch(self, ids: np.ndarray, caches: list[SequenceCache]) -> np.ndarray:
         """One new token for each of several sequences (ids [B], checked by the caller) in one decode_batch call
-        when the artifact has it (older ones: one decode each); logits [B, vocab]. The pages every sequence needs
+        when the artifact has it and the batch is large enough to win (else one decode each: batch_from); logits [B, vocab]. The pages every sequence needs
         are reserved first, so a full pool refuses the step before anything is written."""
         with self.lock:
             for cache in caches:
                 cache.reserve(1)
             positions = np.array([c.logical_length for c in caches], np.int32)
-            if self.has("decode_batch") and len(caches) > 1:
+            if self.has("decode_batch") and len(caches) >= self.batch_from:
                 out = self.backend.forward("decode_batch", ids, positions, np.stack([c.page_table() for c in caches]),
                                            np.stack([c.kv_lens() for c in caches]))
             else:

@@ -211,7 +211,12 @@ class ServeEngine:
         except BaseException as error:  # noqa: BLE001 -- a bug must not leave clients waiting forever
             self.fatal = error
             for seq in [*self._waiting, *self._active, *self._inbox]:
-                self._finish(seq, "error", f"The server's engine failed: {error}")
+                try:
+                    self._finish(seq, "error", f"The server's engine failed: {error}")
+                except Exception:  # noqa: BLE001 -- the pool may be what broke: still tell the others
+                    seq.finished = True
+                    seq.handle.emit(Event("finish", finish_reason="error", message=f"The server's engine failed: "
+                                                                                    f"{error}"))
             raise
 
     def _step(self) -> bool:
