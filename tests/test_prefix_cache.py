@@ -1,9 +1,12 @@
 """The prefix cache's bookkeeping on a page pool without a device: blocks keyed by their whole prefix, one
-reference per page, reclaim of the least recently used leaves only, and pool allocation reclaiming by itself."""
+reference per page, reclaim of the least recently used leaves only, and pool allocation reclaiming by itself;
+the conversation cache of compressed sequences: exact continuations only, the longest, the same SnapKV settings,
+least recently used first."""
 from __future__ import annotations
 
 import numpy as np
 
+from sharpi.runtime.conversation_cache import ConversationCache
 from sharpi.runtime.kv_cache import PagePool, SequenceCache
 from sharpi.runtime.prefix_cache import PrefixCache
 
@@ -86,3 +89,46 @@ def test_the_pool_reclaims_from_the_cache_when_it_runs_short():
     other.release()
     cache.clear()
     assert pool.free_count == pool.num_pages and not pool.refs.any()
+
+
+class _CompressedSession:
+    """What the conversation cache reads of a finished compressed session (sharpi.runtime.session.Session)."""
+
+    def __init__(self, pool: PagePool, tokens: list[int], budget: int = 8):
+        self.cache = _sequence(pool, tokens[:budget])       # a compressed cache: fewer slots than tokens seen
+        self.logical_length, self.evicted, self.closed = len(tokens), True, False
+        self.snapkv, self.snapkv_budget = "settings", budget
+
+    def close(self):
+        if not self.closed:
+            self.cache.release()
+            self.closed = True
+
+
+def test_the_conversation_cache_serves_only_exact_continuations_and_gives_pages_back():
+    pool = _pool()
+    cache = ConversationCache(pool, max_entries=3)
+    one, two = list(range(20)), list(range(100, 130))
+    a, b = _CompressedSession(pool, one), _CompressedSession(pool, two)
+    assert cache.insert(one, a, 16) and cache.insert(two, b, 16)
+    assert cache.reclaimable() == 2 * 2 * LAYERS and len(cache.page_set()) == 2 * 2 * LAYERS
+    assert cache.lookup(one + [7], like=a).session is a          # continues `one` exactly
+    assert cache.lookup(one, like=a) is None                     # nothing left to compute
+    assert cache.lookup([1] + one[1:] + [7], like=a) is None     # not its tokens: never a prefix of another prompt
+    other = _CompressedSession(pool, [5])
+    other.snapkv_budget = 4
+    assert cache.lookup(one + [7], like=other) is None           # other SnapKV settings
+    longer = _CompressedSession(pool, one + [7, 8])
+    assert cache.insert(one + [7, 8], longer, 16)
+    assert cache.lookup(one + [7, 8, 9], like=a).session is longer    # the longest entry
+    not_compressed = _CompressedSession(pool, [1, 2])
+    not_compressed.evicted = False
+    assert not cache.insert([1, 2], not_compressed, 2)
+    free = pool.free_count
+    assert cache.reclaim(1) == 2 * LAYERS and b.closed           # `two`, the least recently used, goes first
+    assert pool.free_count == free + 2 * LAYERS
+    cache.insert([9] * 20, _CompressedSession(pool, [9] * 20), 16)
+    cache.insert([8] * 20, _CompressedSession(pool, [8] * 20), 16)
+    assert len(cache) == 3 and a.closed                          # the entry bound drops the LRU one
+    cache.clear()
+    assert len(cache) == 0 and longer.closed

@@ -17,8 +17,10 @@ import openai
 import pytest
 
 import sharpi
+from sharpi.common.snapkv_settings import SnapKVSettings
 from sharpi.serve.app import ServerState
-from sharpi.serve.engine import ServeEngine, ServeSettings
+from sharpi.serve.engine import ServeEngine, ServeSettings, generate
+from sharpi.serve.request import GenerationRequest
 from sharpi.serve.server import serve_in_thread
 
 NAME = "smollm2-test"
@@ -56,9 +58,9 @@ class Server:
             time.sleep(0.02)
 
     def sequence_pages(self) -> int:
-        """Pages held by sequences (not by the prefix cache)."""
+        """Pages held by sequences (not by the prefix and conversation caches)."""
         pool = self.engine.pool_summary()
-        return pool["used"] - pool["prefix_cache"]
+        return pool["used"] - pool["cached"]
 
 
 @pytest.fixture(scope="module")
@@ -166,6 +168,61 @@ def test_prefix_cache_shares_a_512_token_prefix(server, smollm2):
     assert after_first - computed == len(first) and after_second - after_first == len(second) - 512
     assert b.choices[0].text == smollm2.generate(second, 8).text       # the uncached output: the runtime API
     assert server.metric("sharpi_prefix_cache_hits_total") >= 1
+
+
+def _greedy_session(session, logits, n: int) -> list[int]:
+    """n greedy tokens from `logits`, each but the last fed back (as the server leaves a finished sequence)."""
+    out = [int(np.argmax(logits))]
+    while len(out) < n:
+        out.append(int(np.argmax(session.decode(out[-1]))))
+    return out
+
+
+def test_a_chats_next_turn_continues_its_compressed_cache(server, smollm2):
+    """A compressed conversation's next turn (its prompt, the answer, a new message): while the prefix cache holds
+    the prompt's full pages, the whole conversation is prefilled from them and compressed again (scored by the new
+    message); once those pages are gone, it continues the compressed cache, computing only the new tokens, and
+    answers what the runtime's one session continued answers."""
+    engine = server.engine
+    rng = np.random.default_rng(1)
+    words = "red green blue cyan magenta yellow black white grey brown".split()
+    knobs = {"snapkv_budget": 128, "snapkv_recency": 16}
+    settings = SnapKVSettings(budget=128, recency=16)
+
+    def ask(ids):
+        _, end, events = generate(engine, GenerationRequest(ids, max_tokens=8, snapkv=settings, ignore_eos=True))
+        return [t for e in events for t in e.token_ids], end.usage
+
+    def computed():
+        return server.metric("sharpi_prefill_tokens_total", '{kind="prompt"}')
+
+    for faithful in (True, False):
+        doc = smollm2.tokenize(" ".join(rng.choice(words, 400)))[:300]
+        first, _ = ask(doc)
+        follow = smollm2.tokenize(" Which colour came first?")
+        second = doc + first + follow
+        if not faithful:
+            with engine.engine.lock:
+                engine.prefix_cache.clear()
+        hits, before = server.metric("sharpi_conversation_cache_hits_total"), computed()
+        answer, usage = ask(second)
+        reference = smollm2.session(**knobs)
+        assert _greedy_session(reference, reference.prefill(doc), 8) == first and reference.evicted
+        if faithful:           # the doc's full pages adopted (up to the scoring window), the rest compressed anew
+            adopted = min(len(second) - settings.window, len(doc)) // 16 * 16
+            assert usage["cached_tokens"] == adopted and computed() - before == len(second) - adopted
+            assert server.metric("sharpi_conversation_cache_hits_total") == hits
+            again = smollm2.session(**knobs)
+            assert _greedy_session(again, again.prefill(second), 8) == answer and again.evicted
+            again.close()
+        else:                                          # the compressed cache has seen doc + first[:-1]
+            assert usage["cached_tokens"] == len(doc) + len(first) - 1
+            assert computed() - before == len(follow) + 1
+            assert server.metric("sharpi_conversation_cache_hits_total") == hits + 1
+            assert _greedy_session(reference, reference.prefill(first[-1:] + follow), 8) == answer
+        reference.close()
+    server.wait_idle()
+    assert server.sequence_pages() == 0 and engine.conversations.page_set()
 
 
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):

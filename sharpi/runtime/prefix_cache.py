@@ -60,11 +60,15 @@ class PrefixCache:
 
     def reclaimable(self) -> int:
         """Pages that only the cache holds: what reclaim() can give back now."""
-        if not self._blocks:
-            return 0
+        return int((self.pool.refs[self._pages()] == 1).sum())
+
+    def page_set(self) -> set[int]:
+        return set(self._pages().tolist())
+
+    def _pages(self) -> np.ndarray:
         if self._page_array is None:
             self._page_array = np.fromiter((p for b in self._blocks.values() for p in b.pages), np.int64)
-        return int((self.pool.refs[self._page_array] == 1).sum())
+        return self._page_array
 
     def _key(self, tokens: list[int], index: int, parent: _Block | None) -> tuple:
         return parent.id if parent else 0, tuple(tokens[index * self.page_size:(index + 1) * self.page_size])

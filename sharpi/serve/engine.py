@@ -21,7 +21,13 @@ recomputation of a prompt cheap while its blocks survive.
 The prefix cache (sharpi.runtime.prefix_cache) indexes the prompt's full pages when its prefill ends (before any
 compression: the whole prompt is then in the cache) and the conversation's when it finishes; a new prompt adopts
 the longest cached prefix, leaving at least its last token (and a SnapKV-compressed prompt its scoring window)
-to compute.
+to compute. A compressed sequence, when it finishes, goes to the conversation cache
+(sharpi.runtime.conversation_cache), which serves only a prompt that continues it exactly (a chat's next turn).
+Such a prompt takes the prefix cache when that still holds the compressed prompt's full pages (the whole
+conversation is then compressed again, scored by the new question's queries: the faithful path), else the
+compressed continuation (only the new tokens computed, as `sharpi chat` does). Under pool pressure the prefix
+cache's blocks go first (they are a whole prompt's pages; the compressed entries are a budget's), so the two
+complement each other: with room the faithful path, when memory is tight the compressed one.
 """
 from __future__ import annotations
 
@@ -34,6 +40,7 @@ import numpy as np
 
 from ..common.errors import ConfigError, ContextLengthError, ServerBusyError, SharpiError
 from ..common.settings import parse_positive_int
+from ..runtime.conversation_cache import ConversationCache
 from ..runtime.kv_cache import PoolExhaustedError
 from ..runtime.model import Model
 from ..runtime.prefix_cache import PrefixCache
@@ -49,7 +56,7 @@ class ServeSettings:
     parallel: int = 16                  # sequences prefilling or decoding at once (the decode batch's bound)
     max_queue: int = 256                # waiting requests before submit() refuses more
     prefill_budget: int | None = None   # prompt tokens a step computes (default: the artifact's prefill chunk)
-    prefix_cache: bool = True
+    prefix_cache: bool = True           # and the conversation cache of compressed sequences
 
     def validate(self) -> None:
         parse_positive_int(self.parallel, "parallel", highest=1024)
@@ -77,6 +84,7 @@ class _Sequence:
         self.arrival = time.monotonic()
         self.last_token_at: float | None = None
         self.pages_before_eviction = 0
+        self.compressed_prompt = 0             # the tokens its compression covers (a continuation's: the first's)
         self.finished = False
 
 
@@ -91,8 +99,10 @@ class ServeEngine:
         self.budget = settings.prefill_budget or self.engine.prefill_chunk
         self.metrics = ServeMetrics()
         self.prefix_cache = PrefixCache(self.pool, self.n_layers) if settings.prefix_cache else None
+        self.conversations = ConversationCache(self.pool) if settings.prefix_cache else None
         if self.prefix_cache is not None:
-            self.pool.reclaim = self.prefix_cache.reclaim
+            self.pool.reclaim = self._reclaim
+        self.metrics.prefix_cache_pages.set_function(lambda: self.pool_summary()["cached"])    # at each scrape
         self.stop_ids = set(model.tokenizer.info.stop_ids)
         self._inbox: deque[_Sequence] = deque()
         self._waiting: list[_Sequence] = []    # by arrival order (preempted ones keep theirs: they go first)
@@ -156,6 +166,7 @@ class ServeEngine:
         if self.prefix_cache is not None:
             with self.engine.lock:
                 self.prefix_cache.clear()
+                self.conversations.clear()
                 self.pool.reclaim = None
         self._update_gauges()
 
@@ -166,9 +177,14 @@ class ServeEngine:
 
     def pool_summary(self) -> dict:
         with self.engine.lock:
-            cached = self.prefix_cache.pages if self.prefix_cache else 0
             return {"pages": self.pool.num_pages, "free": self.pool.free_count, "used": self.pool.used_count,
-                    "prefix_cache": cached}
+                    "cached": self._cached_pages()}
+
+    def _cached_pages(self) -> int:
+        """Pages the prefix and conversation caches hold (each page once)."""
+        if self.prefix_cache is None:
+            return 0
+        return len(self.prefix_cache.page_set() | self.conversations.page_set())
 
     def _check_fits(self, ids: list[int]) -> None:
         context = self.model.max_context
@@ -258,8 +274,18 @@ class ServeEngine:
         return sum(s.session.cache.pages_needed(1) for s in running)
 
     def _available(self) -> int:
-        """Free pages and those only the prefix cache holds."""
-        return self.pool.free_count + (self.prefix_cache.reclaimable() if self.prefix_cache else 0)
+        """Free pages and those only the caches hold."""
+        if self.prefix_cache is None:
+            return self.pool.free_count
+        return self.pool.free_count + self.prefix_cache.reclaimable() + self.conversations.reclaimable()
+
+    def _reclaim(self, wanted: int) -> int:
+        """The pool's reclaim hook: the prefix cache's blocks first, then compressed conversations (see the
+        module doc); returns the pages freed."""
+        freed = self.prefix_cache.reclaim(wanted)
+        if freed < wanted:
+            freed += self.conversations.reclaim(wanted - freed)
+        return freed
 
     def _have_pages(self, pages: int) -> bool:
         return pages <= self.pool.free_count or pages <= self._available()
@@ -296,13 +322,12 @@ class ServeEngine:
         if not self._waiting or len(self._active) >= self.settings.parallel:
             return None
         seq = self._waiting[0]
-        session = self.model.session(snapkv=seq.request.snapkv)
-        hit = self._adopt_prefix(seq, session)
+        session, hit = self._start_session(seq)
         tokens = len(seq.prompt) + max(0, len(seq.out) - 1)
         need = self._peak_pages(tokens - hit, hit) + self.n_layers       # the prefill and a first decode page
         # with others running: room for each to grow a page, and for the compaction's copies of shared pages
         comfort = need + self.n_layers * len(self._active)
-        if session.evicts(len(seq.prompt)) and self.prefix_cache is not None:
+        if session.fresh and session.evicts(len(seq.prompt)) and self.prefix_cache is not None:
             comfort += -(-session.snapkv_budget // self.page_size) * self.n_layers
         available = self.pool.free_count if comfort <= self.pool.free_count else self._available()
         if comfort > available and (self._active or need > available):
@@ -319,24 +344,33 @@ class ServeEngine:
                 self.metrics.prefix_cache_queries.inc()
                 self.metrics.prefix_cache_hits.inc(hit > 0)
                 self.metrics.prefix_cache_hit_tokens.inc(hit)
+                self.metrics.conversation_cache_hits.inc(not session.fresh)
         seq.jobs = [("prompt", None, seq.prompt[hit:])]
         if len(seq.out) > 1:
             seq.jobs.append(("resume", None, seq.out[:-1]))
         self._active.append(seq)
         return seq
 
-    def _adopt_prefix(self, seq: _Sequence, session: Session) -> int:
-        """Start the session from the longest cached prefix of the prompt; returns its token count."""
+    def _start_session(self, seq: _Sequence) -> tuple[Session, int]:
+        """A session for the sequence's prompt, started from what the caches hold of it (see the module doc);
+        returns it and the prompt tokens it already holds."""
+        session = self.model.session(snapkv=seq.request.snapkv)
         if self.prefix_cache is None:
-            return 0
-        limit = len(seq.prompt) - 1
-        if session.evicts(len(seq.prompt)):
-            limit = len(seq.prompt) - session.snapkv.window
+            return session, 0
+        compresses = session.evicts(len(seq.prompt))
+        limit = len(seq.prompt) - (session.snapkv.window if compresses else 1)
         with self.engine.lock:
             tokens, pages = self.prefix_cache.lookup(seq.prompt, limit)
+            entry = self.conversations.lookup(seq.prompt, session) if compresses else None
+            faithful = min(limit, entry.prompt_tokens) // self.page_size * self.page_size if entry else 0
+            if entry is not None and tokens < faithful:          # the prefix cache lost the compressed prompt
+                session.close()
+                seq.compressed_prompt = entry.prompt_tokens
+                return entry.session.fork(), len(entry.tokens)
             if tokens:
                 session.adopt_prefix(pages, tokens)
-        return tokens
+        seq.compressed_prompt = len(seq.prompt)
+        return session, tokens
 
     def _make_room(self, pages: int, requester: _Sequence) -> bool:
         """Free `pages` pages: the prefix cache's first, then by preempting the latest admitted sequences (the
@@ -344,7 +378,7 @@ class ServeEngine:
         while self.pool.free_count < pages:
             if self.prefix_cache is not None:
                 with self.engine.lock:
-                    if self.prefix_cache.reclaim(pages - self.pool.free_count):
+                    if self._reclaim(pages - self.pool.free_count):
                         continue
             victim = self._active[-1]
             if victim is requester and len(self._active) == 1:   # alone and still no room
@@ -424,9 +458,13 @@ class ServeEngine:
         seq.finished = True
         if seq.session is not None:
             with self.engine.lock:
+                kept = False
                 if reason in ("stop", "length") and self.prefix_cache is not None:
-                    self.prefix_cache.insert(seq.prompt + seq.out, seq.session.cache)
-                seq.session.close()
+                    seen = (seq.prompt + seq.out)[:seq.session.logical_length]
+                    self.prefix_cache.insert(seen, seq.session.cache)
+                    kept = self.conversations.insert(seen, seq.session, seq.compressed_prompt)
+                if not kept:
+                    seq.session.close()
         for queue in (self._active, self._waiting):
             if seq in queue:
                 queue.remove(seq)
@@ -445,7 +483,6 @@ class ServeEngine:
         m.running.set(len(self._active))
         m.pool_pages_used.set(self.pool.used_count)
         m.pool_pages_free.set(self.pool.free_count)
-        m.prefix_cache_pages.set(self.prefix_cache.pages if self.prefix_cache else 0)
 
 
 def generate(engine: ServeEngine, request: GenerationRequest, timeout: float = 600) -> tuple[str, Event, list]:

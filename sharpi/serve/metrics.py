@@ -27,7 +27,8 @@ class ServeMetrics:
         self.running = Gauge("sharpi_running_sequences", "Sequences prefilling or decoding", registry=r)
         self.pool_pages_used = Gauge("sharpi_pool_pages_used", "KV pool pages held", registry=r)
         self.pool_pages_free = Gauge("sharpi_pool_pages_free", "KV pool pages free", registry=r)
-        self.prefix_cache_pages = Gauge("sharpi_prefix_cache_pages", "KV pool pages the prefix cache holds",
+        self.prefix_cache_pages = Gauge("sharpi_prefix_cache_pages", "KV pool pages the prefix and conversation "
+                                        "caches hold",
                                         registry=r)
         self.prefix_cache_queries = Counter("sharpi_prefix_cache_queries", "Prompts looked up in the prefix "
                                             "cache", registry=r)
@@ -35,6 +36,8 @@ class ServeMetrics:
                                          registry=r)
         self.prefix_cache_hit_tokens = Counter("sharpi_prefix_cache_hit_tokens", "Prompt tokens reused from the "
                                                "prefix cache", registry=r)
+        self.conversation_cache_hits = Counter("sharpi_conversation_cache_hits", "Prompts that continued a "
+                                               "compressed conversation's cache", registry=r)
         self.snapkv_evictions = Counter("sharpi_snapkv_evictions", "Prompts compressed by SnapKV", registry=r)
         self.snapkv_pages_freed = Counter("sharpi_snapkv_pages_freed", "KV pages SnapKV compression gave back",
                                           registry=r)
