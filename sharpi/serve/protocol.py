@@ -96,26 +96,17 @@ class CompletionRequest(_Generation):
             raise ValueError("the prompt is empty")
         return prompt
 
-    @field_validator("echo")
+    @field_validator("echo", "suffix", "best_of")
     @classmethod
-    def _no_echo(cls, echo: bool) -> bool:
-        if echo:
-            raise ValueError("echo is not supported")
-        return echo
-
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, suffix):
-        if suffix:
-            raise ValueError("suffix (insertion) is not supported")
-        return suffix
-
-    @field_validator("best_of")
-    @classmethod
-    def _no_best_of(cls, best_of):
-        if best_of not in (None, 1):
-            raise ValueError("only best_of = 1 is supported")
-        return best_of
+    def _unsupported(cls, value, info):
+        """Accepted in their neutral values only (False, empty, 1), so a client that sends them is not misled."""
+        refusals = {"echo": (bool(value), "echo is not supported"),
+                    "suffix": (bool(value), "suffix (insertion) is not supported"),
+                    "best_of": (value not in (None, 1), "only best_of = 1 is supported")}
+        refused, message = refusals[info.field_name]
+        if refused:
+            raise ValueError(message)
+        return value
 
 
 class TextPart(BaseModel):

@@ -194,8 +194,8 @@ def make_paged_attention(heads: int, kv_heads: int, head_dim: int, page_size: in
         return _paged_attention_scalar(heads, kv_heads, head_dim, page_size, scale, n, group, kv_dtype,
                                        window)
     if tokens == 1:
-        return _paged_attention_decode(heads, kv_heads, head_dim, page_size, scale, group, LANES, kv_dtype,
-                                       window)
+        return _paged_attention_split(heads, kv_heads, head_dim, page_size, scale, None, group, LANES, kv_dtype,
+                                      window)
     return _paged_attention_tiled(heads, kv_heads, head_dim, page_size, scale, n, group, LANES, kv_dtype,
                                   window)
 
@@ -273,124 +273,50 @@ def decode_splits(kv_heads: int) -> int:
     return max(1, 8 // kv_heads)
 
 
-def _paged_attention_decode(heads, kv_heads, head_dim, page_size, scale, group, LANES, kv_dtype, window):
-    """One token, split-K (flash-decoding): one task per (KV head, range of its visible pages) computes all `group`
-    query heads of that KV head over its range, so each K/V row is read once in all; a second parallel loop
-    merges the ranges' partial softmaxes. One task per query head instead read gemma3's single 256-wide KV head
-    four times and left a 2-thread CPU with 4 tasks to balance. Within a page the products are register-blocked
-    as in prefill (page_scores, add_page_values): one K row at a time for all heads kept q in registers that
-    spilled (gemma3: 4 heads x 256 dims), and each V row was loaded once per head."""
+def _paged_attention_split(heads, kv_heads, head_dim, page_size, scale, n, group, LANES, kv_dtype, window):
+    """One new token per sequence, split-K (flash-decoding); n None: decode (one sequence: page_table [L, MP],
+    kv_lens [L]), else decode_batch (n sequences: page_tables [n, L, MP], kv_lens [n, L]). One task per (token, KV
+    head, range of its visible pages) computes all `group` query heads of that KV head over its range, so each K/V
+    row is read once in all; a second parallel loop merges the ranges' partial softmaxes. One task per query head
+    instead read gemma3's single 256-wide KV head four times and left a 2-thread CPU with 4 tasks to balance.
+    Within a page the products are register-blocked as in prefill (page_scores, add_page_values): one K row at a
+    time for all heads kept q in registers that spilled (gemma3: 4 heads x 256 dims), and each V row was loaded
+    once per head."""
     pages, layers, max_pages = T.int64(), T.int64(), T.int64()
     DC = head_dim // LANES
     SP = decode_splits(kv_heads)
     QP, OS, VC = _register_blocks(group, DC, LANES, page_size)
-
-    def part_row(h, sp):
-        """The row of part / part_stats holding query head h's partial result over range sp."""
-        return (h // group * SP + sp) * group + h % group
-
-    @T.prim_func
-    def paged_attention(var_q: T.handle, var_pool: T.handle, var_pt: T.handle, var_lens: T.handle,
-                        layer: T.int64, var_out: T.handle):
-        T.func_attr({"tirx.noalias": True, "op_pattern": 8})
-        q = T.match_buffer(var_q, (1, heads, head_dim), "float32")
-        pool = T.match_buffer(var_pool, (pages, 2, kv_heads, page_size, head_dim), kv_dtype)
-        page_table = T.match_buffer(var_pt, (layers, max_pages), "int32")
-        kv_lens = T.match_buffer(var_lens, (layers,), "int32")
-        out = T.match_buffer(var_out, (1, heads, head_dim), "float32")
-        total = T.meta_var(T.Cast("int64", kv_lens[layer]) + 1)
-        first = T.meta_var(first_page(total, window, page_size))
-        count = T.meta_var((total + page_size - 1) // page_size - first)
-        # each range's unnormalized output and its softmax max and sum, per query head: row (task, g) at
-        # task * group + g
-        part = T.decl_buffer((kv_heads * SP * group, head_dim), "float32")
-        part_stats = T.decl_buffer((kv_heads * SP * group, 2), "float32")
-        for task in T.parallel(kv_heads * SP):
-            kvh = T.meta_var(task // SP)
-            sp = T.meta_var(task % SP)
-            score = T.decl_buffer((group, page_size), "float32", scope="global")
-            sacc = T.decl_buffer((QP * OS, LANES), "float32", scope="global")
-            vacc = T.decl_buffer((QP, VC // LANES, LANES), "float32", scope="global")
-            # per query head: running max, running sum, page max, new max, correction
-            stats = T.decl_buffer((group, 5), "float32", scope="global")
-            for g in T.unroll(group):
-                stats[g, 0] = T.float32(NEG_INF)
-                stats[g, 1] = T.float32(0)
-                for d in T.vectorized(head_dim):
-                    part[task * group + g, d] = T.float32(0)
-            for p in range(first + count * sp // SP, first + count * (sp + 1) // SP):
-                page = T.meta_var(T.Cast("int64", page_table[layer, p]))
-                for ip in range(group // QP):
-                    page_scores(score, ip * QP, sacc, q, 0, kvh * group + ip * QP, pool, page, kvh, p * page_size,
-                                total, window, page_size, QP, OS, DC, LANES, scale)
-                    for qq in range(QP):
-                        online_softmax_page(stats, score, ip * QP + qq, p * page_size, total, window, page_size)
-                    add_page_values(part, task * group + ip * QP, vacc, score, stats, ip * QP, pool, page, kvh,
-                                    T.min(T.Cast("int64", page_size), total - p * page_size), head_dim, QP, VC,
-                                    LANES)
-            for g in T.unroll(group):
-                part_stats[task * group + g, 0] = stats[g, 0]
-                part_stats[task * group + g, 1] = stats[g, 1]
-        for h in T.parallel(heads):
-            # merge the ranges: rescale each to the common max (an empty range has max -3e38 and weight 0)
-            m = T.decl_buffer((2,), "float32", scope="global")
-            m[0] = T.float32(NEG_INF)
-            for sp in range(SP):
-                m[0] = T.max(m[0], part_stats[part_row(h, sp), 0])
-            m[1] = T.float32(0)
-            for sp in range(SP):
-                m[1] = m[1] + part_stats[part_row(h, sp), 1] * T.exp(part_stats[part_row(h, sp), 0] - m[0])
-            for d in T.vectorized(head_dim):
-                out[0, h, d] = T.float32(0)
-            for sp in range(SP):
-                for d in T.vectorized(head_dim):
-                    out[0, h, d] = out[0, h, d] + part[part_row(h, sp), d] * (
-                        T.exp(part_stats[part_row(h, sp), 0] - m[0]) / m[1])
-
-    return paged_attention
-
-
-def make_paged_attention_batch(heads: int, kv_heads: int, head_dim: int, page_size: int, scale: float,
-                               kv_dtype: str = "float32", window: int = 0):
-    """PrimFunc (q [B, H, D], pool, page_tables [B, L, MP], kv_lens [B, L], layer, out [B, H, D]): one new token per
-    sequence, token b over sequence b's slots [0, kv_lens[b, layer]] (its own appended last), as decode's kernel
-    does for one sequence."""
-    n = token_count(None)
-    group = heads // kv_heads
-    if head_dim % LANES:
-        return _paged_attention_scalar(heads, kv_heads, head_dim, page_size, scale, n, group, kv_dtype, window,
-                                       batched=True)
-    return _paged_attention_batch(heads, kv_heads, head_dim, page_size, scale, n, group, LANES, kv_dtype, window)
-
-
-def _paged_attention_batch(heads, kv_heads, head_dim, page_size, scale, n, group, LANES, kv_dtype, window):
-    """decode's split-K kernel (_paged_attention_decode) over B sequences: one task per (token, KV head, range of
-    its sequence's visible pages), then a merge per (token, query head)."""
-    pages, layers, max_pages = T.int64(), T.int64(), T.int64()
-    DC = head_dim // LANES
-    SP = decode_splits(kv_heads)
-    QP, OS, VC = _register_blocks(group, DC, LANES, page_size)
+    batched = n is not None
+    B = n if batched else 1
+    tables_shape = (B, layers, max_pages) if batched else (layers, max_pages)
+    lens_shape = (B, layers) if batched else (layers,)
 
     def part_row(t, h, sp):
         """The row of part / part_stats holding token t's query head h's partial result over range sp."""
         return ((t * kv_heads + h // group) * SP + sp) * group + h % group
 
+    def held(kv_lens, t, layer):
+        return kv_lens[t, layer] if batched else kv_lens[layer]
+
+    def page_of(page_tables, t, layer, p):
+        return page_tables[t, layer, p] if batched else page_tables[layer, p]
+
     @T.prim_func
-    def paged_attention_batch(var_q: T.handle, var_pool: T.handle, var_pt: T.handle, var_lens: T.handle,
-                              layer: T.int64, var_out: T.handle):
+    def paged_attention(var_q: T.handle, var_pool: T.handle, var_pt: T.handle, var_lens: T.handle,
+                        layer: T.int64, var_out: T.handle):
         T.func_attr({"tirx.noalias": True, "op_pattern": 8})
-        q = T.match_buffer(var_q, (n, heads, head_dim), "float32")
+        q = T.match_buffer(var_q, (B, heads, head_dim), "float32")
         pool = T.match_buffer(var_pool, (pages, 2, kv_heads, page_size, head_dim), kv_dtype)
-        page_tables = T.match_buffer(var_pt, (n, layers, max_pages), "int32")
-        kv_lens = T.match_buffer(var_lens, (n, layers), "int32")
-        out = T.match_buffer(var_out, (n, heads, head_dim), "float32")
-        part = T.decl_buffer((n * kv_heads * SP * group, head_dim), "float32")
-        part_stats = T.decl_buffer((n * kv_heads * SP * group, 2), "float32")
-        for task in T.parallel(n * kv_heads * SP):
+        page_tables = T.match_buffer(var_pt, tables_shape, "int32")
+        kv_lens = T.match_buffer(var_lens, lens_shape, "int32")
+        out = T.match_buffer(var_out, (B, heads, head_dim), "float32")
+        part = T.decl_buffer((B * kv_heads * SP * group, head_dim), "float32")
+        part_stats = T.decl_buffer((B * kv_heads * SP * group, 2), "float32")
+        for task in T.parallel(B * kv_heads * SP):
             t = T.meta_var(task // (kv_heads * SP))
             kvh = T.meta_var(task // SP % kv_heads)
             sp = T.meta_var(task % SP)
-            total = T.meta_var(T.Cast("int64", kv_lens[t, layer]) + 1)
+            total = T.meta_var(T.Cast("int64", held(kv_lens, t, layer)) + 1)
             first = T.meta_var(first_page(total, window, page_size))
             count = T.meta_var((total + page_size - 1) // page_size - first)
             score = T.decl_buffer((group, page_size), "float32", scope="global")
@@ -404,7 +330,7 @@ def _paged_attention_batch(heads, kv_heads, head_dim, page_size, scale, n, group
                 for d in T.vectorized(head_dim):
                     part[task * group + g, d] = T.float32(0)
             for p in range(first + count * sp // SP, first + count * (sp + 1) // SP):
-                page = T.meta_var(T.Cast("int64", page_tables[t, layer, p]))
+                page = T.meta_var(T.Cast("int64", page_of(page_tables, t, layer, p)))
                 for ip in range(group // QP):
                     page_scores(score, ip * QP, sacc, q, t, kvh * group + ip * QP, pool, page, kvh, p * page_size,
                                 total, window, page_size, QP, OS, DC, LANES, scale)
@@ -416,7 +342,7 @@ def _paged_attention_batch(heads, kv_heads, head_dim, page_size, scale, n, group
             for g in T.unroll(group):
                 part_stats[task * group + g, 0] = stats[g, 0]
                 part_stats[task * group + g, 1] = stats[g, 1]
-        for th in T.parallel(n * heads):
+        for th in T.parallel(B * heads):
             t = T.meta_var(th // heads)
             h = T.meta_var(th % heads)
             # merge the ranges: rescale each to the common max (an empty range has max -3e38 and weight 0)
@@ -434,7 +360,20 @@ def _paged_attention_batch(heads, kv_heads, head_dim, page_size, scale, n, group
                     out[t, h, d] = out[t, h, d] + part[part_row(t, h, sp), d] * (
                         T.exp(part_stats[part_row(t, h, sp), 0] - m[0]) / m[1])
 
-    return paged_attention_batch
+    return paged_attention
+
+
+def make_paged_attention_batch(heads: int, kv_heads: int, head_dim: int, page_size: int, scale: float,
+                               kv_dtype: str = "float32", window: int = 0):
+    """PrimFunc (q [B, H, D], pool, page_tables [B, L, MP], kv_lens [B, L], layer, out [B, H, D]): one new token per
+    sequence, token b over sequence b's slots [0, kv_lens[b, layer]] (its own appended last), as decode's kernel
+    does for one sequence."""
+    n = token_count(None)
+    group = heads // kv_heads
+    if head_dim % LANES:
+        return _paged_attention_scalar(heads, kv_heads, head_dim, page_size, scale, n, group, kv_dtype, window,
+                                       batched=True)
+    return _paged_attention_split(heads, kv_heads, head_dim, page_size, scale, n, group, LANES, kv_dtype, window)
 
 
 def _paged_attention_scalar(heads, kv_heads, head_dim, page_size, scale, n, group, kv_dtype, window,
