@@ -33,7 +33,10 @@ class Backend(Protocol):
         scores left on the device for select)."""
 
     def select(self, scores, params: np.ndarray):
-        """snapkv_select: (keep on the device, keep as numpy [L, KVH, slots])."""
+        """snapkv_select of scores on the device or in numpy: (keep on the device, keep as numpy [L, KVH, slots])."""
+
+    def to_host(self, tensor) -> np.ndarray:
+        """A device tensor (prefill_snapkv's scores) as numpy."""
 
     def compact(self, page_table: np.ndarray, keep, counts: np.ndarray) -> None:
         """snapkv_compact: slot keep[l, h, i] -> slot i for i < counts[l], in place in the pool."""

@@ -1,6 +1,7 @@
 """The loaded model: the tokenizer and the engine (backend, page pool); scoring and generation on sessions."""
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from ..common.tokenizer import Tokenizer, TokenizerInfo, token_ids
 from .backend import Backend
 from .engine import Engine
 from .sampling import Sampler, SamplingParams
+from .scorers import REPEAT_PROMPT, SCORERS, ContextScorer, KVzipScorer
 from .session import Session
 from .text_output import TextOutput, stop_strings
 from .tvm_backend import TVMBackend
@@ -88,13 +90,31 @@ class Model:
     def detokenize(self, ids, special: bool = True) -> str:
         return self.tokenizer.detokenize(ids, special=special)
 
-    def session(self, *, snapkv: SnapKVSettings | None = None, **snapkv_knobs) -> Session:
+    def session(self, *, snapkv: SnapKVSettings | None = None, compress: str | None = None,
+                **snapkv_knobs) -> Session:
         """A new sequence. SnapKV: the snapkv_* knobs (snapkv_budget, snapkv_window, snapkv_recency,
         snapkv_pooling, snapkv_kernel, snapkv_granularity, snapkv_sinks: argument > SHARPI_SNAPKV_* env > the
         artifact's defaults; budget None means auto (off on CPU), 0 off; sinks: the first positions always kept),
-        or `snapkv`, SnapKVSettings made once (the CLI's way)."""
+        or `snapkv`, SnapKVSettings made once (the CLI's way). `compress` (else SHARPI_COMPRESS, else "snapkv")
+        picks what ranks the prompt's positions: "snapkv" (its last window of queries) or "kvzip" (how much the
+        model needs each to repeat the context: for questions asked after the compression); the budget,
+        recency, sinks, pooling and granularity apply to either."""
         settings, budget = self._resolve_snapkv(snapkv, snapkv_knobs)
-        return Session(self.engine, settings, budget)
+        return Session(self.engine, settings, budget, scorer=self._scorer(compress))
+
+    def _scorer(self, compress: str | None) -> ContextScorer | None:
+        source = "compress" if compress is not None else "SHARPI_COMPRESS"
+        name = compress if compress is not None else os.environ.get("SHARPI_COMPRESS", "snapkv")
+        if not isinstance(name, str) or name.strip().lower() not in SCORERS:
+            raise ConfigError(f"{source} must be one of {', '.join(SCORERS)}, got {name!r}.")
+        if name.strip().lower() == "snapkv":
+            return None
+        prompt = self.tokenize(REPEAT_PROMPT, add_bos=False)
+        window = int((self.manifest.snapkv or {}).get("max_window", 0))
+        chunk = min(window, self.engine.prefill_chunk - len(prompt))
+        if chunk < 1:
+            raise ConfigError("This artifact was compiled with --snapkv off; recompile with --snapkv on to score.")
+        return KVzipScorer(prompt, chunk)
 
     def snapkv_settings(self, **knobs) -> tuple[SnapKVSettings, int]:
         """The resolved SnapKV settings and effective budget (0 = no eviction) for these knobs (budget=...,
@@ -118,7 +138,7 @@ class Model:
 
     def generate(self, prompt, max_tokens: int = 64, **options) -> GenerationResult:
         """Generate from a prompt (text or ids). Options: temperature, top_k, top_p, min_p, repeat_penalty,
-        seed (sampling); stop (strings); special (render special tokens); snapkv or the snapkv_* knobs (as
+        seed (sampling); stop (strings); special (render special tokens); snapkv or the snapkv_* knobs, compress (as
         session())."""
         generation = self.stream(prompt, max_tokens, **options)
         for _ in generation:
@@ -131,10 +151,11 @@ class Model:
         sampling = SamplingParams(**{k: options.pop(k) for k in list(options)
                                      if k in SamplingParams.__dataclass_fields__})
         stop, special, snapkv = options.pop("stop", None), options.pop("special", False), options.pop("snapkv", None)
+        compress = options.pop("compress", None)
         knobs = {k: options.pop(k) for k in list(options) if k.startswith(PREFIX)}
         if options:
             raise ConfigError(f"Unknown option(s): {', '.join(sorted(options))}.")
-        session = self.session(snapkv=snapkv, **knobs)          # validates the SnapKV knobs before any work
+        session = self.session(snapkv=snapkv, compress=compress, **knobs)    # checks the knobs before any work
         return _Generation(self, session, prompt, max_tokens, sampling, stop, special)
 
     def chat(self, messages, max_tokens: int = 256, **kwargs) -> GenerationResult:

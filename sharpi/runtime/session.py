@@ -8,6 +8,7 @@ from ..common.errors import ConfigError, ContextLengthError
 from ..common.snapkv_settings import SnapKVSettings
 from .engine import Engine
 from .kv_cache import PoolExhaustedError, SequenceCache
+from .scorers import ContextScorer
 
 
 class Session:
@@ -23,10 +24,12 @@ class Session:
     (prefill chunk or decode step) granularity. One session is used by one thread at a time."""
 
     def __init__(self, engine: Engine, snapkv: SnapKVSettings | None = None, budget: int = 0,
-                 cache: SequenceCache | None = None):
+                 cache: SequenceCache | None = None, scorer: ContextScorer | None = None):
         """A new sequence on `engine` (or one continuing `cache`, which fork() copied); `snapkv` the resolved
-        settings and `budget` the effective budget (Engine.resolve_snapkv)."""
+        settings and `budget` the effective budget (Engine.resolve_snapkv); `scorer` ranks the prompt's
+        positions after its prefill (sharpi.runtime.scorers; None: SnapKV's last-window queries, inside it)."""
         self._engine = engine
+        self.scorer = scorer
         self._cache = cache if cache is not None else engine.new_cache()
         self.snapkv = snapkv or SnapKVSettings()
         self.snapkv_budget = budget
@@ -143,6 +146,17 @@ class Session:
         ids = self._check_ids([token])
         return self._forward("decode", ids)[0]
 
+    def score_continuation(self, ids, window: int) -> np.ndarray:
+        """The score op's scores [layers, kv_heads, slots] of every slot held after `ids` are fed on a fork of
+        this session (closed again: this session is untouched), scored by the last `window` of them."""
+        ids = self._check_ids(ids)
+        if len(ids) > self._engine.prefill_chunk or not 0 < window <= len(ids):
+            raise ConfigError(f"A scored continuation is one prefill chunk ({self._engine.prefill_chunk} tokens) "
+                              f"with a window of 1 to its length; got {len(ids)} tokens, window {window}.")
+        with self.fork() as fork:
+            _, scores = fork._forward("prefill_snapkv", ids, extra=(np.array([window], np.int32),))
+            return self._engine.backend.to_host(scores)
+
     def score_logits(self, ids) -> np.ndarray:
         """Logits of every fed token, float32 [len(ids), vocab] (teacher forcing)."""
         ids = self._check_ids(ids)
@@ -187,7 +201,8 @@ class Session:
         either side writes one (copy-on-write), so a fork costs at most a page a layer."""
         self._check_open()
         with self._engine.lock:
-            other = Session(self._engine, self.snapkv, self.snapkv_budget, cache=self._cache.fork())
+            other = Session(self._engine, self.snapkv, self.snapkv_budget, cache=self._cache.fork(),
+                            scorer=self.scorer)
         other.evicted, other._scores, other._scored_length = self.evicted, self._scores, self._scored_length
         return other
 
@@ -257,7 +272,12 @@ class PrefillJob:
         scored = self.evict or (keep_scores and self.fresh)
         if scored and not session._engine.has("prefill_snapkv"):
             raise ConfigError("This artifact was compiled with --snapkv off; recompile with --snapkv on to score.")
-        self.window = min(session.snapkv.window, total) if scored else 0
+        # a scorer of its own runs after the prefill, over the whole prompt (which it must then have been given)
+        self.rescore = scored and session.scorer is not None
+        if self.rescore and session._adopted:
+            raise ConfigError(f"The {session.scorer.name} scorer needs the whole prompt; this session starts from "
+                              f"an adopted prefix.")
+        self.window = min(session.snapkv.window, total) if scored and not self.rescore else 0
         if self.window > len(ids):
             raise ConfigError(f"Scoring a prompt needs its last {self.window} tokens computed here; only "
                               f"{len(ids)} follow the adopted prefix.")
@@ -308,6 +328,9 @@ class PrefillJob:
             self.logits = out[-1]
             if self.on_fed is not None:
                 self.on_fed()
+            if self.rescore:
+                session._scores = session.scorer.scores(session, self.ids)
+                session._scored_length = session.logical_length
             if self.evict:
                 session.evict()
         return self.done

@@ -134,8 +134,12 @@ class TVMBackend:
         """snapkv_select: (keep on the device, keep as numpy [L, KVH, slots])."""
         import tvm
 
+        scores = tvm.runtime.tensor(scores, self.device) if isinstance(scores, np.ndarray) else scores
         keep = self.functions["snapkv_select"](scores, tvm.runtime.tensor(params, self.device))
         return keep, keep.numpy()
+
+    def to_host(self, tensor) -> np.ndarray:
+        return tensor.numpy()
 
     def compact(self, page_table: np.ndarray, keep, counts: np.ndarray) -> None:
         """snapkv_compact: slot keep[l, h, i] -> slot i for i < counts[l], in place in the pool."""

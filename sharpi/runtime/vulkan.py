@@ -91,5 +91,8 @@ class VulkanBackend:
         keep = self.runner.run_on_device("snapkv_select", scores, params)
         return keep, self.runner.download(keep)
 
+    def to_host(self, tensor: DeviceTensor) -> np.ndarray:
+        return self.runner.download(tensor)
+
     def compact(self, page_table: np.ndarray, keep, counts: np.ndarray) -> None:
         self.runner.run_on_device("snapkv_compact", self.pool, page_table, keep, np.asarray(counts, np.int32))

@@ -65,3 +65,17 @@ def select_reference(scores: np.ndarray, budget: int, recency: int, pooling: str
         return np.broadcast_to(one, (layers, kv_heads, len(one))).copy()
     return np.stack([np.stack([select_row(scores[l, h], budget, recency, pooling, kernel, sinks)
                                for h in range(kv_heads)]) for l in range(layers)])
+
+
+def kvzip_reference(reference, ids: list[int], repeat_prompt: list[int], chunk: int, scale: float) -> np.ndarray:
+    """KVzip's scores as sharpi.runtime.scorers computes them, from the numpy forward pass (`reference`, a
+    NumpyReference): per chunk of `ids`, the sequence ids + repeat_prompt + chunk, whose chunk queries score every
+    position (score_reference); the maximum over chunks, for the positions of `ids`. Returns [L, KVH, len(ids)]."""
+    n, best = len(ids), None
+    for start in range(0, n, chunk):
+        piece = list(ids[start:start + chunk])
+        captured = []
+        reference.forward(list(ids) + list(repeat_prompt) + piece, capture=captured)
+        scores = np.stack([score_reference(q[-len(piece):], k, 0, scale)[:, :n] for q, k, _ in captured])
+        best = scores if best is None else np.maximum(best, scores)
+    return best.astype(np.float32)

@@ -1,0 +1,56 @@
+"""Scorers that rank a prompt's positions after its prefill, for SnapKV's select and compact to keep the best.
+
+SnapKV's own scorer needs no pass of its own: the prompt's last `window` queries score every position inside the
+prefill (prefill_snapkv), so it keeps what the question at the end of the prompt needs. A question asked after
+the compression (a chat's follow-up, a second question about one document) needs a scorer that does not depend on
+the prompt's end. Such a scorer runs after the prefill, on forks of the session (which share its pages and are
+closed again, so the session's cache and positions are exactly as the prefill left them), and returns scores
+[layers, kv_heads, slots] in the layout of prefill_snapkv's, which the existing select takes.
+
+KVzip (Kim et al., arXiv 2505.23416): the model is asked to repeat the context, and each position scores by the
+most attention it receives from the queries of that repetition. Here the context is repeated chunk by chunk, each
+chunk on a fresh fork of the prefilled context after the repeat prompt, so a fork never holds more than the
+context, the prompt and one chunk (KVzip's chunked scoring); the chunk's queries are scored with the artifact's
+score op (prefill_snapkv's window = the chunk), whose probabilities are summed over the chunk's queries and
+averaged over each KV head's query heads, and the maximum over chunks is the position's score. KVzip proper takes
+the maximum over every single query and head; the chunk-level sum is the compiled op's, and the chunks are as
+short as the compiled window allows so that it stays close. Cost: about one more prefill of the context, plus
+the repeat prompt once per chunk.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from .session import Session
+
+SCORERS = ("snapkv", "kvzip")
+REPEAT_PROMPT = "\n\nRepeat the previous context exactly.\n"
+
+
+class ContextScorer(Protocol):
+    name: str
+
+    def scores(self, session: "Session", ids: np.ndarray) -> np.ndarray:
+        """Scores [layers, kv_heads, slots] of the `ids` the fresh `session` holds from position 0 (zero past
+        them); the session's cache is left as it was."""
+
+
+class KVzipScorer:
+    name = "kvzip"
+
+    def __init__(self, repeat_prompt_ids: list[int], chunk: int):
+        self.repeat_prompt_ids = list(repeat_prompt_ids)
+        self.chunk = chunk
+
+    def scores(self, session: "Session", ids: np.ndarray) -> np.ndarray:
+        n = len(ids)
+        best = None
+        for start in range(0, n, self.chunk):
+            piece = ids[start:start + self.chunk]
+            chunk_scores = session.score_continuation(np.concatenate([self.repeat_prompt_ids, piece]), len(piece))
+            best = chunk_scores if best is None else np.maximum(best, chunk_scores)
+        best[..., n:] = 0.0
+        return best
