@@ -186,7 +186,7 @@ def test_a_chats_next_turn_continues_its_compressed_cache(server, smollm2):
     engine = server.engine
     rng = np.random.default_rng(1)
     words = "red green blue cyan magenta yellow black white grey brown".split()
-    knobs = {"snapkv_budget": 128, "snapkv_recency": 16}
+    knobs = {"snapkv_budget": 128, "snapkv_recency": 16, "compress": "snapkv"}     # whatever SHARPI_COMPRESS says
     settings = SnapKVSettings(budget=128, recency=16)
 
     def ask(ids):

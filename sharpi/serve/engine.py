@@ -354,7 +354,9 @@ class ServeEngine:
     def _start_session(self, seq: _Sequence) -> tuple[Session, int]:
         """A session for the sequence's prompt, started from what the caches hold of it (see the module doc);
         returns it and the prompt tokens it already holds."""
-        session = self.model.session(snapkv=seq.request.snapkv)
+        # SnapKV's scorer whatever SHARPI_COMPRESS says: a query-agnostic scorer needs the whole prompt (no
+        # adopted prefix), and its prefixes would need a cache rule of their own
+        session = self.model.session(snapkv=seq.request.snapkv, compress="snapkv")
         if self.prefix_cache is None:
             return session, 0
         compresses = session.evicts(len(seq.prompt))
