@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -11,8 +12,9 @@ import pytest
 from sharpi.common.errors import ConfigError, ContextLengthError
 from sharpi.eval.report import budget_table, write_report
 from sharpi.eval.scoring import accuracy, is_hit
-from sharpi.eval.sweep import Results, Setting, SweepConfig, plan, resolve_settings, run_sweep
-from sharpi.eval.tasks import build_prompt
+from sharpi.eval.sweep import (Results, Setting, SweepConfig, answer_steps, greedy, plan, resolve_settings,
+                               run_sweep)
+from sharpi.eval.tasks import CONTENT, build_prompt, trial_rng
 
 TIMING = ("prefill_s", "answer_s")
 DEFAULT = Setting("kv-head", "max", 15, 16)
@@ -68,6 +70,10 @@ class FakeSession:
 
     def decode(self, token):
         return self._logits(self._answer())
+
+    @property
+    def logical_length(self):
+        return len(self.ids)
 
     @property
     def kv_length(self):
@@ -127,6 +133,9 @@ def test_prompt_hits_length_and_depth_in_tokens(smollm2, task):
             assert abs(start - target) <= (6 if task == "passkey" else 0.05 * (ends[1] - ends[0])), (depth, p.needle)
             assert p.needle_depth == pytest.approx(100 * (start - ends[0]) / (ends[1] - ends[0]), abs=0.01)
             assert end <= p.tokens - 10                                          # the question follows
+            # the context and the question the agnostic protocol feeds apart: the prompt's own tokens
+            assert p.context_ids + p.question_ids == p.ids and end <= p.question_start
+            assert smollm2.detokenize(p.question_ids).strip() == CONTENT[task](trial_rng(1, task, 2)).question
         if task == "multikey":
             assert len(p.distractors) == 3
             assert all(str(smollm2.detokenize(p.ids[s:e])).strip().startswith("One of the special magic numbers")
@@ -298,6 +307,33 @@ def test_real_model_tiny_sweep(smollm2, tmp_path):
     assert len(kept.files) == smollm2.config.n_layers
     assert kept["arr_0"].shape == (smollm2.config.n_kv_heads, 128)
     assert (kept["arr_0"][:, -64:] == np.arange(full["prompt_tokens"] - 64, full["prompt_tokens"])).all()
+
+
+def test_real_model_agnostic_protocol_with_two_scorers(smollm2, tmp_path):
+    """The context compressed, the question fed after: the full cache answers as the aware protocol's does; each
+    scorer's cells are lines of their own; the report has a section for the protocol."""
+    window, settings = resolve_settings(smollm2, budgets=[96], recency=16)
+    config = SweepConfig(task="passkey", lengths=[300], depths=[50], budgets=[0, 96], trials=1, settings=settings,
+                         window=window, scorers=["snapkv", "kvzip"], protocol="agnostic")
+    results = run_sweep(smollm2, config, Results(tmp_path / "agnostic.json", {"name": "smollm2"}), progress=False)
+    rows = {(r["budget"], r["scorer"]): r for r in results.rows()}
+    assert set(rows) == {(0, None), (96, "snapkv"), (96, "kvzip")} and len(results.cells) == 3
+    assert all(r["protocol"] == "agnostic" for r in rows.values())
+    prompt = build_prompt("passkey", smollm2.tokenize, 300, 50)
+    with smollm2.session(snapkv_budget=0) as s:                 # the context, then the question, uncompressed
+        s.prefill(prompt.context_ids)
+        tokens = greedy(s, s.prefill(prompt.question_ids), answer_steps(smollm2, "passkey", 0),
+                        set(smollm2.tokenizer.info.stop_ids))
+    assert rows[(0, None)]["output"] == smollm2.detokenize(tokens) and rows[(0, None)]["hit"]
+    for scorer in ("snapkv", "kvzip"):
+        assert rows[(96, scorer)]["evicted"] and rows[(96, scorer)]["kv_slots"] == 96
+        assert rows[(96, scorer)]["prompt_tokens"] == prompt.tokens
+    assert rows[(96, "kvzip")]["setting"].endswith("/kvzip") and "kvzip" in rows[(96, "kvzip")]["setting_label"]
+    assert all("|pagnostic" in key for key in results.cells)
+    text, _ = write_report(results, tmp_path / "report", plots=False)
+    assert "## passkey, the question asked after the compression" in text and "| kvzip, " in text
+    with pytest.raises(ConfigError, match="--scorers"):
+        run_sweep(smollm2, replace(config, scorers=["zip"]), Results(tmp_path / "x.json"), progress=False)
 
 
 # -- plots and report ----------------------------------------------------------------------------------------

@@ -17,7 +17,8 @@ combination is one setting (one line in the charts), run on the same prefill as 
 in the file are not recomputed.
 
 example: sharpi eval passkey smollm2-llvm --lengths 2000,4000 --depths 0,50,100 --budgets 0,256,512 --trials 5 \\
-    --snapkv-granularity kv-head,shared --out passkey.json"""
+    --snapkv-granularity kv-head,shared --out passkey.json
+the question after the compression: sharpi eval multikey DIR --protocol agnostic --scorers snapkv,kvzip"""
 
 
 def add_eval_parser(sub) -> None:
@@ -40,6 +41,12 @@ def add_eval_parser(sub) -> None:
     e.add_argument("--no-plots", action="store_true", help="write the Markdown table only")
     e.add_argument("--show-kept", action="store_true",
                    help="save each layer's kept positions (first trial) and plot them over the prompt")
+    e.add_argument("--scorers", type=_names, default=["snapkv"],
+                   help="what ranks the positions, comma-separated: snapkv (the prompt's last queries), kvzip (how "
+                        "much repeating the context needs each); one prefill each (default snapkv)")
+    e.add_argument("--protocol", choices=("aware", "agnostic"), default="aware",
+                   help="aware: the question is in the compressed prompt; agnostic: the context is compressed and "
+                        "the question asked after (default aware)")
     e.add_argument("--quiet", action="store_true", help="no progress bar")
     add_snapkv_flags(e)
     add_device_flags(e)
@@ -55,6 +62,10 @@ def _list_of(kind):
             raise argparse.ArgumentTypeError(f"expected comma-separated non-negative numbers, got {text!r}")
         return values
     return parse
+
+
+def _names(text: str) -> list[str]:
+    return [v.strip().lower() for v in text.split(",") if v.strip()]
 
 
 def _choices(text: str | None) -> list:
@@ -80,7 +91,7 @@ def cmd_eval(args) -> int:
         sinks=_choices(args.snapkv_sinks), budgets=args.budgets)
     config = SweepConfig(task=args.task, lengths=args.lengths, depths=args.depths, budgets=args.budgets,
                          trials=args.trials, seed=args.seed, settings=settings, window=window,
-                         show_kept=args.show_kept)
+                         show_kept=args.show_kept, scorers=args.scorers, protocol=args.protocol)
     run_sweep(model, config, results, progress=not args.quiet)
     _write_report(results, _report_dir(args, out), args, tasks=[args.task])
     return 0

@@ -49,6 +49,17 @@ def task_section(rows: list[dict], task: str) -> list[str]:
             "By needle depth (columns: budget @ prompt tokens):", *depth_tables(rows), ""]
 
 
+PROTOCOL_TITLES = {"agnostic": "the question asked after the compression (query-agnostic protocol)"}
+
+
+def _by_protocol(rows: list[dict]) -> list[tuple[str, list[dict]]]:
+    """The rows of each protocol (rows written before protocols existed are "aware"), aware first."""
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(r.get("protocol", "aware"), []).append(r)
+    return sorted(groups.items(), key=lambda item: item[0] != "aware")
+
+
 def write_report(results, directory: str | Path, *, plots: bool = True, show_kept: bool = False,
                  tasks=None) -> tuple[str, list[Path]]:
     """Write report.md (and, with plots, the PNGs) into `directory`; returns the Markdown and the files."""
@@ -60,12 +71,11 @@ def write_report(results, directory: str | Path, *, plots: bool = True, show_kep
             f"Results: `{results.path}`.", ""]
     files = []
     for task in tasks:
-        rows = results.rows(task)
-        if not rows:
-            continue
-        text += task_section(rows, task)
-        if plots:
-            files += _plot_task(results, rows, task, directory, show_kept)
+        for protocol, rows in _by_protocol(results.rows(task)):
+            name = task if protocol == "aware" else f"{task}-{protocol}"
+            text += task_section(rows, task if protocol == "aware" else f"{task}, {PROTOCOL_TITLES[protocol]}")
+            if plots:
+                files += _plot_task(results, rows, name, directory, show_kept)
     report = directory / "report.md"
     report.write_text("\n".join(text))
     return "\n".join(text), [report, *files]

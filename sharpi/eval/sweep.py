@@ -1,8 +1,13 @@
-"""The sweep runner: one prefill per prompt (scored, not evicted), forked once per budget and SnapKV setting,
-greedy answers string-matched, every cell written to a resumable JSON file as soon as it is done.
+"""The sweep runner: one prefill per prompt and scorer (scored, not evicted), forked once per budget and SnapKV
+setting, greedy answers string-matched, every cell written to a resumable JSON file as soon as it is done.
 
-A cell is (task, length, depth, trial, seed, budget, setting, window); its key names all of them, so a rerun
-with the same --out skips the cells it holds, and runs with other settings or seeds add to the same file.
+Two protocols: "aware" compresses the whole prompt, the question included (SnapKV's home: its last queries are
+the question's); "agnostic" compresses the context alone and feeds the question after the compression (a chat's
+follow-up, a second question about one document, a compressed prefix another request reuses).
+
+A cell is (task, length, depth, trial, seed, budget, setting, window, scorer, protocol); its key names all of
+them (the scorer and protocol only when not the defaults, so files written before they existed resume), so a
+rerun with the same --out skips the cells it holds, and runs with other settings or seeds add to the same file.
 Trials are the outer loop: an interrupted sweep has whole depth x length grids for the trials it finished.
 """
 from __future__ import annotations
@@ -21,7 +26,10 @@ from ..common.errors import ConfigError, ContextLengthError
 from ..common.progress import progress_bar
 from .scoring import accuracy, is_hit
 from .summary import FULL
+from ..runtime.scorers import SCORERS
 from .tasks import CONTENT, TASKS, build_prompt, minimum_length, trial_rng
+
+PROTOCOLS = ("aware", "agnostic")
 
 FORMAT = "sharpi-eval/1"
 ANSWER_SLACK = 3              # decode steps beyond the answer's own tokens (a leading space, punctuation)
@@ -64,6 +72,8 @@ class SweepConfig:
     settings: list[Setting] = field(default_factory=list)   # one per line; used for every budget > 0
     window: int = 64                                        # scoring queries, fixed at prefill
     show_kept: bool = False                                 # save each layer's kept positions (first trial)
+    scorers: list[str] = field(default_factory=lambda: ["snapkv"])     # one prefill each; lines of their own
+    protocol: str = "aware"
 
 
 @dataclass(frozen=True)
@@ -76,26 +86,43 @@ class Cell:
     budget: int
     setting: Setting | None       # None with budget 0
     window: int
+    scorer: str = "snapkv"
+    protocol: str = "aware"
 
     @property
     def key(self) -> str:
         setting = self.setting.key if self.setting else FULL
+        scorer = f"|c{self.scorer}" if self.budget and self.scorer != "snapkv" else ""
+        protocol = f"|p{self.protocol}" if self.protocol != "aware" else ""
         return (f"{self.task}|L{self.length}|D{self.depth:g}|T{self.trial}|S{self.seed}|B{self.budget}|{setting}"
-                f"|w{self.window}")
+                f"|w{self.window}{scorer}{protocol}")
+
+    @property
+    def line(self) -> tuple[str, str]:
+        """The (key, label) of the chart line this cell is a point of."""
+        if not self.setting:
+            return FULL, "full cache"
+        if self.scorer == "snapkv":
+            return self.setting.key, self.setting.label
+        return f"{self.setting.key}/{self.scorer}", f"{self.scorer}, {self.setting.label}"
 
     @property
     def spot(self) -> tuple:
         """The prompt this cell is answered from: cells of one spot share its prefill."""
-        return self.length, self.depth, self.trial
+        return self.length, self.depth, self.trial, self.scorer
 
 
 def plan(config: SweepConfig) -> list[Cell]:
     """Every cell of the sweep, trials outermost, then length, depth, budget and setting."""
     cells = []
     for trial, length, depth in itertools.product(range(config.trials), config.lengths, config.depths):
-        for budget in config.budgets:
-            for setting in ([None] if budget == 0 else config.settings):
-                cells.append(Cell(config.task, length, depth, trial, config.seed, budget, setting, config.window))
+        for i, scorer in enumerate(config.scorers):
+            for budget in config.budgets:
+                if budget == 0 and i > 0:
+                    continue                  # the full cache is one cell per prompt, whatever scores
+                for setting in ([None] if budget == 0 else config.settings):
+                    cells.append(Cell(config.task, length, depth, trial, config.seed, budget, setting,
+                                      config.window, scorer, config.protocol))
     return cells
 
 
@@ -186,6 +213,11 @@ def check_config(model, config: SweepConfig) -> None:
                           f"{too_short[0]} is too short.")
     if any(b > 0 for b in config.budgets) and not config.settings:
         raise ConfigError("Budgets above 0 need at least one SnapKV setting.")
+    unknown = [s for s in config.scorers if s not in SCORERS]
+    if unknown or not config.scorers:
+        raise ConfigError(f"--scorers takes a comma list of {', '.join(SCORERS)}, got {unknown or 'none'}.")
+    if config.protocol not in PROTOCOLS:
+        raise ConfigError(f"--protocol must be one of {', '.join(PROTOCOLS)}, got {config.protocol!r}.")
 
 
 def resolve_settings(model, *, window=None, recency=None, poolings=(None,), kernels=(None,),
@@ -245,13 +277,15 @@ def _stop_ids(model) -> set[int]:
 
 def _run_spot(model, config: SweepConfig, results: Results, cells: list[Cell], steps: int, stop_ids, bar,
               on_cell) -> None:
-    """One prompt: build it, prefill it once (scored when a cell evicts), then each cell on a fork."""
-    length, depth, trial = cells[0].spot
+    """One prompt: build it, prefill it once (scored when a cell evicts: the whole prompt, or with the agnostic
+    protocol its context), then each cell on a fork."""
+    length, depth, trial, scorer = cells[0].spot
     prompt = build_prompt(config.task, model.tokenize, length, depth, seed=config.seed, trial=trial)
+    ids = prompt.ids if config.protocol == "aware" else prompt.context_ids
     start = time.perf_counter()
-    with model.session(snapkv_budget=0, snapkv_window=config.window) as base:
-        scored = any(c.budget > 0 for c in cells) and prompt.tokens > config.window
-        logits = base.prefill(prompt.ids, keep_scores=scored)
+    with model.session(snapkv_budget=0, snapkv_window=config.window, compress=scorer) as base:
+        scored = any(c.budget > 0 for c in cells) and len(ids) > config.window
+        logits = base.prefill(ids, keep_scores=scored)
         prefill_s = time.perf_counter() - start
         for cell in cells:
             row = _run_cell(model, base, logits, cell, prompt, steps, stop_ids, config, results)
@@ -269,15 +303,17 @@ def _run_cell(model, base, logits, cell: Cell, prompt, steps: int, stop_ids, con
     start = time.perf_counter()
     with base.fork() as fork:
         # A prompt no longer than the scoring window is never evicted (and was not scored).
-        evicted = bool(cell.budget) and prompt.tokens > cell.window and fork.evict(cell.budget,
-                                                                                  **cell.setting.knobs())
-        kv_slots = max(fork.kv_length)          # after eviction, before the answer's tokens join
+        evicted = bool(cell.budget) and fork.logical_length > cell.window and fork.evict(cell.budget,
+                                                                                        **cell.setting.knobs())
+        kv_slots = max(fork.kv_length)          # after eviction, before the question's or the answer's tokens
         kept = _save_kept(fork, cell, results) if config.show_kept and evicted and cell.trial == 0 else None
+        if cell.protocol == "agnostic":
+            logits = fork.prefill(prompt.question_ids)      # asked after the compression
         tokens = greedy(fork, logits, steps, stop_ids)
     output = model.detokenize(tokens)
     return {"task": cell.task, "length": cell.length, "depth": cell.depth, "trial": cell.trial, "seed": cell.seed,
-            "budget": cell.budget, "setting": cell.setting.key if cell.setting else FULL,
-            "setting_label": cell.setting.label if cell.setting else "full cache", "window": cell.window,
+            "budget": cell.budget, "setting": cell.line[0], "setting_label": cell.line[1], "window": cell.window,
+            "scorer": cell.scorer if cell.budget else None, "protocol": cell.protocol,
             "prompt_tokens": prompt.tokens, "needle": list(prompt.needle), "needle_depth": prompt.needle_depth,
             "distractors": [list(d) for d in prompt.distractors], "answer": prompt.answer, "output": output,
             "hit": is_hit(output, prompt.answer), "evicted": evicted, "kv_slots": kv_slots, "kept": kept,

@@ -72,10 +72,19 @@ class Prompt:
     needle: tuple[int, int]                         # the asked needle's token span
     needle_depth: float                             # where it landed, percent (same scale as depth)
     distractors: tuple[tuple[int, int], ...] = field(default=())
+    question_start: int = 0                         # the question's first token: ids[:question_start] the context
 
     @property
     def tokens(self) -> int:
         return len(self.ids)
+
+    @property
+    def context_ids(self) -> list:
+        return self.ids[:self.question_start]
+
+    @property
+    def question_ids(self) -> list:
+        return self.ids[self.question_start:]
 
 
 # -- content per task ----------------------------------------------------------------------------------------
@@ -256,9 +265,11 @@ class _Builder:
         text, spans = self._render(hay, cut, places[best])
         needle = self._span(text, spans[self.content.needle])
         landed = 100.0 * (needle[0] - first) / (last - first) if last > first else 0.0
+        question = self.count(text[:len(text) - len(self.content.question)].rstrip())
         return Prompt(task=self.task, text=text, ids=list(self.tokenize(text)), answer=self.content.answer,
                       depth=float(depth), needle=needle, needle_depth=round(landed, 2),
-                      distractors=tuple(self._span(text, spans[d]) for d in self.content.distractors))
+                      distractors=tuple(self._span(text, spans[d]) for d in self.content.distractors),
+                      question_start=question)
 
 
 # -- llama.cpp's passkey prompt by filler groups (kept for tests/test_snapkv_retrieval.py) -----------------
