@@ -1,6 +1,6 @@
-"""Scorers beside SnapKV's (sharpi.runtime.scorers): KVzip's keep sets against the numpy forward pass, on a tiny
-model on llvm and Vulkan (lavapipe) and on SmolLM2; the reconstruction pass leaves the session as a plain prefill
-leaves it; bad values are one ConfigError."""
+"""Scorers beside SnapKV's (sharpi.runtime.scorers): KVzip's and the probe's keep sets against the numpy forward
+pass, on a tiny model on llvm and Vulkan (lavapipe) and on SmolLM2; the reconstruction pass leaves the session as
+a plain prefill leaves it; bad values are one ConfigError."""
 from __future__ import annotations
 
 import numpy as np
@@ -11,7 +11,7 @@ from sharpi.common.errors import ConfigError
 from sharpi.common.snapkv_settings import SnapKVSettings
 from sharpi.runtime.scorers import REPEAT_PROMPT
 from sharpi.testing.reference import NumpyReference
-from sharpi.testing.snapkv import kvzip_reference, select_reference
+from sharpi.testing.snapkv import kvzip_reference, probe_reference, select_reference
 from vulkan_device import on_vulkan
 
 
@@ -21,35 +21,40 @@ def _overlap(a: np.ndarray, b: np.ndarray) -> float:
                                                                               b.reshape(-1, budget))]))
 
 
-def _check_keep_sets(model, reference, ids, budget, recency):
-    with model.session(compress="kvzip", snapkv_budget=budget, snapkv_recency=recency) as s:
+def _check_keep_sets(model, reference, ids, budget, recency, scorer="kvzip"):
+    with model.session(compress=scorer, snapkv_budget=budget, snapkv_recency=recency) as s:
         s.prefill(ids)
         assert s.evicted and max(s.kv_length) == budget
         kept = np.stack([k for l, k in enumerate(s.kept_positions) if not model.config.is_local(l)])
-        chunk = s.scorer.chunk
-    scores = kvzip_reference(reference, ids, model.tokenize(REPEAT_PROMPT, add_bos=False), chunk,
-                             model.config.head_dim ** -0.5)
+        used = s.scorer
+    scale = model.config.head_dim ** -0.5
+    if scorer == "kvzip":
+        scores = kvzip_reference(reference, ids, model.tokenize(REPEAT_PROMPT, add_bos=False), used.chunk, scale)
+    else:
+        scores = probe_reference(reference, ids, used.probe_ids, scale)
     globals_ = [l for l in range(model.config.n_layers) if not model.config.is_local(l)]
     expected = select_reference(scores[globals_], budget, recency, "max", SnapKVSettings().kernel, "kv-head")
-    print(f"KVzip keep sets vs the numpy reference: overlap {_overlap(kept, expected):.4f}")
+    print(f"{scorer} keep sets vs the numpy reference: overlap {_overlap(kept, expected):.4f}")
     assert _overlap(kept, expected) >= 0.99
 
 
-def test_kvzip_keep_sets_on_smollm2(smollm2, reference):
+@pytest.mark.parametrize("scorer", ["kvzip", "probe"])
+def test_keep_sets_on_smollm2(smollm2, reference, scorer):
     rng = np.random.default_rng(0)
     words = "red green blue cyan magenta yellow black white grey brown".split()
     ids = smollm2.tokenize(" ".join(rng.choice(words, 300)))[:200]
-    _check_keep_sets(smollm2, reference, ids, budget=64, recency=8)
+    _check_keep_sets(smollm2, reference, ids, budget=64, recency=8, scorer=scorer)
 
 
-def test_kvzip_keep_sets_on_a_tiny_model_on_llvm_and_vulkan(tiny_gguf, tmp_path):
+def test_keep_sets_on_a_tiny_model_on_llvm_and_vulkan(tiny_gguf, tmp_path):
     reference = NumpyReference(tiny_gguf)
     ids = np.random.default_rng(1).integers(1, 200, 150).tolist()
     for target in ("llvm", "vulkan"):
         art = sharpi.compile(str(tiny_gguf), target=target, output=tmp_path / target, matmuls="float") \
             if target == "llvm" else sharpi.compile(str(tiny_gguf), target=target, output=tmp_path / target)
         model = on_vulkan(lambda: sharpi.load(art)) if target == "vulkan" else sharpi.load(art)
-        _check_keep_sets(model, reference, ids, budget=48, recency=4)
+        for scorer in ("kvzip", "probe"):
+            _check_keep_sets(model, reference, ids, budget=48, recency=4, scorer=scorer)
 
 
 def test_the_reconstruction_leaves_the_session_as_a_plain_prefill(smollm2):
@@ -71,7 +76,7 @@ def test_the_reconstruction_leaves_the_session_as_a_plain_prefill(smollm2):
 
 def test_bad_compress_values_are_config_errors(smollm2, monkeypatch):
     for value in ("zip", 3, ""):
-        with pytest.raises(ConfigError, match="compress must be one of snapkv, kvzip"):
+        with pytest.raises(ConfigError, match="compress must be one of snapkv, kvzip, probe"):
             smollm2.session(compress=value)
     monkeypatch.setenv("SHARPI_COMPRESS", "nope")
     with pytest.raises(ConfigError, match="SHARPI_COMPRESS must be one of"):

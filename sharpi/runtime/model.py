@@ -20,7 +20,7 @@ from ..common.tokenizer import Tokenizer, TokenizerInfo, token_ids
 from .backend import Backend
 from .engine import Engine
 from .sampling import Sampler, SamplingParams
-from .scorers import REPEAT_PROMPT, SCORERS, ContextScorer, KVzipScorer
+from .scorers import PROBE_PROMPT, REPEAT_PROMPT, SCORERS, ContextScorer, KVzipScorer, ProbeScorer
 from .session import Session
 from .text_output import TextOutput, stop_strings
 from .tvm_backend import TVMBackend
@@ -97,7 +97,8 @@ class Model:
         artifact's defaults; budget None means auto (off on CPU), 0 off; sinks: the first positions always kept),
         or `snapkv`, SnapKVSettings made once (the CLI's way). `compress` (else SHARPI_COMPRESS, else "snapkv")
         picks what ranks the prompt's positions: "snapkv" (its last window of queries) or "kvzip" (how much the
-        model needs each to repeat the context: for questions asked after the compression); the budget,
+        model needs each to repeat the context: for questions asked after the compression) or "probe" (a
+        generic instruction's queries: the cheap query-agnostic one); the budget,
         recency, sinks, pooling and granularity apply to either."""
         settings, budget = self._resolve_snapkv(snapkv, snapkv_knobs)
         return Session(self.engine, settings, budget, scorer=self._scorer(compress))
@@ -107,14 +108,16 @@ class Model:
         name = compress if compress is not None else os.environ.get("SHARPI_COMPRESS", "snapkv")
         if not isinstance(name, str) or name.strip().lower() not in SCORERS:
             raise ConfigError(f"{source} must be one of {', '.join(SCORERS)}, got {name!r}.")
-        if name.strip().lower() == "snapkv":
+        name = name.strip().lower()
+        if name == "snapkv":
             return None
-        prompt = self.tokenize(REPEAT_PROMPT, add_bos=False)
         window = int((self.manifest.snapkv or {}).get("max_window", 0))
-        chunk = min(window, self.engine.prefill_chunk - len(prompt))
-        if chunk < 1:
+        if not window:
             raise ConfigError("This artifact was compiled with --snapkv off; recompile with --snapkv on to score.")
-        return KVzipScorer(prompt, chunk)
+        if name == "probe":
+            return ProbeScorer(self.tokenize(PROBE_PROMPT, add_bos=False)[:window])
+        prompt = self.tokenize(REPEAT_PROMPT, add_bos=False)
+        return KVzipScorer(prompt, min(window, self.engine.prefill_chunk - len(prompt)))
 
     def snapkv_settings(self, **knobs) -> tuple[SnapKVSettings, int]:
         """The resolved SnapKV settings and effective budget (0 = no eviction) for these knobs (budget=...,

@@ -16,6 +16,10 @@ averaged over each KV head's query heads, and the maximum over chunks is the pos
 the maximum over every single query and head; the chunk-level sum is the compiled op's, and the chunks are as
 short as the compiled window allows so that it stays close. Cost: about one more prefill of the context, plus
 the repeat prompt once per chunk.
+
+Probe: the cheap one. A generic instruction about the whole context (PROBE_PROMPT) is fed after it on one fork,
+and its queries score every position as SnapKV's last window would; it stands in for a question that is not known
+yet. Cost: one prefill of a few tokens.
 """
 from __future__ import annotations
 
@@ -26,8 +30,10 @@ import numpy as np
 if TYPE_CHECKING:
     from .session import Session
 
-SCORERS = ("snapkv", "kvzip")
+SCORERS = ("snapkv", "kvzip", "probe")
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly.\n"
+PROBE_PROMPT = ("\n\nList every name, number, key and fact stated in the text above, and say where each "
+                "appears.\n")
 
 
 class ContextScorer(Protocol):
@@ -54,3 +60,15 @@ class KVzipScorer:
             best = chunk_scores if best is None else np.maximum(best, chunk_scores)
         best[..., n:] = 0.0
         return best
+
+
+class ProbeScorer:
+    name = "probe"
+
+    def __init__(self, probe_ids: list[int]):
+        self.probe_ids = list(probe_ids)
+
+    def scores(self, session: "Session", ids: np.ndarray) -> np.ndarray:
+        scores = session.score_continuation(np.asarray(self.probe_ids), len(self.probe_ids))
+        scores[..., len(ids):] = 0.0
+        return scores

@@ -79,3 +79,11 @@ def kvzip_reference(reference, ids: list[int], repeat_prompt: list[int], chunk: 
         scores = np.stack([score_reference(q[-len(piece):], k, 0, scale)[:, :n] for q, k, _ in captured])
         best = scores if best is None else np.maximum(best, scores)
     return best.astype(np.float32)
+
+
+def probe_reference(reference, ids: list[int], probe: list[int], scale: float) -> np.ndarray:
+    """The probe scorer's scores: the probe's queries, fed after `ids`, over the positions of `ids`."""
+    captured = []
+    reference.forward(list(ids) + list(probe), capture=captured)
+    return np.stack([score_reference(q[-len(probe):], k, 0, scale)[:, :len(ids)]
+                     for q, k, _ in captured]).astype(np.float32)
