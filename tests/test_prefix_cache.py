@@ -97,7 +97,7 @@ class _CompressedSession:
     def __init__(self, pool: PagePool, tokens: list[int], budget: int = 8):
         self.cache = _sequence(pool, tokens[:budget])       # a compressed cache: fewer slots than tokens seen
         self.logical_length, self.evicted, self.closed = len(tokens), True, False
-        self.snapkv, self.snapkv_budget = "settings", budget
+        self.snapkv, self.snapkv_budget, self.scorer = "settings", budget, None
 
     def close(self):
         if not self.closed:

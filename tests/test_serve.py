@@ -17,6 +17,7 @@ import openai
 import pytest
 
 import sharpi
+from sharpi.common.chat import render_chat
 from sharpi.common.snapkv_settings import SnapKVSettings
 from sharpi.serve.app import ServerState
 from sharpi.serve.engine import ServeEngine, ServeSettings, generate
@@ -223,6 +224,49 @@ def test_a_chats_next_turn_continues_its_compressed_cache(server, smollm2):
         reference.close()
     server.wait_idle()
     assert server.sequence_pages() == 0 and engine.conversations.page_set()
+
+
+def test_two_questions_about_one_compressed_document(server, smollm2):
+    """A chat asks for its document (every message but the last) to be compressed by a query-agnostic scorer: the
+    second question about the same document reuses the compressed pages (cached_tokens, the prefill counter) and
+    answers what the runtime's compressed session answers; bad compress values are 400s."""
+    c = server.client
+    rng = np.random.default_rng(2)
+    doc = " ".join(rng.choice("north south east west up down left right".split(), 500))
+    compress = {"scorer": "probe", "budget": 96}
+
+    def ask(question):
+        messages = [{"role": "user", "content": doc}, {"role": "user", "content": question}]
+        return messages, c.chat.completions.create(model=NAME, messages=messages, max_tokens=6, temperature=0,
+                                                   extra_body={"compress": compress, "ignore_eos": True})
+
+    computed = lambda: server.metric("sharpi_prefill_tokens_total", '{kind="prompt"}')    # noqa: E731
+    before = computed()
+    messages, first = ask("Which word comes first?")
+    after_first = computed()
+    messages2, second = ask("How many times does north appear?")
+    info = smollm2.tokenizer.info
+    render = lambda m, gen: smollm2.tokenize(render_chat(info.chat_template, m, bos_token=info.bos_token,  # noqa
+                                                         eos_token=info.eos_token, add_generation_prompt=gen),
+                                             special=True)
+    prefix, ids = render(messages2[:1], False), render(messages2, True)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0 and after_first - before == first.usage.prompt_tokens
+    assert second.usage.prompt_tokens_details.cached_tokens == len(prefix)
+    assert computed() - after_first == len(ids) - len(prefix)
+    with smollm2.session(compress="probe", snapkv_budget=96) as s:       # the runtime: compress, then ask
+        s.prefill(prefix)
+        assert s.evicted
+        tokens = _greedy_session(s, s.prefill(ids[len(prefix):]), 6)
+    assert second.choices[0].message.content == smollm2.detokenize(tokens, special=False)
+    for bad, param in [({"scorer": "zip", "budget": 96}, "compress.scorer"), ({"budget": 0}, "compress.budget"),
+                       ({"budget": 5000}, "compress"), ({"budget": 96, "prefix_tokens": 10, "prefix":
+                                                        "all-but-last-message"}, "compress")]:
+        r = httpx.post(server.url + "/v1/chat/completions", json={"messages": messages, "compress": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (bad, r.text)
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": doc, "compress": {"budget": 96}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "compress.prefix_tokens"
+    server.wait_idle()
+    assert server.sequence_pages() == 0
 
 
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):

@@ -54,7 +54,8 @@ class ConversationCache:
 
     @staticmethod
     def _key(tokens, session: Session) -> tuple:
-        return tuple(tokens), session.snapkv, session.snapkv_budget
+        scorer = session.scorer.name if session.scorer is not None else "snapkv"
+        return tuple(tokens), session.snapkv, session.snapkv_budget, scorer
 
     def insert(self, tokens: list[int], session: Session, prompt_tokens: int) -> bool:
         """Keep a finished compressed `session` that has seen `tokens` (taking it over: the cache closes it when
@@ -74,7 +75,7 @@ class ConversationCache:
     def lookup(self, tokens: list[int], like: Session) -> Continuation | None:
         """The longest entry whose tokens begin `tokens` and leave at least one to compute, with `like`'s SnapKV
         settings; it becomes the most recently used."""
-        best, settings = None, (like.snapkv, like.snapkv_budget)
+        best, settings = None, self._key((), like)[1:]
         for key, entry in self._entries.items():
             n = len(entry.tokens)
             if key[1:] == settings and n < len(tokens) and (best is None or n > len(best.tokens)) \

@@ -121,7 +121,8 @@ def create_app(state: ServerState) -> FastAPI:
             ids = await run_in_threadpool(model.tokenize, body.prompt)
         else:
             ids = _check_ids(model, body.prompt, "prompt")
-        generation = _generation_request(state, model, body, ids, body.max_tokens, body.logprobs)
+        generation = _generation_request(state, model, body, ids, body.max_tokens, body.logprobs,
+                                         _completion_prefix(body, ids))
         return await _respond(request, engine, model, state, generation, body, chat=False)
 
     @app.post("/v1/chat/completions", dependencies=auth)
@@ -130,8 +131,9 @@ def create_app(state: ServerState) -> FastAPI:
         body = await _parse(request, ChatCompletionRequest)
         _check_model(state, body.model)
         ids = await run_in_threadpool(_chat_prompt, model, body)
+        prefix = await run_in_threadpool(_chat_prefix, model, body, ids) if body.compress else None
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        generation = _generation_request(state, model, body, ids, body.token_limit(), logprobs)
+        generation = _generation_request(state, model, body, ids, body.token_limit(), logprobs, prefix)
         return await _respond(request, engine, model, state, generation, body, chat=True)
 
     return app
@@ -172,18 +174,42 @@ def _check_ids(model: Model, ids, name: str) -> list[int]:
     return ids
 
 
-def _chat_prompt(model: Model, body: ChatCompletionRequest) -> list[int]:
+def _chat_prompt(model: Model, body: ChatCompletionRequest, last: int | None = None,
+                 generation_prompt: bool = True) -> list[int]:
     info = model.tokenizer.info
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages[:last]]
     try:
-        prompt = render_chat(info.chat_template, messages, bos_token=info.bos_token, eos_token=info.eos_token)
+        prompt = render_chat(info.chat_template, messages, bos_token=info.bos_token, eos_token=info.eos_token,
+                             add_generation_prompt=generation_prompt)
     except SharpiError as error:
         raise ApiError(400, str(error), param="messages") from None
     return model.tokenize(prompt, special=True)
 
 
+def _chat_prefix(model: Model, body: ChatCompletionRequest, ids: list[int]) -> int:
+    """The tokens of every message but the last: the prefix `compress` compresses."""
+    if body.compress.prefix_tokens is not None:
+        return body.compress.prefix_tokens
+    if len(body.messages) < 2:
+        raise ApiError(400, "compress.prefix all-but-last-message needs at least two messages.", param="compress")
+    prefix = _chat_prompt(model, body, last=-1, generation_prompt=False)
+    if ids[:len(prefix)] != prefix:
+        raise ApiError(400, "This model's chat template does not render the earlier messages as a prefix of the "
+                            "whole conversation; give compress.prefix_tokens instead.", param="compress")
+    return len(prefix)
+
+
+def _completion_prefix(body: CompletionRequest, ids: list[int]) -> int | None:
+    if body.compress is None:
+        return None
+    if body.compress.prefix is not None or body.compress.prefix_tokens is None:
+        raise ApiError(400, "A completion's compress takes prefix_tokens (the prompt's first N tokens).",
+                       param="compress.prefix_tokens")
+    return body.compress.prefix_tokens
+
+
 def _generation_request(state: ServerState, model: Model, body: _Generation, ids: list[int],
-                        max_tokens: int | None, logprobs: int | None) -> GenerationRequest:
+                        max_tokens: int | None, logprobs: int | None, prefix: int | None = None) -> GenerationRequest:
     room = model.max_context - len(ids)
     if room <= 0:
         raise ApiError(400, f"The prompt has {len(ids)} tokens; the context holds {model.max_context} (one more "
@@ -193,6 +219,12 @@ def _generation_request(state: ServerState, model: Model, body: _Generation, ids
                               min_p=body.min_p, repeat_penalty=body.repetition_penalty, seed=body.seed,
                               frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty)
     knobs = {**state.snapkv_knobs, **(body.snapkv.knobs() if body.snapkv else {})}
+    compress = None
+    if body.compress is not None:
+        if body.snapkv is not None and body.snapkv.budget is not None:
+            raise ApiError(400, "Give the budget once: compress.budget, not also snapkv.budget.", param="snapkv")
+        knobs["budget"] = body.compress.budget
+        compress = (body.compress.scorer, _check_prefix(prefix, len(ids), body.compress.budget))
     try:
         sampling.validate()
     except ConfigError as error:
@@ -200,10 +232,17 @@ def _generation_request(state: ServerState, model: Model, body: _Generation, ids
     try:
         settings, _ = model.snapkv_settings(**knobs)
     except SharpiError as error:
-        raise ApiError(400, str(error), param="snapkv") from None
+        raise ApiError(400, str(error), param="compress" if compress else "snapkv") from None
     return GenerationRequest(ids, max_tokens=room if max_tokens is None else min(max_tokens, room),
                              sampling=sampling, stop=tuple(s for s in body.stops() if s), logprobs=logprobs,
-                             snapkv=settings, ignore_eos=body.ignore_eos)
+                             snapkv=settings, ignore_eos=body.ignore_eos, compress=compress)
+
+
+def _check_prefix(prefix: int, tokens: int, budget: int) -> int:
+    if not budget < prefix < tokens:
+        raise ApiError(400, f"The prefix to compress has {prefix} tokens; it must be longer than the budget "
+                            f"({budget}) and shorter than the prompt ({tokens} tokens).", param="compress")
+    return prefix
 
 
 # -- responses ---------------------------------------------------------------------------------------------------

@@ -28,6 +28,12 @@ conversation is then compressed again, scored by the new question's queries: the
 compressed continuation (only the new tokens computed, as `sharpi chat` does). Under pool pressure the prefix
 cache's blocks go first (they are a whole prompt's pages; the compressed entries are a budget's), so the two
 complement each other: with room the faithful path, when memory is tight the compressed one.
+
+A request may ask for its prefix to be compressed by a query-agnostic scorer (GenerationRequest.compress: kvzip
+or probe, sharpi.runtime.scorers): the prefix is prefilled and compressed alone, a fork of it goes to the
+conversation cache under the prefix's exact tokens, and the rest of the prompt follows as a continuation. Such an
+entry was chosen without any question, so it serves any later prompt that starts with those tokens (another
+question about the same document) with the same scorer and settings.
 """
 from __future__ import annotations
 
@@ -322,13 +328,15 @@ class ServeEngine:
         if not self._waiting or len(self._active) >= self.settings.parallel:
             return None
         seq = self._waiting[0]
-        session, hit = self._start_session(seq)
+        session, hit, jobs = self._start_session(seq)
         tokens = len(seq.prompt) + max(0, len(seq.out) - 1)
         need = self._peak_pages(tokens - hit, hit) + self.n_layers       # the prefill and a first decode page
         # with others running: room for each to grow a page, and for the compaction's copies of shared pages
         comfort = need + self.n_layers * len(self._active)
         if session.fresh and session.evicts(len(seq.prompt)) and self.prefix_cache is not None:
             comfort += -(-session.snapkv_budget // self.page_size) * self.n_layers
+        if session.fresh and session.scorer is not None:      # its scoring forks: a prompt and a chunk more
+            comfort += (-(-self.engine.prefill_chunk // self.page_size) + 1) * self.n_layers
         available = self.pool.free_count if comfort <= self.pool.free_count else self._available()
         if comfort > available and (self._active or need > available):
             session.close()
@@ -345,18 +353,37 @@ class ServeEngine:
                 self.metrics.prefix_cache_hits.inc(hit > 0)
                 self.metrics.prefix_cache_hit_tokens.inc(hit)
                 self.metrics.conversation_cache_hits.inc(not session.fresh)
-        seq.jobs = [("prompt", None, seq.prompt[hit:])]
+        seq.jobs = jobs
         if len(seq.out) > 1:
             seq.jobs.append(("resume", None, seq.out[:-1]))
         self._active.append(seq)
         return seq
 
-    def _start_session(self, seq: _Sequence) -> tuple[Session, int]:
+    def _start_session(self, seq: _Sequence) -> tuple[Session, int, list]:
         """A session for the sequence's prompt, started from what the caches hold of it (see the module doc);
-        returns it and the prompt tokens it already holds."""
-        # SnapKV's scorer whatever SHARPI_COMPRESS says: a query-agnostic scorer needs the whole prompt (no
-        # adopted prefix), and its prefixes would need a cache rule of their own
+        returns it, the prompt tokens it already holds and the prefill jobs for the rest."""
+        if seq.request.compress is not None:
+            return self._start_compressed(seq)
+        # SnapKV's scorer whatever SHARPI_COMPRESS says: the query-agnostic ones run on request (compress)
         session = self.model.session(snapkv=seq.request.snapkv, compress="snapkv")
+        session, hit = self._start_from_caches(seq, session)
+        return session, hit, [("prompt", None, seq.prompt[hit:])]
+
+    def _start_compressed(self, seq: _Sequence) -> tuple[Session, int, list]:
+        """A prompt whose prefix is compressed by a query-agnostic scorer: from the cached compressed prefix (or
+        a longer continuation of it), else the prefix prefilled and compressed first."""
+        scorer, n = seq.request.compress
+        session = self.model.session(snapkv=seq.request.snapkv, compress=scorer)
+        seq.compressed_prompt = n
+        if self.conversations is not None:
+            with self.engine.lock:
+                entry = self.conversations.lookup(seq.prompt, session)
+                if entry is not None and len(entry.tokens) >= n:
+                    session.close()
+                    return entry.session.fork(), len(entry.tokens), [("prompt", None, seq.prompt[len(entry.tokens):])]
+        return session, 0, [("prefix", None, seq.prompt[:n]), ("prompt", None, seq.prompt[n:])]
+
+    def _start_from_caches(self, seq: _Sequence, session: Session) -> tuple[Session, int]:
         if self.prefix_cache is None:
             return session, 0
         compresses = session.evicts(len(seq.prompt))
@@ -407,7 +434,13 @@ class ServeEngine:
         if job.evict:
             self.metrics.snapkv_evictions.inc()
             self.metrics.snapkv_pages_freed.inc(max(0, seq.pages_before_eviction - self._pages_of(session)))
-        if kind == "prompt" and not seq.out:
+        if kind == "prefix":
+            if self.conversations is not None and session.evicted:   # kept for any prompt that starts with it
+                with self.engine.lock:
+                    fork = session.fork()
+                    if not self.conversations.insert(seq.prompt[:len(job.ids)], fork, len(job.ids)):
+                        fork.close()
+        elif kind == "prompt" and not seq.out:
             self._next_token(seq, job.logits)
         elif not seq.jobs:                  # recomputed: go on with the token sampled before the preemption
             seq.pending = seq.out[-1]

@@ -32,6 +32,25 @@ class SnapKVOptions(BaseModel):
         return {k: v for k, v in self.model_dump().items() if v is not None}
 
 
+class CompressOptions(BaseModel):
+    """A query-agnostic compression of the prompt's prefix (sharpi's extension): the prefix is compressed to
+    `budget` slots a layer by `scorer` (kvzip, or the cheap probe), kept in the server's cache under its exact
+    tokens, and reused by any later prompt that starts with them (another question about the same document).
+    The prefix: a chat's messages but the last ("all-but-last-message", the default for chat) or a completion
+    prompt's first `prefix_tokens` tokens."""
+    model_config = _STRICT
+    scorer: Literal["kvzip", "probe"] = "kvzip"
+    budget: int = Field(ge=1, le=1 << 24)
+    prefix: Literal["all-but-last-message"] | None = None
+    prefix_tokens: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _one_prefix(self):
+        if self.prefix is not None and self.prefix_tokens is not None:
+            raise ValueError("give prefix or prefix_tokens, not both")
+        return self
+
+
 class _Generation(BaseModel):
     """What completions and chat completions share."""
     model_config = _STRICT
@@ -52,6 +71,7 @@ class _Generation(BaseModel):
     user: str | None = None
     ignore_eos: bool = False
     snapkv: SnapKVOptions | None = None
+    compress: CompressOptions | None = None
 
     @field_validator("n")
     @classmethod

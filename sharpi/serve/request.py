@@ -23,6 +23,7 @@ class GenerationRequest:
     snapkv: SnapKVSettings | None = None  # the request's SnapKV settings (None: the artifact's and env's)
     special: bool = False                 # show special tokens in the text
     ignore_eos: bool = False
+    compress: tuple[str, int] | None = None  # (scorer, prefix tokens): the prefix compressed and cached alone
 
 
 @dataclass
