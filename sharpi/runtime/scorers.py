@@ -23,12 +23,9 @@ yet. Cost: one prefill of a few tokens.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from .session import Session
 
 SCORERS = ("snapkv", "kvzip", "probe")
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly.\n"
@@ -36,10 +33,16 @@ PROBE_PROMPT = ("\n\nList every name, number, key and fact stated in the text ab
                 "appears.\n")
 
 
+class ScoringSession(Protocol):
+    """What a scorer needs of a session (sharpi.runtime.session.Session)."""
+
+    def score_continuation(self, ids, window: int) -> np.ndarray: ...
+
+
 class ContextScorer(Protocol):
     name: str
 
-    def scores(self, session: "Session", ids: np.ndarray) -> np.ndarray:
+    def scores(self, session: ScoringSession, ids: np.ndarray) -> np.ndarray:
         """Scores [layers, kv_heads, slots] of the `ids` the fresh `session` holds from position 0 (zero past
         them); the session's cache is left as it was."""
 
@@ -51,7 +54,7 @@ class KVzipScorer:
         self.repeat_prompt_ids = list(repeat_prompt_ids)
         self.chunk = chunk
 
-    def scores(self, session: "Session", ids: np.ndarray) -> np.ndarray:
+    def scores(self, session: ScoringSession, ids: np.ndarray) -> np.ndarray:
         n = len(ids)
         best = None
         for start in range(0, n, self.chunk):
@@ -68,7 +71,7 @@ class ProbeScorer:
     def __init__(self, probe_ids: list[int]):
         self.probe_ids = list(probe_ids)
 
-    def scores(self, session: "Session", ids: np.ndarray) -> np.ndarray:
+    def scores(self, session: ScoringSession, ids: np.ndarray) -> np.ndarray:
         scores = session.score_continuation(np.asarray(self.probe_ids), len(self.probe_ids))
         scores[..., len(ids):] = 0.0
         return scores
