@@ -203,7 +203,8 @@ def _compile_artifact(gguf_path: Path, gguf_sha256: str, options: CompileOptions
             page_size=PAGE_SIZE, max_context=front.max_context, max_pages=front.max_pages,
             prefill_chunk=PREFILL_CHUNK, functions=front.functions, kernels=[], params=params,
             snapkv={"enabled": options.snapkv == "on", "max_window": settings.window, "defaults": settings.to_dict(),
-                    "select_params": SELECT_PARAMS}, kv_dtype=options.kv_dtype)
+                    "select_params": SELECT_PARAMS,
+                    "score_max": True}, kv_dtype=options.kv_dtype)
         contract = contract_json(manifest.kernel_contract())
         with progress_bar(2, "compiling", show_progress, unit="step") as bar:
             manifest.kernels = emitter.build(front.mod, front.cfg, options, staging, bar, contract)

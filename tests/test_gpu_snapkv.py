@@ -78,14 +78,15 @@ def _paged_keys(keys, kv_heads, rng):
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (8, 1)])
 @pytest.mark.parametrize("held,new,window", [(0, 37, 8), (13, 30, 64), (21, 11, 11)])
-def test_score_kernels(score_runners, heads, kv_heads, held, new, window, rng):
+@pytest.mark.parametrize("reduce", ["sum", "max"])     # a negative window: the maximum (KVzip's reduction)
+def test_score_kernels(score_runners, heads, kv_heads, held, new, window, reduce, rng):
     runner = score_runners(heads, kv_heads)
     keys = rng.standard_normal((held + new, kv_heads, D)).astype(np.float32)
     pool, table = _paged_keys(keys, kv_heads, rng)
     lens = np.zeros(LAYERS, np.int32)
     lens[LAYER] = held
     q = rng.standard_normal((new, heads, D)).astype(np.float32)
-    args = (q, pool, table, lens, np.array([window], np.int32))
+    args = (q, pool, table, lens, np.array([window if reduce == "sum" else -window], np.int32))
     w = min(window, new)
     # the stats: max logit and sum of exp for the last w queries, zero for the others
     stats = runner.run("stats", *args)
@@ -97,7 +98,7 @@ def test_score_kernels(score_runners, heads, kv_heads, held, new, window, rng):
         np.testing.assert_allclose(stats[t, :, 1], np.exp(logits - m[:, None]).sum(-1), rtol=1e-4)
     assert not stats[:new - w].any()
     out = runner.run("score", *args)
-    expected = score_reference(q[-w:], keys, held, D ** -0.5)
+    expected = score_reference(q[-w:], keys, held, D ** -0.5, reduce)
     np.testing.assert_allclose(out[:, :held + new], expected, rtol=1e-4, atol=1e-6)
     assert not out[:, held + new:].any()
 

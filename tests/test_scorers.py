@@ -29,6 +29,7 @@ def _check_keep_sets(model, reference, ids, budget, recency, scorer="kvzip"):
         used = s.scorer
     scale = model.config.head_dim ** -0.5
     if scorer == "kvzip":
+        assert used.reduce_max                     # a fresh compile's score op takes the maximum
         scores = kvzip_reference(reference, ids, model.tokenize(REPEAT_PROMPT, add_bos=False), used.chunk, scale)
     else:
         scores = probe_reference(reference, ids, used.probe_ids, scale)

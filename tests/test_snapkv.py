@@ -41,7 +41,8 @@ def test_dump_ir_shows_snapkv_ops_only_when_on(tmp_path):
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (8, 1)])
 @pytest.mark.parametrize("held,new,window", [(0, 37, 8), (13, 30, 64), (21, 11, 11)])
 @pytest.mark.parametrize("d", [16, 12])     # vectorized (a multiple of 8 lanes) and scalar forms
-def test_score_kernel(heads, kv_heads, held, new, window, d, rng):
+@pytest.mark.parametrize("reduce", ["sum", "max"])     # a negative window: the maximum (KVzip's reduction)
+def test_score_kernel(heads, kv_heads, held, new, window, d, reduce, rng):
     page, max_pages, layers, layer = 16, 5, 2, 1
     score = _build(make_snapkv_score(heads, kv_heads, d, page, max_pages, d ** -0.5))
     append = _build(make_kv_append(kv_heads, d, page))
@@ -56,9 +57,10 @@ def test_score_kernel(heads, kv_heads, held, new, window, d, rng):
     append(pool, _t(keys[held:]), _t(keys[held:]), _t(table), _t(lens), layer)
     q = rng.standard_normal((new, heads, d)).astype(np.float32)
     out = _t(np.zeros((kv_heads, max_pages * page), np.float32))
-    score(_t(q), pool, _t(table), _t(lens), layer, _t(np.array([window], np.int32)), out)
+    signed = window if reduce == "sum" else -window
+    score(_t(q), pool, _t(table), _t(lens), layer, _t(np.array([signed], np.int32)), out)
     w = min(window, new)      # a window longer than the chunk scores with every query of the chunk
-    expected = score_reference(q[-w:], keys, held, d ** -0.5)
+    expected = score_reference(q[-w:], keys, held, d ** -0.5, reduce)
     np.testing.assert_allclose(out.numpy()[:, :held + new], expected, rtol=1e-5, atol=1e-6)
     assert not out.numpy()[:, held + new:].any()
 

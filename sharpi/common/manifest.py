@@ -256,8 +256,10 @@ def _snapkv_defaults(value, path):
         raise schema.SchemaError(path, "", value, f"{path}: {str(exc).rstrip('.')}") from None
 
 
+# score_max: the score op takes a negative window as the maximum reduction (absent in artifacts compiled before)
 _SNAPKV = schema.record({"enabled": schema.boolean, "max_window": schema.integer(1, MAX_WINDOW),
-                         "defaults": _snapkv_defaults, "select_params": schema.one_of(6, 7)})
+                         "defaults": _snapkv_defaults, "select_params": schema.one_of(6, 7),
+                         "score_max": schema.boolean}, optional_keys=("score_max",))
 _TOP = schema.record({
     "format": schema.one_of(FORMAT), "format_version": schema.one_of(FORMAT_VERSION),
     "sharpi_version": schema.text(64), "digest": schema.sha256_hex,

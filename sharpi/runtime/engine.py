@@ -52,6 +52,11 @@ class Engine:
         return function in self.backend.functions
 
     @property
+    def score_max(self) -> bool:
+        """Whether the artifact's score op takes a negative window as the maximum reduction."""
+        return bool((self.manifest.snapkv or {}).get("score_max"))
+
+    @property
     def batch_from(self) -> int:
         """The fewest sequences forward_batch runs as one decode_batch call; fewer run one decode each. The CPU
         int8 GEMM computes whole tiles of 8 tokens, so 2 tokens cost nearly what 8 do: measured on SmolLM2 int8

@@ -117,7 +117,7 @@ class Model:
         if name == "probe":
             return ProbeScorer(self.tokenize(PROBE_PROMPT, add_bos=False)[:window])
         prompt = self.tokenize(REPEAT_PROMPT, add_bos=False)
-        return KVzipScorer(prompt, min(window, self.engine.prefill_chunk - len(prompt)))
+        return KVzipScorer(prompt, min(window, self.engine.prefill_chunk - len(prompt)), self.engine.score_max)
 
     def snapkv_settings(self, **knobs) -> tuple[SnapKVSettings, int]:
         """The resolved SnapKV settings and effective budget (0 = no eviction) for these knobs (budget=...,

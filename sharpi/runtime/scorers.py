@@ -11,10 +11,10 @@ KVzip (Kim et al., arXiv 2505.23416): the model is asked to repeat the context, 
 most attention it receives from the queries of that repetition. Here the context is repeated chunk by chunk, each
 chunk on a fresh fork of the prefilled context after the repeat prompt, so a fork never holds more than the
 context, the prompt and one chunk (KVzip's chunked scoring); the chunk's queries are scored with the artifact's
-score op (prefill_snapkv's window = the chunk), whose probabilities are summed over the chunk's queries and
-averaged over each KV head's query heads, and the maximum over chunks is the position's score. KVzip proper takes
-the maximum over every single query and head; the chunk-level sum is the compiled op's, and the chunks are as
-short as the compiled window allows so that it stays close. Cost: about one more prefill of the context, plus
+score op (prefill_snapkv's window = minus the chunk: the maximum over the chunk's queries and each KV head's
+query heads), and the maximum over chunks is the position's score, KVzip's own reduction. Artifacts compiled
+before the op took a negative window sum the chunk's queries instead (an approximation that favours diffuse
+recent attention over the one query that copies an old token). Cost: about one more prefill of the context, plus
 the repeat prompt once per chunk.
 
 Probe: the cheap one. A generic instruction about the whole context (PROBE_PROMPT) is fed after it on one fork,
@@ -50,16 +50,18 @@ class ContextScorer(Protocol):
 class KVzipScorer:
     name = "kvzip"
 
-    def __init__(self, repeat_prompt_ids: list[int], chunk: int):
+    def __init__(self, repeat_prompt_ids: list[int], chunk: int, reduce_max: bool = True):
         self.repeat_prompt_ids = list(repeat_prompt_ids)
         self.chunk = chunk
+        self.reduce_max = reduce_max      # False: an artifact whose score op only sums (compiled before)
 
     def scores(self, session: ScoringSession, ids: np.ndarray) -> np.ndarray:
         n = len(ids)
         best = None
         for start in range(0, n, self.chunk):
             piece = ids[start:start + self.chunk]
-            chunk_scores = session.score_continuation(np.concatenate([self.repeat_prompt_ids, piece]), len(piece))
+            window = -len(piece) if self.reduce_max else len(piece)
+            chunk_scores = session.score_continuation(np.concatenate([self.repeat_prompt_ids, piece]), window)
             best = chunk_scores if best is None else np.maximum(best, chunk_scores)
         best[..., n:] = 0.0
         return best

@@ -148,11 +148,13 @@ class Session:
 
     def score_continuation(self, ids, window: int) -> np.ndarray:
         """The score op's scores [layers, kv_heads, slots] of every slot held after `ids` are fed on a fork of
-        this session (closed again: this session is untouched), scored by the last `window` of them."""
+        this session (closed again: this session is untouched), scored by the last |window| of them (summed, or
+        with a negative window their maximum, where the artifact has it: Engine.score_max)."""
         ids = self._check_ids(ids)
-        if len(ids) > self._engine.prefill_chunk or not 0 < window <= len(ids):
+        if len(ids) > self._engine.prefill_chunk or not 0 < abs(window) <= len(ids):
             raise ConfigError(f"A scored continuation is one prefill chunk ({self._engine.prefill_chunk} tokens) "
-                              f"with a window of 1 to its length; got {len(ids)} tokens, window {window}.")
+                              f"with a window of 1 to its length (negative: the maximum over those queries); "
+                              f"got {len(ids)} tokens, window {window}.")
         with self.fork() as fork:
             _, scores = fork._forward("prefill_snapkv", ids, extra=(np.array([window], np.int32),))
             return self._engine.backend.to_host(scores)

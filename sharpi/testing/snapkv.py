@@ -6,10 +6,12 @@ import numpy as np
 POOLINGS = ("none", "max", "avg")
 
 
-def score_reference(q_window: np.ndarray, keys: np.ndarray, held_before: int, scale: float) -> np.ndarray:
+def score_reference(q_window: np.ndarray, keys: np.ndarray, held_before: int, scale: float,
+                    reduce: str = "sum") -> np.ndarray:
     """q_window [W, H, D]: the last W queries, which sit at slots total-W .. total-1; keys [total, KVH, D].
 
-    Returns [KVH, total]: softmax probabilities summed over the W queries, averaged over each group's heads."""
+    Returns [KVH, total]: softmax probabilities summed over the W queries, averaged over each group's heads
+    (reduce "max": their maximum over the queries and the group's heads, the score op's negative window)."""
     w, heads, _ = q_window.shape
     total, kv_heads, _ = keys.shape
     group = heads // kv_heads
@@ -20,6 +22,8 @@ def score_reference(q_window: np.ndarray, keys: np.ndarray, held_before: int, sc
     logits = np.where(visible[None], logits, -np.inf)
     p = np.exp(logits - logits.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
+    if reduce == "max":
+        return p.max(1).reshape(kv_heads, group, total).max(1)
     return p.sum(1).reshape(kv_heads, group, total).mean(1)
 
 
@@ -67,7 +71,8 @@ def select_reference(scores: np.ndarray, budget: int, recency: int, pooling: str
                                for h in range(kv_heads)]) for l in range(layers)])
 
 
-def kvzip_reference(reference, ids: list[int], repeat_prompt: list[int], chunk: int, scale: float) -> np.ndarray:
+def kvzip_reference(reference, ids: list[int], repeat_prompt: list[int], chunk: int, scale: float,
+                    reduce: str = "max") -> np.ndarray:
     """KVzip's scores as sharpi.runtime.scorers computes them, from the numpy forward pass (`reference`, a
     NumpyReference): per chunk of `ids`, the sequence ids + repeat_prompt + chunk, whose chunk queries score every
     position (score_reference); the maximum over chunks, for the positions of `ids`. Returns [L, KVH, len(ids)]."""
@@ -76,7 +81,7 @@ def kvzip_reference(reference, ids: list[int], repeat_prompt: list[int], chunk: 
         piece = list(ids[start:start + chunk])
         captured = []
         reference.forward(list(ids) + list(repeat_prompt) + piece, capture=captured)
-        scores = np.stack([score_reference(q[-len(piece):], k, 0, scale)[:, :n] for q, k, _ in captured])
+        scores = np.stack([score_reference(q[-len(piece):], k, 0, scale, reduce)[:, :n] for q, k, _ in captured])
         best = scores if best is None else np.maximum(best, scores)
     return best.astype(np.float32)
 

@@ -3,6 +3,7 @@ attributes of a hand-scheduled GPU kernel."""
 from __future__ import annotations
 
 from tvm import tirx
+from tvm.script import tirx as T
 
 # f32 lanes of the CPU kernels' vectors (AVX2's 256 bits; LLVM splits or joins them for other widths)
 LANES = 8
@@ -16,3 +17,15 @@ GPU_KERNEL_ATTRS = {"tirx.noalias": True, "op_pattern": 8, "tirx.is_scheduled": 
 def token_count(tokens: int | None):
     """The token dimension of a kernel: a symbolic int64 var, or a constant for specialized (decode) kernels."""
     return tirx.Var("n", "int64") if tokens is None else tokens
+
+
+# SnapKV's score op takes its window as a signed count: |window| scoring queries, summed over them and averaged
+# over a KV head's query heads when positive, their maximum when negative (KVzip's reduction). The sign rides
+# on the one int32 the op already takes, so the function's signature, and artifacts compiled before, stay as
+# they were.
+def score_width(window):
+    return T.if_then_else(window[0] < 0, -window[0], window[0])
+
+
+def score_reduce(window, acc, p):
+    return T.if_then_else(window[0] < 0, T.max(acc, p), acc + p)

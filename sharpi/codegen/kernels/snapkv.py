@@ -2,8 +2,10 @@
 gather the kept slots of the paged KV cache to the front.
 
 Semantics (sharpi.testing.snapkv holds the numpy reference):
-- score: for each of the last W queries of the chunk (W = min(window, n)), softmax over the slots it sees
-  (causal), summed over those queries and averaged over the query heads of each KV head -> [kv_heads, slots].
+- score: for each of the last W queries of the chunk (W = min(|window|, n)), softmax over the slots it sees
+  (causal), summed over those queries and averaged over the query heads of each KV head -> [kv_heads, slots];
+  a negative window takes the maximum over those queries and query heads instead (KVzip's reduction: the most
+  attention any one query gives a slot).
 - select: per row (one row per layer and KV head, or one shared row = the sum of all rows), pool over
   neighbouring positions (max or avg with odd kernel K, zero-padded: avg divides by K; none = K 1), keep the
   first `sinks` positions (attention sinks, default 0), the last `recency` positions and the top
@@ -20,7 +22,7 @@ from tvm.script import tirx as T
 
 from ...common.ops import (P_BUDGET, P_KERNEL, P_POOLING, P_RECENCY, P_SHARED, P_SINKS, P_TOTAL, POOL_AVG,
                            POOL_MAX, SELECT_PARAMS)
-from .common import LANES, NEG_INF, token_count
+from .common import LANES, NEG_INF, score_reduce, score_width, token_count
 from .paged_attention import f32, fast_exp
 
 
@@ -57,8 +59,8 @@ def make_snapkv_score(heads: int, kv_heads: int, head_dim: int, page_size: int, 
             st = T.decl_buffer((2,), "float32", scope="global")  # row max, row sum
             for s in range(slots):
                 part[h, s] = T.float32(0)
-            for w in range(T.min(T.Cast("int64", window[0]), n)):
-                t = T.meta_var(n - T.min(T.Cast("int64", window[0]), n) + w)
+            for w in range(T.min(T.Cast("int64", score_width(window)), n)):
+                t = T.meta_var(n - T.min(T.Cast("int64", score_width(window)), n) + w)
                 total = T.meta_var(T.Cast("int64", kv_lens[layer]) + t + 1)
                 st[0] = T.float32(NEG_INF)
                 for s in range(total):
@@ -79,15 +81,15 @@ def make_snapkv_score(heads: int, kv_heads: int, head_dim: int, page_size: int, 
                 for s in range(total):
                     st[1] = st[1] + row[s]
                 for s in range(total):
-                    part[h, s] = part[h, s] + row[s] / st[1]
+                    part[h, s] = score_reduce(window, part[h, s], row[s] / st[1])
         for kvh in T.parallel(kv_heads):
             for s in range(slots):
                 out[kvh, s] = T.float32(0)
             for g in range(group):
                 for s in range(slots):
-                    out[kvh, s] = out[kvh, s] + part[kvh * group + g, s]
+                    out[kvh, s] = score_reduce(window, out[kvh, s], part[kvh * group + g, s])
             for s in range(slots):
-                out[kvh, s] = out[kvh, s] / T.float32(group)
+                out[kvh, s] = T.if_then_else(window[0] < 0, out[kvh, s], out[kvh, s] / T.float32(group))
 
     return snapkv_score
 
@@ -114,9 +116,9 @@ def _snapkv_score_scalar(heads, kv_heads, head_dim, page_size, max_pages, scale,
             st = T.decl_buffer((4,), "float32", scope="global")  # running max, running sum, logit, dot
             for s in range(slots):
                 out[kvh, s] = T.float32(0)
-            for w in range(T.min(T.Cast("int64", window[0]), n)):
+            for w in range(T.min(T.Cast("int64", score_width(window)), n)):
                 for g in range(group):
-                    t = T.meta_var(n - T.min(T.Cast("int64", window[0]), n) + w)
+                    t = T.meta_var(n - T.min(T.Cast("int64", score_width(window)), n) + w)
                     h = T.meta_var(kvh * group + g)
                     st[0] = T.float32(NEG_INF)
                     st[1] = T.float32(0)
@@ -133,7 +135,9 @@ def _snapkv_score_scalar(heads, kv_heads, head_dim, page_size, max_pages, scale,
                         for d in range(head_dim):
                             st[3] = st[3] + q[t, h, d] * T.Cast("float32", pool[T.Cast("int64", page_table[layer, s // page_size]),
                                                               0, kvh, s % page_size, d])
-                        out[kvh, s] = out[kvh, s] + T.exp(st[3] * T.float32(scale) - st[0]) / st[1] / T.float32(group)
+                        out[kvh, s] = T.if_then_else(
+                            window[0] < 0, T.max(out[kvh, s], T.exp(st[3] * T.float32(scale) - st[0]) / st[1]),
+                            out[kvh, s] + T.exp(st[3] * T.float32(scale) - st[0]) / st[1] / T.float32(group))
 
     return snapkv_score
 

@@ -30,7 +30,7 @@ from tvm.script import tirx as T
 from ....common.ops import (P_BUDGET, P_KERNEL, P_POOLING, P_RECENCY, P_SHARED, P_SINKS, P_TOTAL, POOL_AVG,
                             POOL_MAX, SELECT_PARAMS)
 from ..common import GPU_KERNEL_ATTRS as ATTRS
-from ..common import NEG_INF, token_count
+from ..common import NEG_INF, score_width, token_count
 
 THREADS = 256                 # invocations per workgroup for the reducing kernels (WebGPU's limit)
 LOG_THREADS = 8
@@ -109,7 +109,7 @@ def make_gpu_snapkv_row_stats(heads: int, kv_heads: int, head_dim: int, page_siz
                 st[0] = T.float32(NEG_INF)
                 st[1] = T.float32(0)
                 # only the last W queries; the barriers below stay outside this branch (uniform control flow)
-                if t >= n - T.min(T.Cast("int64", window[0]), n):
+                if t >= n - T.min(T.Cast("int64", score_width(window)), n):
                     for i in range((seen + THREADS - 1) // THREADS):
                         if i * THREADS + tx < seen:
                             s = T.meta_var(i * THREADS + tx)
@@ -126,7 +126,7 @@ def make_gpu_snapkv_row_stats(heads: int, kv_heads: int, head_dim: int, page_siz
                 red_l[tx] = st[1] * T.exp(st[0] - red_m[0])
                 _tree_sum(red_l, tx)
                 if tx == 0:
-                    if t >= n - T.min(T.Cast("int64", window[0]), n):
+                    if t >= n - T.min(T.Cast("int64", score_width(window)), n):
                         stats[t, h, 0] = red_m[0]
                         stats[t, h, 1] = red_l[0]
                     else:
@@ -162,7 +162,7 @@ def make_gpu_snapkv_score(heads: int, kv_heads: int, head_dim: int, page_size: i
                 acc = T.alloc_buffer((2,), "float32", scope="local")   # probability sum, dot
                 kvh = T.meta_var(b // slot_blocks)
                 s = T.meta_var(b % slot_blocks * THREADS + tx)
-                w_len = T.meta_var(T.min(T.Cast("int64", window[0]), n))
+                w_len = T.meta_var(T.min(T.Cast("int64", score_width(window)), n))
                 if s < slots:
                     acc[0] = T.float32(0)
                     for w in range(w_len):
@@ -175,8 +175,10 @@ def make_gpu_snapkv_score(heads: int, kv_heads: int, head_dim: int, page_size: i
                                     acc[1] = acc[1] + q[t, kvh * group + g, d] * T.Cast("float32", pool[
                                         T.Cast("int64", page_table[layer, s // page_size]), 0, kvh,
                                         s % page_size, d])
-                                acc[0] = acc[0] + T.exp(acc[1] * T.float32(scale) - stats[t, kvh * group + g, 0]) \
-                                    / stats[t, kvh * group + g, 1] / T.float32(group)
+                                p = T.meta_var(T.exp(acc[1] * T.float32(scale) - stats[t, kvh * group + g, 0])
+                                               / stats[t, kvh * group + g, 1])
+                                acc[0] = T.if_then_else(window[0] < 0, T.max(acc[0], p),
+                                                        acc[0] + p / T.float32(group))
                     out[kvh, s] = acc[0]
 
     return snapkv_score_gpu
