@@ -342,6 +342,8 @@ def _try_layout(data: bytes) -> Layout | None:
             _LAYOUT_CACHE[key] = layout_of(path)
         except Exception:          # not parseable (or a reader bug, which the harness reports when it runs it)
             _LAYOUT_CACHE[key] = None
+        finally:
+            path.unlink(missing_ok=True)     # the reader is done with it (the layout holds no file)
         if len(_LAYOUT_CACHE) > 64:
             _LAYOUT_CACHE.pop(next(iter(_LAYOUT_CACHE)))
     layout = _LAYOUT_CACHE[key]

@@ -18,12 +18,15 @@ def _wgpu():
     except ImportError:
         raise VulkanUnavailableError("The Vulkan backend needs the wgpu package: pip install 'sharpi[vulkan]'.") from None
     if not _INSTANCE_READY:
+        import atexit
         import os
+        import shutil
         import tempfile
         if not os.environ.get("XDG_RUNTIME_DIR"):
             # Mesa's drivers print "error: XDG_RUNTIME_DIR is invalid" without one (headless machines, CI);
-            # a private empty directory is all they look for
-            os.environ["XDG_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="sharpi-xdg-")
+            # a private empty directory is all they look for, and it goes with the process
+            os.environ["XDG_RUNTIME_DIR"] = runtime_dir = tempfile.mkdtemp(prefix="sharpi-xdg-")
+            atexit.register(shutil.rmtree, runtime_dir, ignore_errors=True)
         extras.set_instance_extras(backends=["Vulkan"])     # never fall back silently to an OpenGL adapter
         _INSTANCE_READY.append(True)
     return wgpu
