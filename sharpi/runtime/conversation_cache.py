@@ -34,7 +34,6 @@ class ConversationCache:
     def __init__(self, pool: PagePool, max_entries: int = 64):
         self.pool, self.max_entries = pool, max_entries
         self._entries: OrderedDict[tuple, Continuation] = OrderedDict()    # least recently used first
-        self.hits = 0
         self._page_array: np.ndarray | None = None    # every entry's pages, each once; rebuilt after a change
 
     def __len__(self) -> int:
@@ -83,7 +82,6 @@ class ConversationCache:
                 best = entry
         if best is not None:
             self._entries.move_to_end(self._key(best.tokens, best.session))
-            self.hits += 1
         return best
 
     def reclaimable(self) -> int:

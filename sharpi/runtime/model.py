@@ -105,10 +105,10 @@ class Model:
 
     def _scorer(self, compress: str | None) -> ContextScorer | None:
         source = "compress" if compress is not None else "SHARPI_COMPRESS"
-        name = compress if compress is not None else os.environ.get("SHARPI_COMPRESS", "snapkv")
-        if not isinstance(name, str) or name.strip().lower() not in SCORERS:
-            raise ConfigError(f"{source} must be one of {', '.join(SCORERS)}, got {name!r}.")
-        name = name.strip().lower()
+        given = compress if compress is not None else os.environ.get("SHARPI_COMPRESS", "snapkv")
+        name = given.strip().lower() if isinstance(given, str) else None
+        if name not in SCORERS:
+            raise ConfigError(f"{source} must be one of {', '.join(SCORERS)}, got {given!r}.")
         if name == "snapkv":
             return None
         window = int((self.manifest.snapkv or {}).get("max_window", 0))

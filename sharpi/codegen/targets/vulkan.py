@@ -38,6 +38,13 @@ class VulkanPlan(Plan):
     sources: dict = field(default_factory=dict)       # kernel -> WGSL text
 
 
+# Binary TIR nodes written infix: arithmetic (shapes are non-negative, so truncating == flooring), comparisons
+# and the logical connectives
+_INFIX = {tirx.Add: "+", tirx.Sub: "-", tirx.Mul: "*", tirx.FloorDiv: "//", tirx.FloorMod: "%", tirx.Div: "//",
+          tirx.Mod: "%", tirx.LT: "<", tirx.LE: "<=", tirx.GT: ">", tirx.GE: ">=", tirx.EQ: "==", tirx.NE: "!=",
+          tirx.And: "and", tirx.Or: "or"}
+
+
 def shape_expr(e, names=None) -> str:
     """A TIR integer expression as a shape-expression string (sharpi.common.shape_expr evaluates it); `names`
     gives variables unique names (TVMScript calls every anonymous T.int64() "v")."""
@@ -47,21 +54,13 @@ def shape_expr(e, names=None) -> str:
         return str(int(e.value))
     if isinstance(e, tirx.Var):
         return names(e) if names is not None else e.name
-    binary = {tirx.Add: "+", tirx.Sub: "-", tirx.Mul: "*", tirx.FloorDiv: "//", tirx.FloorMod: "%",
-              tirx.Div: "//", tirx.Mod: "%"}    # shapes are non-negative, so truncating == flooring
-    for cls, op in binary.items():
+    for cls, op in _INFIX.items():
         if isinstance(e, cls):
             return f"({shape_expr(e.a, names)} {op} {shape_expr(e.b, names)})"
     if isinstance(e, (tirx.Min, tirx.Max)):
         return f"{'min' if isinstance(e, tirx.Min) else 'max'}({shape_expr(e.a, names)}, {shape_expr(e.b, names)})"
     if isinstance(e, tirx.Cast):
         return shape_expr(e.value, names)
-    compare = {tirx.LT: "<", tirx.LE: "<=", tirx.GT: ">", tirx.GE: ">=", tirx.EQ: "==", tirx.NE: "!="}
-    for cls, op in compare.items():
-        if isinstance(e, cls):
-            return f"({shape_expr(e.a, names)} {op} {shape_expr(e.b, names)})"
-    if isinstance(e, (tirx.And, tirx.Or)):
-        return f"({shape_expr(e.a, names)} {'and' if isinstance(e, tirx.And) else 'or'} {shape_expr(e.b, names)})"
     if isinstance(e, tirx.Not):
         return f"(not {shape_expr(e.a, names)})"
     if isinstance(e, tirx.Select):
