@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from .scoring import accuracy
-from .summary import budget_name, has_length, lines, slug
+from .summary import budget_name, column, column_order, has_length, lines, slug
 
 CMAP = "RdYlGn"          # red = missed, green = found, as needle-in-a-haystack figures are drawn
 MARKERS = "osD^vP*X"
@@ -32,7 +32,7 @@ def heatmaps(rows: list[dict], task: str, directory: Path) -> list[Path]:
     written = []
     for key, (label, by_budget) in lines(rows).items():
         lengths = [n for n in sorted({r["length"] for r in rows}) if has_length(by_budget, n)]
-        budgets = sorted(by_budget, key=lambda b: (b != 0, b))
+        budgets = sorted(by_budget, key=lambda b: (b != 0, column_order(b)))
         fig, axes = plt.subplots(1, len(budgets), figsize=(1.2 + 1.1 * len(lengths) * len(budgets), 3.6),
                                  squeeze=False, constrained_layout=True)
         for ax, budget in zip(axes[0], budgets):
@@ -55,7 +55,7 @@ def _heatmap_panel(ax, rows: list[dict], lengths: list[int], depths: list[float]
             acc = accuracy(r for r in rows if r["depth"] == depth and r["length"] == length)
             if acc.total:
                 grid[i, j] = acc.fraction
-                ax.text(j, i, f"{acc.hits}/{acc.total}", ha="center", va="center", fontsize=8)
+                ax.text(j, i, acc.tally, ha="center", va="center", fontsize=8)
     image = ax.imshow(grid, cmap=CMAP, vmin=0, vmax=1, aspect="auto")
     ax.set_xticks(range(len(lengths)), [str(n) for n in lengths], fontsize=8)
     ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths], fontsize=8)
@@ -68,7 +68,7 @@ def accuracy_vs_budget(rows: list[dict], task: str, directory: Path) -> Path:
     cache is the rightmost point of every line."""
     plt = _pyplot()
     lengths = sorted({r["length"] for r in rows})
-    budgets = sorted({r["budget"] for r in rows if r["budget"] > 0})
+    budgets = sorted({column(r) for r in rows if column(r) != 0}, key=column_order)
     ticks = budgets + [0]
     fig, axes = plt.subplots(1, len(lengths), figsize=(1.5 + 3.6 * len(lengths), 3.6), squeeze=False,
                              sharey=True, constrained_layout=True)
@@ -88,7 +88,7 @@ def accuracy_vs_budget(rows: list[dict], task: str, directory: Path) -> Path:
                     linewidth=max(3.0 - 0.4 * i, 0.8), label=label, color=f"C{i}")
         ax.set_xticks(range(len(ticks)), [budget_name(b, short=True) for b in ticks])
         ax.set_title(f"{length} tokens", fontsize=10)
-        ax.set_xlabel("SnapKV budget (slots per layer and KV head)", fontsize=8)
+        ax.set_xlabel("budget (slots per layer and KV head) or compression", fontsize=8)
         ax.set_ylim(-0.05, 1.05)
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("accuracy")

@@ -5,9 +5,14 @@ Two protocols: "aware" compresses the whole prompt, the question included (SnapK
 the question's); "agnostic" compresses the context alone and feeds the question after the compression (a chat's
 follow-up, a second question about one document, a compressed prefix another request reuses).
 
-A cell is (task, length, depth, trial, seed, budget, setting, window, scorer, protocol); its key names all of
-them (the scorer and protocol only when not the defaults, so files written before they existed resume), so a
-rerun with the same --out skips the cells it holds, and runs with other settings or seeds add to the same file.
+The agnostic protocol may also ask each prompt's follow-up questions (other keys of the same document) on forks of
+one compressed cache: the prefix-cache case, where one compression serves several questions.
+
+A budget is slots per layer and KV head, or a compression ratio (percent of the compressed tokens evicted, so the
+budget follows each prompt's length). A cell is (task, length, depth, trial, seed, budget or ratio, setting,
+window, scorer, protocol, question); its key names all of them (the scorer, protocol, ratio and question only
+when not the defaults, so files written before they existed resume), so a rerun with the same --out skips the
+cells it holds, and runs with other settings or seeds add to the same file.
 Trials are the outer loop: an interrupted sweep has whole depth x length grids for the trials it finished.
 """
 from __future__ import annotations
@@ -24,15 +29,17 @@ import numpy as np
 
 from ..common.errors import ConfigError, ContextLengthError
 from ..common.progress import progress_bar
-from .scoring import accuracy, is_hit
+from .scoring import accuracy, match_score
 from .summary import FULL
 from ..runtime.scorers import SCORERS
 from .tasks import CONTENT, TASKS, build_prompt, minimum_length, trial_rng
 
 PROTOCOLS = ("aware", "agnostic")
+QUESTIONS = ("first", "all")      # the agnostic protocol's questions per compression: the prompt's own, or all
 
 FORMAT = "sharpi-eval/1"
 ANSWER_SLACK = 3              # decode steps beyond the answer's own tokens (a leading space, punctuation)
+LIST_SLACK = 2                # and per expected string beyond the first ("and", a line break, numbering)
 
 
 @dataclass(frozen=True)
@@ -74,6 +81,13 @@ class SweepConfig:
     show_kept: bool = False                                 # save each layer's kept positions (first trial)
     scorers: list[str] = field(default_factory=lambda: ["snapkv"])     # one prefill each; lines of their own
     protocol: str = "aware"
+    ratios: list[int] = field(default_factory=list)         # compression in percent, beside the budgets
+    questions: str = "first"                                # "all": follow-ups too (agnostic protocol)
+
+
+def question_count(task: str, seed: int = 0) -> int:
+    """Questions a prompt of `task` has: its own and the follow-ups (the same for every trial)."""
+    return len(CONTENT[task](trial_rng(seed, task, 0)).questions)
 
 
 @dataclass(frozen=True)
@@ -88,14 +102,26 @@ class Cell:
     window: int
     scorer: str = "snapkv"
     protocol: str = "aware"
+    ratio: int = 0                # compression percent; with it, budget is 0 until the prompt's length is known
+    question: int = 0             # 0: the prompt's own question; i: its i-th follow-up
+
+    @property
+    def evicts(self) -> bool:
+        return bool(self.budget or self.ratio)
 
     @property
     def key(self) -> str:
         setting = self.setting.key if self.setting else FULL
-        scorer = f"|c{self.scorer}" if self.budget and self.scorer != "snapkv" else ""
+        scorer = f"|c{self.scorer}" if self.evicts and self.scorer != "snapkv" else ""
         protocol = f"|p{self.protocol}" if self.protocol != "aware" else ""
-        return (f"{self.task}|L{self.length}|D{self.depth:g}|T{self.trial}|S{self.seed}|B{self.budget}|{setting}"
-                f"|w{self.window}{scorer}{protocol}")
+        size = f"R{self.ratio}" if self.ratio else f"B{self.budget}"
+        question = f"|q{self.question}" if self.question else ""
+        return (f"{self.task}|L{self.length}|D{self.depth:g}|T{self.trial}|S{self.seed}|{size}|{setting}"
+                f"|w{self.window}{scorer}{protocol}{question}")
+
+    def budget_for(self, tokens: int) -> int:
+        """Slots per layer and KV head for a compressed cache of `tokens` tokens."""
+        return self.budget or max(1, round(tokens * (100 - self.ratio) / 100))
 
     @property
     def line(self) -> tuple[str, str]:
@@ -113,17 +139,25 @@ class Cell:
 
 
 def plan(config: SweepConfig) -> list[Cell]:
-    """Every cell of the sweep, trials outermost, then length, depth, budget and setting."""
+    """Every cell of the sweep, trials outermost, then length, depth, scorer, budget (then ratio), setting and
+    question."""
+    sizes = [(b, 0) for b in config.budgets] + [(0, r) for r in config.ratios if r]
+    asked = question_count(config.task, config.seed) if _all_questions(config) else 1
     cells = []
     for trial, length, depth in itertools.product(range(config.trials), config.lengths, config.depths):
         for i, scorer in enumerate(config.scorers):
-            for budget in config.budgets:
-                if budget == 0 and i > 0:
+            for budget, ratio in sizes:
+                full = not (budget or ratio)
+                if full and i > 0:
                     continue                  # the full cache is one cell per prompt, whatever scores
-                for setting in ([None] if budget == 0 else config.settings):
+                for setting, question in itertools.product([None] if full else config.settings, range(asked)):
                     cells.append(Cell(config.task, length, depth, trial, config.seed, budget, setting,
-                                      config.window, scorer, config.protocol))
+                                      config.window, scorer, config.protocol, ratio, question))
     return cells
+
+
+def _all_questions(config: SweepConfig) -> bool:
+    return config.questions == "all" and config.protocol == "agnostic"
 
 
 # -- the results file ----------------------------------------------------------------------------------------
@@ -180,9 +214,10 @@ class Results:
 
 # -- checks before any work ----------------------------------------------------------------------------------
 def answer_steps(model, task: str, seed: int) -> int:
-    """Greedy steps that leave room for the answer: its tokens (after a space) plus a little slack."""
-    answer = CONTENT[task](trial_rng(seed, task, 0)).answer
-    return len(model.tokenize(" " + answer)) + ANSWER_SLACK
+    """Greedy steps that leave room for the answer: its tokens (after a space; a list's joined with commas) plus
+    a little slack, more for a list."""
+    answers = CONTENT[task](trial_rng(seed, task, 0)).answers
+    return len(model.tokenize(" " + ", ".join(answers))) + ANSWER_SLACK + LIST_SLACK * (len(answers) - 1)
 
 
 MAX_TRIALS = 100_000      # prompts per cell; every one is a prefill, so more would run for weeks
@@ -218,6 +253,28 @@ def check_config(model, config: SweepConfig) -> None:
         raise ConfigError(f"--scorers takes a comma list of {', '.join(SCORERS)}, got {unknown or 'none'}.")
     if config.protocol not in PROTOCOLS:
         raise ConfigError(f"--protocol must be one of {', '.join(PROTOCOLS)}, got {config.protocol!r}.")
+    if config.questions not in QUESTIONS:
+        raise ConfigError(f"--questions must be one of {', '.join(QUESTIONS)}, got {config.questions!r}.")
+    _check_ratios(model, config, floor)
+
+
+def _check_ratios(model, config: SweepConfig, floor: int) -> None:
+    """Every ratio must leave the shortest prompt a budget the settings accept (above recency and sinks)."""
+    bad = [r for r in config.ratios if not 0 <= r < 100]
+    if bad:
+        raise ConfigError(f"--ratios are percentages of the tokens evicted, in [0, 100), got {bad[0]:g}.")
+    if not config.ratios or not config.settings:
+        if config.ratios and not config.settings:
+            raise ConfigError("Ratios above 0 need at least one SnapKV setting.")
+        return
+    shortest = min(config.lengths)
+    for ratio in (r for r in config.ratios if r):
+        budget = Cell("", shortest, 0, 0, 0, 0, None, 0, ratio=ratio).budget_for(shortest)
+        for setting in config.settings:
+            if budget <= setting.recency + setting.sinks:
+                raise ConfigError(f"{ratio}% compression of a {shortest}-token prompt leaves {budget} slots, not "
+                                  f"more than recency {setting.recency} + sinks {setting.sinks}; use a lower "
+                                  f"ratio or longer prompts.")
 
 
 def resolve_settings(model, *, window=None, recency=None, poolings=(None,), kernels=(None,),
@@ -278,46 +335,64 @@ def _stop_ids(model) -> set[int]:
 def _run_spot(model, config: SweepConfig, results: Results, cells: list[Cell], steps: int, stop_ids, bar,
               on_cell) -> None:
     """One prompt: build it, prefill it once (scored when a cell evicts: the whole prompt, or with the agnostic
-    protocol its context), then each cell on a fork."""
+    protocol its context), then each budget and setting on a fork, and each question on a fork of that."""
     length, depth, trial, scorer = cells[0].spot
     prompt = build_prompt(config.task, model.tokenize, length, depth, seed=config.seed, trial=trial)
     ids = prompt.ids if config.protocol == "aware" else prompt.context_ids
     start = time.perf_counter()
     with model.session(snapkv_budget=0, snapkv_window=config.window, compress=scorer) as base:
-        scored = any(c.budget > 0 for c in cells) and len(ids) > config.window
+        scored = any(c.evicts for c in cells) and len(ids) > config.window
         logits = base.prefill(ids, keep_scores=scored)
         prefill_s = time.perf_counter() - start
-        for cell in cells:
-            row = _run_cell(model, base, logits, cell, prompt, steps, stop_ids, config, results)
-            row["prefill_s"] = round(prefill_s, 2)
-            results.add(cell.key, row)
-            bar.update(1)
-            done = accuracy(results.rows(config.task))
-            bar.set_postfix_str(f"hits {done.hits}/{done.total}")
-            if on_cell is not None:
-                on_cell(cell, row)
+        for _, group in itertools.groupby(cells, key=lambda c: (c.budget, c.ratio, c.setting)):
+            for cell, row in _run_compression(model, base, logits, list(group), prompt, steps, stop_ids, config,
+                                              results):
+                row["prefill_s"] = round(prefill_s, 2)
+                results.add(cell.key, row)
+                bar.update(1)
+                done = accuracy(r for r in results.rows(config.task) if not r.get("question"))
+                bar.set_postfix_str(f"score {done.hits:g}/{done.total}")
+                if on_cell is not None:
+                    on_cell(cell, row)
 
 
-def _run_cell(model, base, logits, cell: Cell, prompt, steps: int, stop_ids, config: SweepConfig,
-              results: Results) -> dict:
-    start = time.perf_counter()
+def _run_compression(model, base, logits, cells: list[Cell], prompt, steps: int, stop_ids, config: SweepConfig,
+                     results: Results):
+    """Cells of one budget and setting (one per question): compress a fork once, answer each question on a fork
+    of it; yields (cell, row) as each is done."""
+    first = cells[0]
     with base.fork() as fork:
+        start = time.perf_counter()
+        compressed = fork.logical_length
+        budget = first.budget_for(compressed) if first.evicts else 0
         # A prompt no longer than the scoring window is never evicted (and was not scored).
-        evicted = bool(cell.budget) and fork.logical_length > cell.window and fork.evict(cell.budget,
-                                                                                        **cell.setting.knobs())
+        evicted = bool(budget) and fork.logical_length > first.window and fork.evict(budget,
+                                                                                     **first.setting.knobs())
         kv_slots = max(fork.kv_length)          # after eviction, before the question's or the answer's tokens
-        kept = _save_kept(fork, cell, results) if config.show_kept and evicted and cell.trial == 0 else None
-        if cell.protocol == "agnostic":
-            logits = fork.prefill(prompt.question_ids)      # asked after the compression
-        tokens = greedy(fork, logits, steps, stop_ids)
-    output = model.detokenize(tokens)
-    return {"task": cell.task, "length": cell.length, "depth": cell.depth, "trial": cell.trial, "seed": cell.seed,
-            "budget": cell.budget, "setting": cell.line[0], "setting_label": cell.line[1], "window": cell.window,
-            "scorer": cell.scorer if cell.budget else None, "protocol": cell.protocol,
-            "prompt_tokens": prompt.tokens, "needle": list(prompt.needle), "needle_depth": prompt.needle_depth,
-            "distractors": [list(d) for d in prompt.distractors], "answer": prompt.answer, "output": output,
-            "hit": is_hit(output, prompt.answer), "evicted": evicted, "kv_slots": kv_slots, "kept": kept,
-            "answer_s": round(time.perf_counter() - start, 2)}
+        kept = _save_kept(fork, first, results) if config.show_kept and evicted and first.trial == 0 else None
+        evict_s = time.perf_counter() - start
+        for cell in cells:
+            start = time.perf_counter()
+            question_ids, answers = prompt.questions[cell.question]
+            if cell.protocol == "agnostic":
+                with fork.fork() as asked:                  # asked after the compression, the cache kept for the next
+                    tokens = greedy(asked, asked.prefill(question_ids), steps, stop_ids)
+            else:
+                tokens = greedy(fork, logits, steps, stop_ids)
+            output = model.detokenize(tokens)
+            score = match_score(output, answers)
+            yield cell, {
+                "task": cell.task, "length": cell.length, "depth": cell.depth, "trial": cell.trial,
+                "seed": cell.seed, "budget": budget, "ratio": cell.ratio, "question": cell.question,
+                "setting": cell.line[0], "setting_label": cell.line[1], "window": cell.window,
+                "scorer": cell.scorer if cell.evicts else None, "protocol": cell.protocol,
+                "prompt_tokens": prompt.tokens, "compressed_tokens": compressed,
+                "needle": list(prompt.needle), "needle_depth": prompt.needle_depth,
+                "distractors": [list(d) for d in prompt.distractors], "answer": ", ".join(answers),
+                "answers": list(answers), "output": output, "score": score, "hit": score == 1.0,
+                "evicted": evicted, "kv_slots": kv_slots, "kept": kept,
+                "answer_s": round(time.perf_counter() - start + evict_s, 2)}
+            evict_s = 0.0
 
 
 def _save_kept(session, cell: Cell, results: Results) -> str:

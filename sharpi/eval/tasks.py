@@ -1,5 +1,8 @@
-"""Long-context prompts built in tokens: passkey (llama.cpp's examples/passkey), needle (a fact hidden in prose)
-and multikey (RULER's multi-key needles: several key/value sentences, one asked for).
+"""Long-context prompts built in tokens: passkey (llama.cpp's examples/passkey), needle (a fact hidden in prose,
+RULER's single needle) and the rest of a RULER-style suite (arXiv 2404.06654): multikey (several key/value
+sentences, one asked for), multivalue (one key, several values, all asked for), multiquery (several keys, all
+asked for), vartrack (a chain of variable assignments, every name holding the value asked for) and commonwords
+(a numbered word list, its ten most frequent words asked for).
 
 Every builder returns a `Prompt` of (about, never more than) the asked number of tokens with the asked needle
 at the asked depth, both measured with the model's own tokenizer. Depth d (percent) puts the needle's first
@@ -20,7 +23,9 @@ from typing import Callable
 
 from ..common.errors import ConfigError
 
-TASKS = ("passkey", "needle", "multikey")
+TASKS = ("passkey", "needle", "multikey", "multivalue", "multiquery", "vartrack", "commonwords")
+RULER_TASKS = ("needle", "multikey", "multivalue", "multiquery", "vartrack", "commonwords")
+DEPTHLESS = ("commonwords",)     # no needle: its depths only draw more prompts
 Tokenize = Callable[[str], list]
 
 # llama.cpp's examples/passkey prompt, word for word (its sentences are joined with single spaces).
@@ -45,38 +50,70 @@ NOUNS = ("anchor", "basket", "candle", "dragon", "engine", "falcon", "garden", "
          "kettle", "lantern", "mirror", "needle", "orchard", "pillow", "quarry", "rocket", "saddle", "tunnel",
          "umbrella", "violin", "wagon", "yacht", "zipper")
 MULTIKEY_KEYS = 4          # the asked needle and three distractors, as in RULER's niah_multikey_1
+MULTI_ANSWERS = 4          # values of multivalue, keys of multiquery (RULER's niah_multivalue / niah_multiquery)
+
+VARTRACK_INTRO = "Memorize and track the chain of variable assignments hidden in the following text."
+VARTRACK_HOPS = 4          # RULER's vt: one chain, four hops, so five names hold the value
+
+COMMONWORDS_INTRO = ("Below is a numbered list of words. In these words, some appear more often than others. "
+                     "Memorize the ones that appear most often.")
+COMMONWORDS = 10           # RULER's cwe: ten common words, each 30 times; the others 3 times
+COMMON_FREQUENCY, RARE_FREQUENCY = 30, 3
+COMMONWORDS_QUESTION = (f"Question: What are the {COMMONWORDS} most common words in the above list? "
+                        f"Answer: The top {COMMONWORDS} words that appear most often in the list are:")
 
 
 @dataclass(frozen=True)
 class Content:
-    """What one trial hides: the asked needle (first), the distractors with their haystack fractions, the
-    question that ends the prompt and the answer string-matched in the output."""
+    """What one trial hides: the asked needle (first), the other needles with their haystack fractions, the
+    question that ends the prompt and the strings string-matched in the output (all of them expected), and
+    follow-up questions about the same context (asked after one compression by the agnostic protocol)."""
     intro: str
     needle: str
     question: str
-    answer: str
+    answers: tuple[str, ...]
     sentences: tuple[str, ...]              # the haystack, in order; cycled as far as the length needs
     cut_inside_sentences: bool = False      # prose may end mid-sentence to hit the length; passkey filler not
-    distractors: tuple[str, ...] = ()
+    distractors: tuple[str, ...] = ()       # the other needles (answers too, for multivalue and multiquery)
     distractor_fractions: tuple[float, ...] = ()
+    followups: tuple[tuple[str, tuple[str, ...]], ...] = ()     # (question, answers)
+
+    @property
+    def answer(self) -> str:
+        return ", ".join(self.answers)
+
+    @property
+    def questions(self) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        return ((self.question, self.answers), *self.followups)
 
 
 @dataclass(frozen=True)
 class Prompt:
-    """A built prompt: its text and token ids, the answer, and where the needles sit (token spans [start, end))."""
+    """A built prompt: its text and token ids, the expected strings, and where the needles sit (token spans
+    [start, end)). `questions` are (token ids, answers) of the prompt's own question and its follow-ups, each
+    the tokens that follow the context when that question ends the prompt."""
     task: str
     text: str
     ids: list
-    answer: str
+    answers: tuple[str, ...]
     depth: float                                    # asked, percent
     needle: tuple[int, int]                         # the asked needle's token span
     needle_depth: float                             # where it landed, percent (same scale as depth)
     distractors: tuple[tuple[int, int], ...] = field(default=())
     question_start: int = 0                         # the question's first token: ids[:question_start] the context
+    followups: tuple[tuple[tuple[int, ...], tuple[str, ...]], ...] = field(default=())
 
     @property
     def tokens(self) -> int:
         return len(self.ids)
+
+    @property
+    def answer(self) -> str:
+        return ", ".join(self.answers)
+
+    @property
+    def questions(self) -> list[tuple[list, tuple[str, ...]]]:
+        return [(self.question_ids, self.answers), *((list(ids), answers) for ids, answers in self.followups)]
 
     @property
     def context_ids(self) -> list:
@@ -96,30 +133,97 @@ def trial_rng(seed: int, task: str, trial: int) -> random.Random:
 def passkey_content(rng: random.Random) -> Content:
     key = rng.randint(10000, 99999)
     return Content(intro=PASSKEY_INTRO, needle=f"The pass key is {key}. Remember it. {key} is the pass key.",
-                   question=PASSKEY_QUESTION, answer=str(key), sentences=PASSKEY_FILLER)
+                   question=PASSKEY_QUESTION, answers=(str(key),), sentences=PASSKEY_FILLER)
 
 
 def needle_content(rng: random.Random) -> Content:
     name, number = rng.choice(NAMES), rng.randint(100000, 999999)
     return Content(intro=NEEDLE_INTRO, needle=f"{name}'s favourite number is {number}.",
                    question=f"Question: what is {name}'s favourite number? Answer: {name}'s favourite number is",
-                   answer=str(number), sentences=_prose_from(rng), cut_inside_sentences=True)
+                   answers=(str(number),), sentences=_prose_from(rng), cut_inside_sentences=True)
+
+
+def _magic_keys(rng: random.Random, count: int) -> list[str]:
+    return rng.sample([f"{a}-{n}" for a in ADJECTIVES for n in NOUNS], count)
+
+
+def _magic_values(rng: random.Random, count: int) -> list[str]:
+    return [str(rng.randint(1000000, 9999999)) for _ in range(count)]
+
+
+def _magic_needle(key: str, value: str) -> str:
+    return f"One of the special magic numbers for {key} is: {value}."
+
+
+def _magic_question(keys: list[str]) -> str:
+    if len(keys) == 1:
+        return (f"What is the special magic number for {keys[0]} mentioned in the provided text? "
+                f"The special magic number for {keys[0]} mentioned in the provided text is")
+    named = ", ".join(keys[:-1]) + f" and {keys[-1]}"
+    return (f"What are all the special magic numbers for {named} mentioned in the provided text? "
+            f"The special magic numbers for {named} mentioned in the provided text are")
+
+
+def _magic_content(rng: random.Random, needles: list[str], question: str, answers, followups=()) -> Content:
+    return Content(intro=MULTIKEY_INTRO, needle=needles[0], question=question, answers=tuple(answers),
+                   sentences=_prose_from(rng), cut_inside_sentences=True, distractors=tuple(needles[1:]),
+                   distractor_fractions=tuple(rng.random() for _ in needles[1:]), followups=tuple(followups))
 
 
 def multikey_content(rng: random.Random, keys: int = MULTIKEY_KEYS) -> Content:
-    names = rng.sample([f"{a}-{n}" for a in ADJECTIVES for n in NOUNS], keys)
-    values = [rng.randint(1000000, 9999999) for _ in names]
-    needles = [f"One of the special magic numbers for {k} is: {v}." for k, v in zip(names, values)]
-    asked = names[0]
-    return Content(intro=MULTIKEY_INTRO, needle=needles[0],
-                   question=(f"What is the special magic number for {asked} mentioned in the provided text? "
-                             f"The special magic number for {asked} mentioned in the provided text is"),
-                   answer=str(values[0]), sentences=_prose_from(rng), cut_inside_sentences=True,
-                   distractors=tuple(needles[1:]),
-                   distractor_fractions=tuple(rng.random() for _ in needles[1:]))
+    """One key asked for among `keys`; the follow-ups ask for each other key in turn."""
+    names = _magic_keys(rng, keys)
+    values = _magic_values(rng, keys)
+    needles = [_magic_needle(k, v) for k, v in zip(names, values)]
+    followups = [(_magic_question([k]), (v,)) for k, v in zip(names[1:], values[1:])]
+    return _magic_content(rng, needles, _magic_question(names[:1]), values[:1], followups)
 
 
-CONTENT = {"passkey": passkey_content, "needle": needle_content, "multikey": multikey_content}
+def multivalue_content(rng: random.Random) -> Content:
+    """One key with several values, all asked for."""
+    name = _magic_keys(rng, 1)[0]
+    values = _magic_values(rng, MULTI_ANSWERS)
+    needles = [_magic_needle(name, v) for v in values]
+    question = (f"What are all the special magic numbers for {name} mentioned in the provided text? "
+                f"The special magic numbers for {name} mentioned in the provided text are")
+    return _magic_content(rng, needles, question, values)
+
+
+def multiquery_content(rng: random.Random) -> Content:
+    """Several keys, all asked for in one question; the follow-ups ask for each key alone."""
+    names = _magic_keys(rng, MULTI_ANSWERS)
+    values = _magic_values(rng, MULTI_ANSWERS)
+    needles = [_magic_needle(k, v) for k, v in zip(names, values)]
+    followups = [(_magic_question([k]), (v,)) for k, v in zip(names, values)]
+    return _magic_content(rng, needles, _magic_question(names), values, followups)
+
+
+def vartrack_content(rng: random.Random) -> Content:
+    """RULER's variable tracking: VAR A = value, VAR B = VAR A, ...; every name in the chain is expected."""
+    names = ["".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(5)) for _ in range(VARTRACK_HOPS + 1)]
+    value = str(rng.randint(10000, 99999))
+    needles = [f"VAR {names[0]} = {value}."] + [f"VAR {b} = VAR {a}." for a, b in zip(names, names[1:])]
+    fractions = sorted(rng.random() for _ in needles[1:])     # the chain in order after the first assignment
+    question = (f"Question: Find all variables that are assigned the value {value} in the text above. Answer: "
+                f"According to the chain of variable assignments in the text above, {len(names)} variables are "
+                f"assigned the value {value}, they are:")
+    return Content(intro=VARTRACK_INTRO, needle=needles[0], question=question, answers=tuple(names),
+                   sentences=_prose_from(rng), cut_inside_sentences=True, distractors=tuple(needles[1:]),
+                   distractor_fractions=tuple(fractions))
+
+
+def commonwords_content(rng: random.Random) -> Content:
+    """The ten common words (the answers) and the pool the rare ones are drawn from, in order; the list itself
+    is built to the length (`_build_commonwords`)."""
+    pool = list(word_pool())
+    rng.shuffle(pool)
+    return Content(intro=COMMONWORDS_INTRO, needle="", question=COMMONWORDS_QUESTION,
+                   answers=tuple(pool[:COMMONWORDS]), sentences=tuple(pool[COMMONWORDS:]))
+
+
+CONTENT = {"passkey": passkey_content, "needle": needle_content, "multikey": multikey_content,
+           "multivalue": multivalue_content, "multiquery": multiquery_content, "vartrack": vartrack_content,
+           "commonwords": commonwords_content}
 
 
 @lru_cache(maxsize=1)
@@ -131,6 +235,13 @@ def corpus_sentences() -> tuple[str, ...]:
     for paragraph in text.splitlines():
         sentences += [s for s in re.split(r"(?<=[.!?])\s+(?=[\"'A-Z(])", paragraph.strip()) if s]
     return tuple(sentences)
+
+
+@lru_cache(maxsize=1)
+def word_pool() -> tuple[str, ...]:
+    """Distinct lower-case words of four letters or more from the shipped prose, sorted: commonwords' list."""
+    text = resources.files("sharpi.eval").joinpath("data/alice.txt").read_text(encoding="utf-8")
+    return tuple(sorted(set(re.findall(r"\b[a-z]{4,}\b", text))))
 
 
 def _prose_from(rng: random.Random) -> tuple[str, ...]:
@@ -149,6 +260,9 @@ def build_prompt(task: str, tokenize: Tokenize, length: int, depth: float, seed:
         raise ConfigError(f"Unknown eval task {task!r}; tasks are {', '.join(TASKS)}.")
     if not 0 <= depth <= 100:
         raise ConfigError(f"Depth must be a percentage between 0 and 100, got {depth}.")
+    if task in DEPTHLESS:       # its content draws on the depth too, so each (trial, depth) is another prompt
+        content = CONTENT[task](trial_rng(seed, task, f"{trial}@{depth:g}"))
+        return _build_commonwords(content, tokenize, length, depth, order=f"{seed}:{trial}@{depth:g}")
     content = CONTENT[task](trial_rng(seed, task, trial))
     return _Builder(task, content, tokenize).build(length, depth)
 
@@ -156,7 +270,49 @@ def build_prompt(task: str, tokenize: Tokenize, length: int, depth: float, seed:
 def minimum_length(task: str, tokenize: Tokenize, seed: int = 0) -> int:
     """Tokens of the intro, needles and question alone: no prompt of this task can be shorter."""
     content = CONTENT[task](trial_rng(seed, task, 0))
+    if task in DEPTHLESS:
+        return len(tokenize(_commonwords_text(content, 0, RARE_FREQUENCY + 1, "")))
     return len(tokenize(" ".join([content.intro, content.needle, *content.distractors, content.question])))
+
+
+# -- commonwords: a numbered list, not prose with needles --------------------------------------------------
+def _commonwords_text(content: Content, rare: int, frequency: int, order: str) -> str:
+    words = list(content.answers) * frequency + list(content.sentences[:rare]) * RARE_FREQUENCY
+    random.Random(f"sharpi-eval-cwe:{order}:{rare}:{frequency}").shuffle(words)
+    listing = " ".join(f"{i}. {w}" for i, w in enumerate(words, 1))
+    return f"{content.intro} {listing} {content.question}"
+
+
+def _most_rare_words(content: Content, tokenize: Tokenize, length: int, frequency: int, order: str) -> int:
+    """The most rare words (each RARE_FREQUENCY times) a list with the common ones `frequency` times fits in
+    `length` tokens with; -1 when not even none fit."""
+    lo, hi = -1, len(content.sentences)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if len(tokenize(_commonwords_text(content, mid, frequency, order))) <= length:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _build_commonwords(content: Content, tokenize: Tokenize, length: int, depth: float, order: str) -> Prompt:
+    """RULER's frequencies (common words 30 times, rare ones 3) where the length allows at least twice as many
+    rare words as common ones; shorter prompts lower the common frequency (never to the rare one's)."""
+    for frequency in range(COMMON_FREQUENCY, RARE_FREQUENCY, -1):
+        rare = _most_rare_words(content, tokenize, length, frequency, order)
+        if rare >= 2 * COMMONWORDS or (frequency == RARE_FREQUENCY + 1 and rare >= 0):
+            break
+    else:
+        rare = -1
+    if rare < 0:
+        floor = len(tokenize(_commonwords_text(content, 0, RARE_FREQUENCY + 1, order)))
+        raise ConfigError(f"A commonwords prompt needs at least {floor} tokens (intro, the common words and the "
+                          f"question); {length} is too short.")
+    text = _commonwords_text(content, rare, frequency, order)
+    question = len(tokenize(text[:len(text) - len(content.question)].rstrip()))
+    return Prompt(task="commonwords", text=text, ids=list(tokenize(text)), answers=content.answers,
+                  depth=float(depth), needle=(0, 0), needle_depth=0.0, question_start=question)
 
 
 @dataclass(frozen=True)
@@ -265,11 +421,14 @@ class _Builder:
         text, spans = self._render(hay, cut, places[best])
         needle = self._span(text, spans[self.content.needle])
         landed = 100.0 * (needle[0] - first) / (last - first) if last > first else 0.0
-        question = self.count(text[:len(text) - len(self.content.question)].rstrip())
-        return Prompt(task=self.task, text=text, ids=list(self.tokenize(text)), answer=self.content.answer,
+        context = text[:len(text) - len(self.content.question)]
+        question = self.count(context.rstrip())
+        followups = tuple((tuple(self.tokenize(context + q)[question:]), answers)
+                          for q, answers in self.content.followups)
+        return Prompt(task=self.task, text=text, ids=list(self.tokenize(text)), answers=self.content.answers,
                       depth=float(depth), needle=needle, needle_depth=round(landed, 2),
                       distractors=tuple(self._span(text, spans[d]) for d in self.content.distractors),
-                      question_start=question)
+                      question_start=question, followups=followups)
 
 
 # -- llama.cpp's passkey prompt by filler groups (kept for tests/test_snapkv_retrieval.py) -----------------
