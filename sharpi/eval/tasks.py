@@ -286,7 +286,7 @@ def _commonwords_text(content: Content, rare: int, frequency: int, order: str) -
 def _most_rare_words(content: Content, tokenize: Tokenize, length: int, frequency: int, order: str) -> int:
     """The most rare words (each RARE_FREQUENCY times) a list with the common ones `frequency` times fits in
     `length` tokens with; -1 when not even none fit."""
-    lo, hi = -1, len(content.sentences)
+    lo, hi = -1, min(len(content.sentences), length // (2 * RARE_FREQUENCY))   # an item is 2 tokens or more
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if len(tokenize(_commonwords_text(content, mid, frequency, order))) <= length:
@@ -299,7 +299,8 @@ def _most_rare_words(content: Content, tokenize: Tokenize, length: int, frequenc
 def _build_commonwords(content: Content, tokenize: Tokenize, length: int, depth: float, order: str) -> Prompt:
     """RULER's frequencies (common words 30 times, rare ones 3) where the length allows at least twice as many
     rare words as common ones; shorter prompts lower the common frequency (never to the rare one's)."""
-    for frequency in range(COMMON_FREQUENCY, RARE_FREQUENCY, -1):
+    most = max(min(COMMON_FREQUENCY, length // (2 * COMMONWORDS)), RARE_FREQUENCY + 1)   # what could fit at all
+    for frequency in range(most, RARE_FREQUENCY, -1):
         rare = _most_rare_words(content, tokenize, length, frequency, order)
         if rare >= 2 * COMMONWORDS or (frequency == RARE_FREQUENCY + 1 and rare >= 0):
             break
