@@ -150,7 +150,7 @@ def export_onnx(model: str | Path, output: str | Path | None = None, *, weights:
             staging, signature, sharpi_version=__version__, weights_dtype=weights,
             source={"name": front.gguf.path.name, "sha256": file_sha256(gguf_path)}, config=front.cfg.to_dict(),
             tokenizer=front.tok_info.to_dict(),
-            snapkv={"enabled": front.options.snapkv == "on", "defaults": settings.to_dict()})
+            snapkv={"enabled": front.options.snapkv == "on", "defaults": settings.manifest_dict()})
         install(staging, output, emitter.EXPORT)
     _log(show_progress, f"sharpi: exported {front.gguf.path.name} to ONNX ({', '.join(functions)}) in "
                         f"{time.perf_counter() - started:.1f} s -> {output}")

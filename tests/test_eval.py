@@ -303,6 +303,14 @@ def test_setting_keys_with_and_without_sinks():
     assert sinks.label == "kv-head, max-pool 15, 4 sinks" and Setting("shared", "none", 1, 16, 1).label.endswith(
         ", 1 sink")
     assert sinks.knobs()["sinks"] == 4 and DEFAULT.knobs()["sinks"] == 0
+    pyramid = Setting("kv-head", "max", 15, 16, 4, "pyramid")              # another line, older keys unchanged
+    assert pyramid.key == "kv-head/max/k15/r16/s4/pyramid" and pyramid.label.endswith(", pyramid layers")
+    assert pyramid.knobs()["allocation"] == "pyramid" and DEFAULT.knobs()["allocation"] == "uniform"
+
+
+def test_resolve_settings_one_line_per_allocation(smollm2):
+    _, settings = resolve_settings(smollm2, allocations=("uniform", "pyramid"), budgets=[128])
+    assert [s.allocation for s in settings] == ["uniform", "pyramid"] and settings[0].key != settings[1].key
 
 
 class KnobsModel(FakeModel):

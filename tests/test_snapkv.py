@@ -8,7 +8,7 @@ from sharpi.codegen.kernels.paged_attention import make_kv_append
 from sharpi.codegen.kernels.snapkv import make_snapkv_score, make_snapkv_select
 from sharpi.codegen.targets.llvm import make_target
 from sharpi.common import ops
-from sharpi.common.snapkv_settings import SnapKVSettings, auto_budget, check_against, settings_from
+from sharpi.common.snapkv_settings import SnapKVSettings, auto_budget, check_against, layer_budgets, settings_from
 from sharpi.testing.snapkv import pool_reference, score_reference, select_reference, select_row
 from tiny_gguf import write_tiny_llama
 
@@ -185,6 +185,43 @@ def test_kept_positions_match_reference_keep_sets(smollm2, reference, long_promp
     overlap = np.mean([len(np.intersect1d(a, b)) / budget for a, b in zip(kept.reshape(-1, budget),
                                                                            expected.reshape(-1, budget))])
     assert overlap >= 0.99, overlap
+
+
+def test_layer_budgets_pyramid_and_uniform():
+    uniform = settings_from(env={})
+    pyramid = settings_from(env={"SHARPI_SNAPKV_ALLOCATION": "pyramid"}, recency=16)
+    assert layer_budgets(400, 24, uniform) == [400] * 24 and uniform.allocation == "uniform"
+    pyr = layer_budgets(400, 24, pyramid)
+    assert pyr[0] == 2 * 400 - 20 and pyr[-1] == 20 and pyr == sorted(pyr, reverse=True)   # PyramidKV's beta 20
+    assert abs(sum(pyr) / 24 - 400) <= 0.5                           # the same memory as uniform, near enough
+    # the last layer never keeps fewer than recency + sinks + 1 (each keep set holds them)
+    assert layer_budgets(400, 24, settings_from(env={}, allocation="pyramid", recency=64, sinks=4))[-1] == 69
+    assert "allocation" not in uniform.manifest_dict() and pyramid.manifest_dict()["allocation"] == "pyramid"
+    with pytest.raises(sharpi.ConfigError, match="snapkv_allocation must be one of uniform, pyramid"):
+        settings_from(env={}, allocation="adaptive")
+
+
+def test_pyramid_eviction_keeps_each_layers_budget(smollm2, long_prompt):
+    """Pyramid allocation on SmolLM2: each layer keeps its own budget, and its keep sets are the uniform
+    selection's at that layer's budget (the session's own scores); the pages of the slots let go return."""
+    ids = long_prompt[:700]
+    with smollm2.session(snapkv_budget=0, snapkv_recency=16) as base:
+        base.prefill(ids, keep_scores=True)
+        with base.fork() as pyr:
+            assert pyr.evict(256, allocation="pyramid", recency=16)
+            budgets = layer_budgets(256, smollm2.config.n_layers, settings_from(env={}, allocation="pyramid",
+                                                                                recency=16))
+            assert pyr.kv_length == [min(b, len(ids)) for b in budgets]
+            for layer, b in enumerate(budgets):
+                if b >= len(ids):
+                    continue
+                with base.fork() as uniform:
+                    uniform.evict(b, recency=16)
+                    assert (uniform.kept_positions[layer] == pyr.kept_positions[layer]).all(), layer
+            pyr_bytes = pyr.kv_bytes
+        with base.fork() as uni:
+            uni.evict(256, recency=16)
+            assert abs(pyr_bytes - uni.kv_bytes) <= 0.05 * uni.kv_bytes       # about the same memory
 
 
 def test_sinks_kept_on_smollm2(smollm2, long_prompt):

@@ -13,8 +13,9 @@ from ..eval.tasks import RULER_TASKS, TASKS
 from .common import add_device_flags, add_snapkv_flags, load_model
 
 TASK_CHOICES = (*TASKS, "ruler", "report")
-EPILOG = """SnapKV: --snapkv-pooling, --snapkv-kernel, --snapkv-granularity and --snapkv-sinks take comma lists; every
-combination is one setting (one line in the charts), run on the same prefill as the others. --snapkv-window and
+EPILOG = """SnapKV: --snapkv-pooling, --snapkv-kernel, --snapkv-granularity, --snapkv-sinks and --snapkv-allocation take
+comma lists; every combination is one setting (one line in the charts), run on the same prefill as the others.
+--snapkv-window and
 --snapkv-recency take one value. Budget 0 is the full cache. Rerunning with the same --out resumes: cells already
 in the file are not recomputed.
 
@@ -102,7 +103,7 @@ def cmd_eval(args) -> int:
     window, settings = resolve_settings(
         model, window=args.snapkv_window, recency=args.snapkv_recency, poolings=_choices(args.snapkv_pooling),
         kernels=_choices(args.snapkv_kernel), granularities=_choices(args.snapkv_granularity),
-        sinks=_choices(args.snapkv_sinks), budgets=args.budgets)
+        sinks=_choices(args.snapkv_sinks), allocations=_choices(args.snapkv_allocation), budgets=args.budgets)
     configs = [SweepConfig(task=task, lengths=args.lengths, depths=args.depths, budgets=args.budgets,
                            trials=args.trials, seed=args.seed, settings=settings, window=window,
                            show_kept=args.show_kept, scorers=args.scorers, protocol=args.protocol,

@@ -21,7 +21,7 @@ from .config import MAX_SIZE, ModelConfig
 from .errors import ArtifactError, ConfigError
 from .output_dir import MAX_MANIFEST_BYTES, OutputKind, plain_file_name
 from .plan import PLAN_FILE
-from .snapkv_settings import KNOBS as SNAPKV_KNOBS
+from .snapkv_settings import CHOICES as SNAPKV_CHOICES, KNOBS as SNAPKV_KNOBS
 from .snapkv_settings import MAX_WINDOW, check_against, parse_knob, settings_from
 from .targets import check_manifest_entry
 from .tokenizer import TokenizerInfo
@@ -243,8 +243,9 @@ def _snapkv_defaults(value, path):
         where = f"{path}.{knob}"
         if knob == "budget" and setting is None:
             continue
-        if knob in ("pooling", "granularity") and not isinstance(setting, str) or \
-                knob not in ("pooling", "granularity") and (isinstance(setting, bool) or not isinstance(setting, int)):
+        named = knob in SNAPKV_CHOICES
+        if named and not isinstance(setting, str) or \
+                not named and (isinstance(setting, bool) or not isinstance(setting, int)):
             raise schema.SchemaError(where, "a SnapKV setting of its type", setting)
         try:
             parse_knob(knob, setting, where)

@@ -12,6 +12,11 @@ from .targets import target_spec
 
 POOLINGS = ("max", "avg", "none")
 GRANULARITIES = ("kv-head", "shared")
+# How the budget spreads over the layers: the same everywhere, or PyramidKV's (Cai et al., arXiv 2406.02069)
+# arithmetic sequence, most in the first layer, budget / PYRAMID_BETA in the last, the same mean.
+ALLOCATIONS = ("uniform", "pyramid")
+PYRAMID_BETA = 20
+CHOICES = {"pooling": POOLINGS, "granularity": GRANULARITIES, "allocation": ALLOCATIONS}
 AUTO_MIN_CACHE_BYTES = 256 * 2**20
 # Ranges the kernels honour: positions, budgets and counts are int32 there and never exceed a context (MAX_SIZE);
 # the window's queries are captured in one prefill chunk, so it stays a chunk's size; the select kernel pools each
@@ -22,7 +27,8 @@ RANGES = {"budget": (0, MAX_SIZE), "window": (1, MAX_WINDOW), "recency": (0, MAX
           "kernel": (1, MAX_KERNEL)}
 ENV = {"budget": "SHARPI_SNAPKV_BUDGET", "window": "SHARPI_SNAPKV_WINDOW", "recency": "SHARPI_SNAPKV_RECENCY",
        "pooling": "SHARPI_SNAPKV_POOLING", "kernel": "SHARPI_SNAPKV_KERNEL",
-       "granularity": "SHARPI_SNAPKV_GRANULARITY", "sinks": "SHARPI_SNAPKV_SINKS"}
+       "granularity": "SHARPI_SNAPKV_GRANULARITY", "sinks": "SHARPI_SNAPKV_SINKS",
+       "allocation": "SHARPI_SNAPKV_ALLOCATION"}
 
 
 @dataclass(frozen=True)
@@ -34,12 +40,21 @@ class SnapKVSettings:
     kernel: int = 31               # odd pooling kernel; 1 with pooling "none" (31: benchmarks/longcontext.md)
     granularity: str = "kv-head"
     sinks: int = 0                 # first positions always kept (attention sinks)
+    allocation: str = "uniform"    # the budget per layer: uniform, or pyramid (PyramidKV)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def manifest_dict(self) -> dict:
+        """The settings as an artifact records them: uniform allocation left out, so the manifests of artifacts
+        that do not ask for another stay byte for byte as they were."""
+        settings = self.to_dict()
+        if settings["allocation"] == "uniform":
+            del settings["allocation"]
+        return settings
 
-KNOBS = tuple(ENV)               # budget, window, recency, pooling, kernel, granularity, sinks
+
+KNOBS = tuple(ENV)               # budget, window, recency, pooling, kernel, granularity, sinks, allocation
 PREFIX = "snapkv_"              # how the API and the CLI spell them: snapkv_budget=..., --snapkv-budget
 
 
@@ -86,7 +101,7 @@ def parse_knob(field: str, value, source: str):
         return number
     if not isinstance(value, str):
         raise ConfigError(f"{source} must be a string, got {value!r}.")
-    choices = POOLINGS if field == "pooling" else GRANULARITIES
+    choices = CHOICES[field]
     text = str(value).strip().lower()
     if text not in choices:
         raise ConfigError(f"{source} must be one of {', '.join(choices)}, got {value!r}.")
@@ -124,3 +139,14 @@ def check_against(settings: SnapKVSettings, budget: int, max_window: int) -> Non
                           f"the budget ({budget}).")
     if settings.pooling == "none" and settings.kernel != 1:
         raise ConfigError("SnapKV pooling 'none' takes kernel 1.")
+
+
+def layer_budgets(budget: int, layers: int, settings: SnapKVSettings) -> list[int]:
+    """Slots each of `layers` (the layers that take keep sets, in order) keeps: `budget` each with uniform
+    allocation; with pyramid, from 2 * budget - low in the first layer down to low = budget / PYRAMID_BETA
+    (never fewer than recency + sinks + 1, which every keep set holds) in the last, in equal steps."""
+    if settings.allocation == "uniform" or layers < 2:
+        return [budget] * layers
+    low = min(max(budget // PYRAMID_BETA, settings.recency + settings.sinks + 1), budget)
+    high = 2 * budget - low
+    return [round(high - (high - low) * layer / (layers - 1)) for layer in range(layers)]

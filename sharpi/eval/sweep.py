@@ -51,21 +51,24 @@ class Setting:
     kernel: int
     recency: int
     sinks: int = 0
+    allocation: str = "uniform"
 
     @property
     def key(self) -> str:
         key = f"{self.granularity}/{self.pooling}/k{self.kernel}/r{self.recency}"
-        return f"{key}/s{self.sinks}" if self.sinks else key
+        key = f"{key}/s{self.sinks}" if self.sinks else key
+        return key if self.allocation == "uniform" else f"{key}/{self.allocation}"
 
     @property
     def label(self) -> str:
         pool = "no pooling" if self.pooling == "none" else f"{self.pooling}-pool {self.kernel}"
         sinks = f", {self.sinks} sink{'s' if self.sinks != 1 else ''}" if self.sinks else ""
-        return f"{self.granularity}, {pool}{sinks}"
+        allocation = "" if self.allocation == "uniform" else f", {self.allocation} layers"
+        return f"{self.granularity}, {pool}{sinks}{allocation}"
 
     def knobs(self) -> dict:
         return dict(granularity=self.granularity, pooling=self.pooling, kernel=self.kernel, recency=self.recency,
-                    sinks=self.sinks)
+                    sinks=self.sinks, allocation=self.allocation)
 
 
 @dataclass
@@ -278,22 +281,25 @@ def _check_ratios(model, config: SweepConfig, floor: int) -> None:
 
 
 def resolve_settings(model, *, window=None, recency=None, poolings=(None,), kernels=(None,),
-                     granularities=(None,), sinks=(None,), budgets=()) -> tuple[int, list[Setting]]:
-    """The scoring window and one Setting per (granularity, pooling, kernel, sinks), each resolved as a session
-    would (argument > SHARPI_SNAPKV_* env > the artifact's defaults) and validated against every budget > 0.
-    With pooling none the kernel is 1 (pooling over one position is no pooling)."""
+                     granularities=(None,), sinks=(None,), allocations=(None,),
+                     budgets=()) -> tuple[int, list[Setting]]:
+    """The scoring window and one Setting per (granularity, pooling, kernel, sinks, allocation), each resolved
+    as a session would (argument > SHARPI_SNAPKV_* env > the artifact's defaults) and validated against every
+    budget > 0. With pooling none the kernel is 1 (pooling over one position is no pooling)."""
     settings = []
-    for granularity, pooling, kernel, sink in itertools.product(granularities, poolings, kernels, sinks):
+    for granularity, pooling, kernel, sink, allocation in itertools.product(granularities, poolings, kernels,
+                                                                            sinks, allocations):
         resolved, _ = model.snapkv_settings(budget=None, window=window, recency=recency, pooling=pooling,
                                             kernel=1 if pooling == "none" else kernel, granularity=granularity,
-                                            sinks=sink)
+                                            sinks=sink, allocation=allocation)
         for budget in budgets:
             if budget > 0:
                 model.snapkv_settings(budget=budget, window=window, recency=resolved.recency,
                                       pooling=resolved.pooling, kernel=resolved.kernel,
-                                      granularity=resolved.granularity, sinks=resolved.sinks)
+                                      granularity=resolved.granularity, sinks=resolved.sinks,
+                                      allocation=resolved.allocation)
         setting = Setting(resolved.granularity, resolved.pooling, resolved.kernel, resolved.recency,
-                          resolved.sinks)
+                          resolved.sinks, resolved.allocation)
         if setting not in settings:
             settings.append(setting)
     resolved_window = model.snapkv_settings(budget=None, window=window)[0].window

@@ -5,7 +5,7 @@ import numpy as np
 
 from ..common import ops
 from ..common.errors import ConfigError, ContextLengthError
-from ..common.snapkv_settings import SnapKVSettings
+from ..common.snapkv_settings import SnapKVSettings, layer_budgets
 from .engine import Engine
 from .kv_cache import PoolExhaustedError, SequenceCache
 from .scorers import ContextScorer
@@ -130,14 +130,24 @@ class Session:
         full = all(cache.length[l] == total for l in range(cache.n_layers) if not cache.is_local(l))
         if self.evicted or not self._should_evict(total, budget) or not full:
             return False
-        params = np.array(ops.select_params(total, budget, settings, self._engine.select_params), np.int32)
+        # The rule for sliding-window layers: they keep their last window (they hold nothing else), so only
+        # the global layers get keep sets; the local layers' scores are not used.
+        global_layers = [l for l in range(cache.n_layers) if not cache.is_local(l)]
+        budgets = dict(zip(global_layers, layer_budgets(budget, len(global_layers), settings)))
         with self._engine.lock:
-            keep, keep_numpy = self._engine.select(scores, params)
-            # The rule for sliding-window layers: they keep their last window (they hold nothing else), so only
-            # the global layers get keep sets; the local layers' scores are not used.
-            rows = [None if cache.is_local(l) else keep_numpy[l, :, :budget].astype(np.int64)
-                    for l in range(cache.n_layers)]
-            self._compact_on_device(keep, rows)
+            rows: list[np.ndarray | None] = [None] * cache.n_layers
+            # One select per distinct budget (one when uniform); a layer whose budget holds the whole prompt is
+            # left as it is.
+            for b in sorted({b for b in budgets.values() if b < total}):
+                params = np.array(ops.select_params(total, b, settings, self._engine.select_params), np.int32)
+                keep, keep_numpy = self._engine.select(scores, params)
+                for l, layer_budget in budgets.items():
+                    if layer_budget == b:
+                        rows[l] = keep_numpy[l, :, :b].astype(np.int64)
+            if settings.allocation == "uniform":
+                self._compact_on_device(keep, rows)         # the select's own table, already on the device
+            else:
+                self._compact_rows(rows)
         self.evicted = True
         return True
 

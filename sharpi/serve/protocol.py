@@ -27,6 +27,7 @@ class SnapKVOptions(BaseModel):
     kernel: int | None = None
     granularity: str | None = None
     sinks: int | None = None
+    allocation: str | None = None
 
     def knobs(self) -> dict:
         return {k: v for k, v in self.model_dump().items() if v is not None}

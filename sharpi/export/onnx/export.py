@@ -534,7 +534,11 @@ def _plain_graph(mod, fname: str, cfg, weights, store, weight_dtype: str) -> Gra
 
 def _snapkv_graph(mod, cfg, weights, store, weight_dtype: str, settings) -> GraphBuilder:
     """prefill_snapkv, then snapkv_select on its scores, then snapkv_compact of its cache, as the runtime's
-    session composes them after a fresh prompt longer than the budget."""
+    session composes them after a fresh prompt longer than the budget. One budget for every layer: the graph's
+    select and compact are one op each, so a pyramid allocation is the runtime's alone."""
+    if settings.allocation != "uniform":
+        raise ConfigError(f"The ONNX export's prefill_snapkv keeps one budget in every layer; SnapKV allocation "
+                          f"{settings.allocation!r} is the sharpi runtime's alone (export with uniform).")
     gb = GraphBuilder("prefill_snapkv", store)
     ids, pos = _token_inputs(gb, "n")
     cache = _cache_inputs(gb, cfg)
@@ -601,7 +605,7 @@ def export_module(mod, cfg, weights, directory: Path, *, functions=DEFAULT_FUNCT
         for fname in functions:
             if fname == "prefill_snapkv":
                 gb = _snapkv_graph(mod, cfg, weights, store, WEIGHT_DTYPES[weight_dtype], snapkv_settings)
-                extra = {"sharpi.snapkv": snapkv_settings.to_dict()}
+                extra = {"sharpi.snapkv": snapkv_settings.manifest_dict()}
             else:
                 gb = _plain_graph(mod, fname, cfg, weights, store, WEIGHT_DTYPES[weight_dtype])
                 extra = {}
