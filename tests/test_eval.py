@@ -16,7 +16,7 @@ from sharpi.eval.sweep import (Results, Setting, SweepConfig, answer_steps, gree
                                run_sweep)
 from sharpi.eval.tasks import CONTENT, build_prompt, trial_rng
 
-TIMING = ("prefill_s", "answer_s")
+TIMING = ("prefill_s", "scoring_s", "answer_s")
 DEFAULT = Setting("kv-head", "max", 15, 16)
 SEED = Setting("shared", "none", 1, 16)
 
@@ -68,6 +68,10 @@ class FakeSession:
         self.budget = budget
         return len(self.ids) > budget
 
+    def rescore(self, scorer, ids):
+        assert list(ids) == self.ids
+        self.model.rescored.append(scorer)
+
     def decode(self, token):
         return self._logits(self._answer())
 
@@ -100,9 +104,13 @@ class FakeModel:
         self.tokenize, self.detokenize = self.tok.tokenize, self.tok.detokenize
         self.manifest = SimpleNamespace(source={"name": "fake.gguf", "sha256": "0" * 64}, target={"kind": "fake"})
         self.prefills = self.forks = 0
+        self.rescored = []
 
     def session(self, **knobs):
         return FakeSession(self)
+
+    def scorer(self, name):
+        return name
 
 
 def _config(**changes) -> SweepConfig:
@@ -251,7 +259,8 @@ def test_sweep_forks_one_prefill_per_prompt(tmp_path):
     model = FakeModel()
     results = run_sweep(model, _config(), Results(tmp_path / "r.json", {"name": "fake"}), progress=False)
     assert len(results.cells) == len(plan(_config())) == 2 * 2 * 3 * (1 + 2 * 2)
-    assert model.prefills == 2 * 2 * 3 and model.forks == len(results.cells)
+    # one fork ranks each prompt (one scorer here), then one per cell
+    assert model.prefills == 2 * 2 * 3 and model.forks == 2 * 2 * 3 + len(results.cells)
     rows = results.rows()
     assert all(r["hit"] for r in rows if r["budget"] in (0, 64))          # the fake keeps the key at 64
     assert not any(r["hit"] for r in rows if r["budget"] == 32)
@@ -430,7 +439,12 @@ def test_all_questions_share_one_compression(tmp_path):
                      protocol="agnostic", questions="all")
     results = run_sweep(model, config, Results(tmp_path / "r.json", {"name": "fake"}), progress=False)
     assert len(results.cells) == 2 * 4 and model.prefills == 1 + 2 * 4       # the context once, each question
-    assert model.forks == 2 * (1 + 4)                   # per budget: the compression's fork, then one a question
+    # one ranked fork; per budget the compression's fork, then one a question
+    assert model.forks == 1 + 2 * (1 + 4)
+    scorers = FakeModel()
+    run_sweep(scorers, replace(config, scorers=["snapkv", "kvzip", "probe"], questions="first"),
+              Results(tmp_path / "s.json", {"name": "fake"}), progress=False)
+    assert scorers.prefills == 1 + 4 and scorers.rescored == ["kvzip", "probe"]   # one prefill, ranked thrice
     assert sorted(r["question"] for r in results.rows()) == [0, 0, 1, 1, 2, 2, 3, 3]
     answers = {r["question"]: r["answers"] for r in results.rows()}
     assert len({a[0] for a in answers.values()}) == 4                   # each asks another key

@@ -86,3 +86,32 @@ def test_bad_compress_values_are_config_errors(smollm2, monkeypatch):
     assert smollm2.session().scorer.name == "kvzip"
     with pytest.raises(ConfigError, match="unknown|Unknown"):
         smollm2.generate("x", 1, compres="kvzip")
+
+
+@pytest.mark.parametrize("scorer", ["kvzip", "probe"])
+def test_rescore_ranks_as_a_session_of_that_scorer(smollm2, scorer):
+    """One SnapKV-scored prefill ranked again on a fork by another scorer keeps what a session of that scorer
+    keeps; the fork it was ranked on, and the prefill it came from, stay as they were."""
+    ids = smollm2.tokenize("The archive keeps letters from every harbour town, numbered 4821. " * 10)
+    with smollm2.session(compress=scorer, snapkv_budget=0) as own:
+        own.prefill(ids, keep_scores=True)
+        own.evict(64, recency=8)
+        want = np.stack(own.kept_positions)
+    with smollm2.session(snapkv_budget=0) as base:
+        base.prefill(ids, keep_scores=True)
+        with base.fork() as snap:
+            snap.evict(64, recency=8)
+            snapkv = np.stack(snap.kept_positions)
+        with base.fork() as ranked:
+            ranked.rescore(smollm2.scorer(scorer), ids)
+            assert ranked.logical_length == len(ids) and not ranked.evicted
+            with ranked.fork() as compressed:
+                compressed.evict(64, recency=8)
+                np.testing.assert_array_equal(np.stack(compressed.kept_positions), want)
+        assert not np.array_equal(snapkv, want)                      # the scorers do differ
+        with base.fork() as again:                                   # the base keeps SnapKV's scores
+            again.evict(64, recency=8)
+            np.testing.assert_array_equal(np.stack(again.kept_positions), snapkv)
+        base.decode(ids[0])
+        with pytest.raises(ConfigError, match="rescore\\(\\) needs a session right after"):
+            base.rescore(smollm2.scorer(scorer), ids)                 # fed since the prefill

@@ -137,8 +137,9 @@ class Cell:
 
     @property
     def spot(self) -> tuple:
-        """The prompt this cell is answered from: cells of one spot share its prefill."""
-        return self.length, self.depth, self.trial, self.scorer
+        """The prompt this cell is answered from: cells of one spot share its prefill (every scorer ranks it on
+        a fork of that one prefill)."""
+        return self.length, self.depth, self.trial
 
 
 def plan(config: SweepConfig) -> list[Cell]:
@@ -341,25 +342,32 @@ def _stop_ids(model) -> set[int]:
 def _run_spot(model, config: SweepConfig, results: Results, cells: list[Cell], steps: int, stop_ids, bar,
               on_cell) -> None:
     """One prompt: build it, prefill it once (scored when a cell evicts: the whole prompt, or with the agnostic
-    protocol its context), then each budget and setting on a fork, and each question on a fork of that."""
-    length, depth, trial, scorer = cells[0].spot
+    protocol its context), rank it again on a fork for each other scorer, then each budget and setting on a fork
+    of that, and each question on a fork of the compressed one."""
+    length, depth, trial = cells[0].spot
     prompt = build_prompt(config.task, model.tokenize, length, depth, seed=config.seed, trial=trial)
     ids = prompt.ids if config.protocol == "aware" else prompt.context_ids
     start = time.perf_counter()
-    with model.session(snapkv_budget=0, snapkv_window=config.window, compress=scorer) as base:
+    with model.session(snapkv_budget=0, snapkv_window=config.window, compress="snapkv") as base:
         scored = any(c.evicts for c in cells) and len(ids) > config.window
         logits = base.prefill(ids, keep_scores=scored)
         prefill_s = time.perf_counter() - start
-        for _, group in itertools.groupby(cells, key=lambda c: (c.budget, c.ratio, c.setting)):
-            for cell, row in _run_compression(model, base, logits, list(group), prompt, steps, stop_ids, config,
-                                              results):
-                row["prefill_s"] = round(prefill_s, 2)
-                results.add(cell.key, row)
-                bar.update(1)
-                done = accuracy(r for r in results.rows(config.task) if not r.get("question"))
-                bar.set_postfix_str(f"score {done.hits:g}/{done.total}")
-                if on_cell is not None:
-                    on_cell(cell, row)
+        for scorer, scorer_cells in itertools.groupby(cells, key=lambda c: c.scorer if c.evicts else "snapkv"):
+            with base.fork() as ranked:
+                start = time.perf_counter()
+                if scored and scorer != "snapkv":
+                    ranked.rescore(model.scorer(scorer), ids)
+                scoring_s = time.perf_counter() - start
+                for _, group in itertools.groupby(scorer_cells, key=lambda c: (c.budget, c.ratio, c.setting)):
+                    for cell, row in _run_compression(model, ranked, logits, list(group), prompt, steps, stop_ids,
+                                                      config, results):
+                        row["prefill_s"], row["scoring_s"] = round(prefill_s, 2), round(scoring_s, 2)
+                        results.add(cell.key, row)
+                        bar.update(1)
+                        done = accuracy(r for r in results.rows(config.task) if not r.get("question"))
+                        bar.set_postfix_str(f"score {done.hits:g}/{done.total}")
+                        if on_cell is not None:
+                            on_cell(cell, row)
 
 
 def _run_compression(model, base, logits, cells: list[Cell], prompt, steps: int, stop_ids, config: SweepConfig,

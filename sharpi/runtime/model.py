@@ -101,9 +101,11 @@ class Model:
         generic instruction's queries: the cheap query-agnostic one); the budget,
         recency, sinks, pooling and granularity apply to either."""
         settings, budget = self._resolve_snapkv(snapkv, snapkv_knobs)
-        return Session(self.engine, settings, budget, scorer=self._scorer(compress))
+        return Session(self.engine, settings, budget, scorer=self.scorer(compress))
 
-    def _scorer(self, compress: str | None) -> ContextScorer | None:
+    def scorer(self, compress: str | None = None) -> ContextScorer | None:
+        """The scorer `compress` names (None: SHARPI_COMPRESS, else snapkv), for Session.rescore; None for
+        snapkv, whose scores come from the prefill itself."""
         source = "compress" if compress is not None else "SHARPI_COMPRESS"
         given = compress if compress is not None else os.environ.get("SHARPI_COMPRESS", "snapkv")
         name = given.strip().lower() if isinstance(given, str) else None

@@ -151,6 +151,19 @@ class Session:
         self.evicted = True
         return True
 
+    def rescore(self, scorer: ContextScorer, ids) -> None:
+        """Rank this session's fresh prompt again, by `scorer` (Model.scorer), so that evict() keeps what it
+        ranks first: one prefill, several scorers (each on a fork). `ids` are the prompt as it was prefilled; the
+        cache is left exactly as it was (a scorer works on forks of it)."""
+        self._check_open()
+        ids = np.asarray(ids)
+        if self._scores is None or self.evicted or self._adopted or \
+                not len(ids) == self._scored_length == self._cache.logical_length:
+            raise ConfigError("rescore() needs a session right after prefill(ids, keep_scores=True) of these ids "
+                              "(whole, not evicted, nothing fed since).")
+        self._scores = scorer.scores(self, ids)
+        self.scorer = scorer
+
     def decode(self, token: int) -> np.ndarray:
         """Feed one token; returns its logits, float32 [vocab]."""
         ids = self._check_ids([token])
