@@ -11,7 +11,7 @@ from sharpi.common.errors import ConfigError
 from sharpi.common.snapkv_settings import SnapKVSettings
 from sharpi.runtime.scorers import REPEAT_PROMPT
 from sharpi.testing.reference import NumpyReference
-from sharpi.testing.snapkv import kvzip_reference, probe_reference, select_reference
+from sharpi.testing.snapkv import keydiff_reference, kvzip_reference, probe_reference, select_reference
 from vulkan_device import on_vulkan
 
 
@@ -31,6 +31,8 @@ def _check_keep_sets(model, reference, ids, budget, recency, scorer="kvzip"):
     if scorer == "kvzip":
         assert used.reduce_max                     # a fresh compile's score op takes the maximum
         scores = kvzip_reference(reference, ids, model.tokenize(REPEAT_PROMPT, add_bos=False), used.chunk, scale)
+    elif scorer == "keydiff":
+        scores = keydiff_reference(reference, ids)
     else:
         scores = probe_reference(reference, ids, used.probe_ids, scale)
     globals_ = [l for l in range(model.config.n_layers) if not model.config.is_local(l)]
@@ -39,7 +41,7 @@ def _check_keep_sets(model, reference, ids, budget, recency, scorer="kvzip"):
     assert _overlap(kept, expected) >= 0.99
 
 
-@pytest.mark.parametrize("scorer", ["kvzip", "probe"])
+@pytest.mark.parametrize("scorer", ["kvzip", "probe", "keydiff"])
 def test_keep_sets_on_smollm2(smollm2, reference, scorer):
     rng = np.random.default_rng(0)
     words = "red green blue cyan magenta yellow black white grey brown".split()
@@ -54,7 +56,7 @@ def test_keep_sets_on_a_tiny_model_on_llvm_and_vulkan(tiny_gguf, tmp_path):
         art = sharpi.compile(str(tiny_gguf), target=target, output=tmp_path / target, matmuls="float") \
             if target == "llvm" else sharpi.compile(str(tiny_gguf), target=target, output=tmp_path / target)
         model = on_vulkan(lambda: sharpi.load(art)) if target == "vulkan" else sharpi.load(art)
-        for scorer in ("kvzip", "probe"):
+        for scorer in ("kvzip", "probe", "keydiff"):
             _check_keep_sets(model, reference, ids, budget=48, recency=4, scorer=scorer)
 
 
@@ -77,7 +79,7 @@ def test_the_reconstruction_leaves_the_session_as_a_plain_prefill(smollm2):
 
 def test_bad_compress_values_are_config_errors(smollm2, monkeypatch):
     for value in ("zip", 3, ""):
-        with pytest.raises(ConfigError, match="compress must be one of snapkv, kvzip, probe"):
+        with pytest.raises(ConfigError, match="compress must be one of snapkv, kvzip, probe, keydiff"):
             smollm2.session(compress=value)
     monkeypatch.setenv("SHARPI_COMPRESS", "nope")
     with pytest.raises(ConfigError, match="SHARPI_COMPRESS must be one of"):
@@ -88,7 +90,7 @@ def test_bad_compress_values_are_config_errors(smollm2, monkeypatch):
         smollm2.generate("x", 1, compres="kvzip")
 
 
-@pytest.mark.parametrize("scorer", ["kvzip", "probe"])
+@pytest.mark.parametrize("scorer", ["kvzip", "probe", "keydiff"])
 def test_rescore_ranks_as_a_session_of_that_scorer(smollm2, scorer):
     """One SnapKV-scored prefill ranked again on a fork by another scorer keeps what a session of that scorer
     keeps; the fork it was ranked on, and the prefill it came from, stay as they were."""

@@ -20,7 +20,8 @@ from ..common.tokenizer import Tokenizer, TokenizerInfo, token_ids
 from .backend import Backend
 from .engine import Engine
 from .sampling import Sampler, SamplingParams
-from .scorers import PROBE_PROMPT, REPEAT_PROMPT, SCORERS, ContextScorer, KVzipScorer, ProbeScorer
+from .scorers import (PROBE_PROMPT, REPEAT_PROMPT, SCORERS, ContextScorer, KeyDiffScorer, KVzipScorer,
+                      ProbeScorer)
 from .session import Session
 from .text_output import TextOutput, stop_strings
 from .tvm_backend import TVMBackend
@@ -93,13 +94,13 @@ class Model:
     def session(self, *, snapkv: SnapKVSettings | None = None, compress: str | None = None,
                 **snapkv_knobs) -> Session:
         """A new sequence. SnapKV: the snapkv_* knobs (snapkv_budget, snapkv_window, snapkv_recency,
-        snapkv_pooling, snapkv_kernel, snapkv_granularity, snapkv_sinks: argument > SHARPI_SNAPKV_* env > the
-        artifact's defaults; budget None means auto (off on CPU), 0 off; sinks: the first positions always kept),
-        or `snapkv`, SnapKVSettings made once (the CLI's way). `compress` (else SHARPI_COMPRESS, else "snapkv")
-        picks what ranks the prompt's positions: "snapkv" (its last window of queries) or "kvzip" (how much the
-        model needs each to repeat the context: for questions asked after the compression) or "probe" (a
-        generic instruction's queries: the cheap query-agnostic one); the budget,
-        recency, sinks, pooling and granularity apply to either."""
+        snapkv_pooling, snapkv_kernel, snapkv_granularity, snapkv_sinks, snapkv_allocation: argument >
+        SHARPI_SNAPKV_* env > the artifact's defaults; budget None means auto (off on CPU), 0 off; sinks: the first
+        positions always kept; allocation uniform or pyramid over the layers), or `snapkv`, SnapKVSettings made
+        once (the CLI's way). `compress` (else SHARPI_COMPRESS, else "snapkv") picks what ranks the prompt's
+        positions: "snapkv" (its last window of queries), or for questions asked after the compression "kvzip"
+        (how much the model needs each to repeat the context), "probe" (a generic instruction's queries) or
+        "keydiff" (how unlike the mean key each key is: no pass at all); every knob applies to each."""
         settings, budget = self._resolve_snapkv(snapkv, snapkv_knobs)
         return Session(self.engine, settings, budget, scorer=self.scorer(compress))
 
@@ -116,6 +117,8 @@ class Model:
         window = int((self.manifest.snapkv or {}).get("max_window", 0))
         if not window:
             raise ConfigError("This artifact was compiled with --snapkv off; recompile with --snapkv on to score.")
+        if name == "keydiff":
+            return KeyDiffScorer(self.max_context)
         if name == "probe":
             return ProbeScorer(self.tokenize(PROBE_PROMPT, add_bos=False)[:window])
         prompt = self.tokenize(REPEAT_PROMPT, add_bos=False)

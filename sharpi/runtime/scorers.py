@@ -17,7 +17,12 @@ before the op took a negative window sum the chunk's queries instead (an approxi
 recent attention over the one query that copies an old token). Cost: about one more prefill of the context, plus
 the repeat prompt once per chunk.
 
-Probe: the cheap one. A generic instruction about the whole context (PROBE_PROMPT) is fed after it on one fork,
+KeyDiff (Park et al., arXiv 2504.15364; kvpress's KeyDiffPress): no queries at all. A position scores by how
+unlike its key is to the mean key of its layer and KV head (one minus their cosine similarity): keys near the
+mean are the ones most queries attend to alike, so the distinct ones carry what is particular. Cost: reading the
+cache's keys once, nothing fed.
+
+Probe: the cheap one with queries. A generic instruction about the whole context (PROBE_PROMPT) is fed after it on one fork,
 and its queries score every position as SnapKV's last window would; it stands in for a question that is not known
 yet. Cost: one prefill of a few tokens.
 """
@@ -27,7 +32,7 @@ from typing import Protocol
 
 import numpy as np
 
-SCORERS = ("snapkv", "kvzip", "probe")
+SCORERS = ("snapkv", "kvzip", "probe", "keydiff")
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly.\n"
 PROBE_PROMPT = ("\n\nList every name, number, key and fact stated in the text above, and say where each "
                 "appears.\n")
@@ -37,6 +42,8 @@ class ScoringSession(Protocol):
     """What a scorer needs of a session (sharpi.runtime.session.Session)."""
 
     def score_continuation(self, ids, window: int) -> np.ndarray: ...
+
+    def cached_keys(self) -> list[np.ndarray | None]: ...
 
 
 class ContextScorer(Protocol):
@@ -77,3 +84,27 @@ class ProbeScorer:
         scores = session.score_continuation(np.asarray(self.probe_ids), len(self.probe_ids))
         scores[..., len(ids):] = 0.0
         return scores
+
+
+class KeyDiffScorer:
+    name = "keydiff"
+
+    def __init__(self, slots: int):
+        self.slots = slots                        # the select op's score width: the artifact's context
+
+    def scores(self, session: ScoringSession, ids: np.ndarray) -> np.ndarray:
+        keys = session.cached_keys()
+        heads = next(k.shape[0] for k in keys if k is not None)
+        scores = np.zeros((len(keys), heads, self.slots), np.float32)
+        for layer, k in enumerate(keys):
+            if k is not None:                     # sliding-window layers keep their window: no scores needed
+                scores[layer, :, :len(ids)] = keydiff_scores(k[:, :len(ids)])
+        return scores
+
+
+def keydiff_scores(keys: np.ndarray) -> np.ndarray:
+    """1 - cos(key, the mean key) for keys [kv_heads, n, head_dim]: [kv_heads, n], in [0, 2]."""
+    keys = keys.astype(np.float32)
+    anchor = keys.mean(axis=1, keepdims=True)
+    norms = np.linalg.norm(keys, axis=-1) * np.linalg.norm(anchor, axis=-1)
+    return (1.0 - (keys * anchor).sum(-1) / np.maximum(norms, 1e-12)).astype(np.float32)

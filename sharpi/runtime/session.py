@@ -151,6 +151,20 @@ class Session:
         self.evicted = True
         return True
 
+    def cached_keys(self) -> list[np.ndarray | None]:
+        """Per layer the keys it holds, [kv_heads, length, head_dim] in the cache's dtype (RoPE'd, as stored);
+        None for sliding-window layers (SnapKV leaves them alone)."""
+        self._check_open()
+        cache, keys = self._cache, []
+        for layer in range(cache.n_layers):
+            if cache.is_local(layer) or not cache.pages[layer]:
+                keys.append(None)
+                continue
+            data = cache.pool.read_pages(cache.pages[layer])[:, 0]        # [pages, kv_heads, page_size, d]
+            slots = data.transpose(1, 0, 2, 3).reshape(data.shape[1], -1, data.shape[3])
+            keys.append(slots[:, :cache.length[layer]])
+        return keys
+
     def rescore(self, scorer: ContextScorer, ids) -> None:
         """Rank this session's fresh prompt again, by `scorer` (Model.scorer), so that evict() keeps what it
         ranks first: one prefill, several scorers (each on a fork). `ids` are the prompt as it was prefilled; the

@@ -92,3 +92,17 @@ def probe_reference(reference, ids: list[int], probe: list[int], scale: float) -
     reference.forward(list(ids) + list(probe), capture=captured)
     return np.stack([score_reference(q[-len(probe):], k, 0, scale)[:, :len(ids)]
                      for q, k, _ in captured]).astype(np.float32)
+
+
+def keydiff_reference(reference, ids: list[int]) -> np.ndarray:
+    """KeyDiff's scores from the numpy forward pass's post-RoPE keys: 1 - cos(key, the layer and KV head's mean
+    key), [L, KVH, len(ids)]."""
+    captured = []
+    reference.forward(list(ids), capture=captured)
+    scores = []
+    for _, k, _ in captured:                                   # k [T, KVH, D]
+        keys = k.transpose(1, 0, 2).astype(np.float64)
+        anchor = keys.mean(axis=1, keepdims=True)
+        cos = (keys * anchor).sum(-1) / (np.linalg.norm(keys, axis=-1) * np.linalg.norm(anchor, axis=-1))
+        scores.append(1.0 - cos)
+    return np.stack(scores).astype(np.float32)
