@@ -54,7 +54,8 @@ def add_eval_parser(sub) -> None:
                    help="save each layer's kept positions (first trial) and plot them over the prompt")
     e.add_argument("--scorers", type=_names, default=["snapkv"],
                    help="what ranks the positions, comma-separated: snapkv (the prompt's last queries), kvzip (how "
-                        "much repeating the context needs each); one prefill each (default snapkv)")
+                        "much repeating the context needs each), probe (a generic instruction's queries), keydiff "
+                        "(how unlike the mean key each key is); all rank one prefill (default snapkv)")
     e.add_argument("--protocol", choices=("aware", "agnostic"), default="aware",
                    help="aware: the question is in the compressed prompt; agnostic: the context is compressed and "
                         "the question asked after (default aware)")
