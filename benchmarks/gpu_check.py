@@ -44,6 +44,8 @@ SPEED_VARIANTS = ("speed-plain", "speed-graph")   # the speed model's, weights g
 WORK = Path("/tmp/sharpi-gpu-check")        # where `run` assembles things on the GPU machine
 NEAR_TIE = 1e-3                             # as sharpi.testing.backends.NEAR_TIE (not importable before setup)
 SNAPKV_PROMPT, SNAPKV_BUDGET, SNAPKV_STEPS = 1040, 256, 16
+SCORER_CHECKS = (("kvzip", "uniform"), ("probe", "uniform"), ("keydiff", "uniform"), ("snapkv", "pyramid"))
+SCORER_OVERLAP = 0.98        # keep sets of ranks that near-tie may differ a little in bf16 keys
 GREEDY_TOKENS = 32
 SPEED_PROMPT, SPEED_TOKENS, SPEED_REPEATS = 512, 256, 3
 
@@ -102,6 +104,9 @@ def prepare(args) -> int:
             last = s.decode(tokens[-1])
     reference["snapkv"] = {"prompt_ids": prompt, "budget": SNAPKV_BUDGET, "kept": kept, "tokens": tokens,
                            "margin": margins}
+    print("reference: CPU keep sets of the query-agnostic scorers and the pyramid allocation", flush=True)
+    reference["scorers"] = {name: _compressed_keep_sets(cpu, prompt, name, allocation)
+                            for name, allocation in SCORER_CHECKS}
     reference["speed_prompt_ids"] = prompt_ids(cpu, SPEED_PROMPT)
     (stage / "reference.json").write_text(json.dumps(reference))
     shutil.rmtree(stage / "cpu")
@@ -284,7 +289,7 @@ def run(args) -> int:
     for variant in VARIANTS:
         row = results["variants"][variant] = {}
         for name, check in (("load", None), ("teacher_forced", _teacher_forced), ("greedy", _greedy),
-                            ("snapkv", _snapkv), ("speed", _speed)):
+                            ("snapkv", _snapkv), ("scorers", _scorers), ("speed", _speed)):
             t = time.perf_counter()
             try:
                 if check is None:
@@ -368,6 +373,28 @@ def _snapkv(model, reference, np) -> dict:
         return {"kv_length": kv_length, "logical_length": logical_length, "overlap": overlap,
                 "decode_agrees": agrees, "steps_compared": compared,
                 "passed": bool(overlap >= 0.99 and agrees and kv_length == snap["budget"])}
+
+
+def _compressed_keep_sets(model, prompt: list[int], scorer: str, allocation: str) -> list[list]:
+    """Each layer's kept positions after `prompt` is ranked by `scorer` and compressed to SNAPKV_BUDGET slots
+    with `allocation` (the question-after-the-compression path: scored, then evicted on a fork)."""
+    with model.session(snapkv_budget=0, compress=scorer) as s:
+        s.prefill(prompt, keep_scores=True)
+        with s.fork() as f:
+            f.evict(SNAPKV_BUDGET, allocation=allocation)
+            return [p.tolist() for p in f.kept_positions]
+
+
+def _scorers(model, reference, np) -> dict:
+    """kvzip, probe and keydiff (and SnapKV with pyramid allocation): keep sets against the CPU's."""
+    rows = {}
+    for (name, allocation), want in zip(SCORER_CHECKS, reference["scorers"].values()):
+        got = _compressed_keep_sets(model, reference["snapkv"]["prompt_ids"], name, allocation)
+        same = sum(np.intersect1d(x, y).size for a, b in zip(got, want) for x, y in zip(a, b))
+        total = sum(len(y) for b in want for y in b)
+        lengths_equal = [len(a[0]) for a in got] == [len(b[0]) for b in want]
+        rows[f"{name}/{allocation}"] = {"overlap": same / max(total, 1), "lengths_equal": lengths_equal}
+    return {**rows, "passed": all(r["overlap"] >= SCORER_OVERLAP and r["lengths_equal"] for r in rows.values())}
 
 
 def _speed(model, reference, np) -> dict:

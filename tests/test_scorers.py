@@ -11,7 +11,8 @@ from sharpi.common.errors import ConfigError
 from sharpi.common.snapkv_settings import SnapKVSettings
 from sharpi.runtime.scorers import REPEAT_PROMPT
 from sharpi.testing.reference import NumpyReference
-from sharpi.testing.snapkv import keydiff_reference, kvzip_reference, probe_reference, select_reference
+from sharpi.testing.snapkv import (hybrid_reference, keydiff_reference, kvzip_reference, probe_reference,
+                                   select_reference)
 from vulkan_device import on_vulkan
 
 
@@ -33,6 +34,8 @@ def _check_keep_sets(model, reference, ids, budget, recency, scorer="kvzip"):
         scores = kvzip_reference(reference, ids, model.tokenize(REPEAT_PROMPT, add_bos=False), used.chunk, scale)
     elif scorer == "keydiff":
         scores = keydiff_reference(reference, ids)
+    elif scorer == "hybrid":
+        scores = hybrid_reference(reference, ids, used.probe.probe_ids, scale)
     else:
         scores = probe_reference(reference, ids, used.probe_ids, scale)
     globals_ = [l for l in range(model.config.n_layers) if not model.config.is_local(l)]
@@ -41,7 +44,7 @@ def _check_keep_sets(model, reference, ids, budget, recency, scorer="kvzip"):
     assert _overlap(kept, expected) >= 0.99
 
 
-@pytest.mark.parametrize("scorer", ["kvzip", "probe", "keydiff"])
+@pytest.mark.parametrize("scorer", ["kvzip", "probe", "keydiff", "hybrid"])
 def test_keep_sets_on_smollm2(smollm2, reference, scorer):
     rng = np.random.default_rng(0)
     words = "red green blue cyan magenta yellow black white grey brown".split()
@@ -79,7 +82,7 @@ def test_the_reconstruction_leaves_the_session_as_a_plain_prefill(smollm2):
 
 def test_bad_compress_values_are_config_errors(smollm2, monkeypatch):
     for value in ("zip", 3, ""):
-        with pytest.raises(ConfigError, match="compress must be one of snapkv, kvzip, probe, keydiff"):
+        with pytest.raises(ConfigError, match="compress must be one of snapkv, kvzip, probe, keydiff, hybrid"):
             smollm2.session(compress=value)
     monkeypatch.setenv("SHARPI_COMPRESS", "nope")
     with pytest.raises(ConfigError, match="SHARPI_COMPRESS must be one of"):

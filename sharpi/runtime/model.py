@@ -20,8 +20,8 @@ from ..common.tokenizer import Tokenizer, TokenizerInfo, token_ids
 from .backend import Backend
 from .engine import Engine
 from .sampling import Sampler, SamplingParams
-from .scorers import (PROBE_PROMPT, REPEAT_PROMPT, SCORERS, ContextScorer, KeyDiffScorer, KVzipScorer,
-                      ProbeScorer)
+from .scorers import (PROBE_PROMPT, REPEAT_PROMPT, SCORERS, ContextScorer, HybridScorer, KeyDiffScorer,
+                      KVzipScorer, ProbeScorer)
 from .session import Session
 from .text_output import TextOutput, stop_strings
 from .tvm_backend import TVMBackend
@@ -99,8 +99,9 @@ class Model:
         positions always kept; allocation uniform or pyramid over the layers), or `snapkv`, SnapKVSettings made
         once (the CLI's way). `compress` (else SHARPI_COMPRESS, else "snapkv") picks what ranks the prompt's
         positions: "snapkv" (its last window of queries), or for questions asked after the compression "kvzip"
-        (how much the model needs each to repeat the context), "probe" (a generic instruction's queries) or
-        "keydiff" (how unlike the mean key each key is: no pass at all); every knob applies to each."""
+        (how much the model needs each to repeat the context), "probe" (a generic instruction's queries),
+        "keydiff" (how unlike the mean key each key is: no pass at all) or "hybrid" (the better of the probe's and
+        keydiff's ranks); every knob applies to each."""
         settings, budget = self._resolve_snapkv(snapkv, snapkv_knobs)
         return Session(self.engine, settings, budget, scorer=self.scorer(compress))
 
@@ -119,8 +120,11 @@ class Model:
             raise ConfigError("This artifact was compiled with --snapkv off; recompile with --snapkv on to score.")
         if name == "keydiff":
             return KeyDiffScorer(self.max_context)
+        probe = ProbeScorer(self.tokenize(PROBE_PROMPT, add_bos=False)[:window])
         if name == "probe":
-            return ProbeScorer(self.tokenize(PROBE_PROMPT, add_bos=False)[:window])
+            return probe
+        if name == "hybrid":
+            return HybridScorer(probe, KeyDiffScorer(self.max_context))
         prompt = self.tokenize(REPEAT_PROMPT, add_bos=False)
         return KVzipScorer(prompt, min(window, self.engine.prefill_chunk - len(prompt)), self.engine.score_max)
 

@@ -22,6 +22,10 @@ unlike its key is to the mean key of its layer and KV head (one minus their cosi
 mean are the ones most queries attend to alike, so the distinct ones carry what is particular. Cost: reading the
 cache's keys once, nothing fed.
 
+Hybrid: the probe and KeyDiff together, each position ranked by the better of its two ranks (each scorer's
+scores replaced by their rank among the prompt's positions, per layer and KV head, then the maximum): what the
+probe's queries find and what stands out among the keys both stay. Cost: the probe's.
+
 Probe: the cheap one with queries. A generic instruction about the whole context (PROBE_PROMPT) is fed after it on one fork,
 and its queries score every position as SnapKV's last window would; it stands in for a question that is not known
 yet. Cost: one prefill of a few tokens.
@@ -32,7 +36,7 @@ from typing import Protocol
 
 import numpy as np
 
-SCORERS = ("snapkv", "kvzip", "probe", "keydiff")
+SCORERS = ("snapkv", "kvzip", "probe", "keydiff", "hybrid")
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly.\n"
 PROBE_PROMPT = ("\n\nList every name, number, key and fact stated in the text above, and say where each "
                 "appears.\n")
@@ -108,3 +112,27 @@ def keydiff_scores(keys: np.ndarray) -> np.ndarray:
     anchor = keys.mean(axis=1, keepdims=True)
     norms = np.linalg.norm(keys, axis=-1) * np.linalg.norm(anchor, axis=-1)
     return (1.0 - (keys * anchor).sum(-1) / np.maximum(norms, 1e-12)).astype(np.float32)
+
+
+class HybridScorer:
+    name = "hybrid"
+
+    def __init__(self, probe: ProbeScorer, keydiff: KeyDiffScorer):
+        self.probe, self.keydiff = probe, keydiff
+
+    def scores(self, session: ScoringSession, ids: np.ndarray) -> np.ndarray:
+        n = len(ids)
+        probe = self.probe.scores(session, ids)
+        keydiff = self.keydiff.scores(session, ids)
+        scores = np.zeros(keydiff.shape, np.float32)
+        scores[..., :n] = np.maximum(rank_fraction(probe[..., :n]), rank_fraction(keydiff[..., :n]))
+        return scores
+
+
+def rank_fraction(scores: np.ndarray) -> np.ndarray:
+    """Each score's rank along the last axis as a fraction in (0, 1], the highest 1 (ties by position)."""
+    n = scores.shape[-1]
+    ranks = np.empty(scores.shape, np.float32)
+    np.put_along_axis(ranks, np.argsort(scores, axis=-1, kind="stable"), np.arange(1, n + 1, dtype=np.float32)
+                      / n, axis=-1)
+    return ranks

@@ -40,7 +40,7 @@ class CompressOptions(BaseModel):
     The prefix: a chat's messages but the last ("all-but-last-message", the default for chat) or a completion
     prompt's first `prefix_tokens` tokens."""
     model_config = _STRICT
-    scorer: Literal["kvzip", "probe", "keydiff"] = "kvzip"
+    scorer: Literal["kvzip", "probe", "keydiff", "hybrid"] = "kvzip"
     budget: int = Field(ge=1, le=1 << 24)
     prefix: Literal["all-but-last-message"] | None = None
     prefix_tokens: int | None = Field(None, ge=1)

@@ -106,3 +106,15 @@ def keydiff_reference(reference, ids: list[int]) -> np.ndarray:
         cos = (keys * anchor).sum(-1) / (np.linalg.norm(keys, axis=-1) * np.linalg.norm(anchor, axis=-1))
         scores.append(1.0 - cos)
     return np.stack(scores).astype(np.float32)
+
+
+def hybrid_reference(reference, ids: list[int], probe: list[int], scale: float) -> np.ndarray:
+    """The hybrid scorer's scores: per layer and KV head the larger of each position's rank fraction under the
+    probe's scores and under KeyDiff's (ties ranked by position)."""
+    def ranks(x):
+        order = np.argsort(x, axis=-1, kind="stable")
+        out = np.empty(x.shape, np.float64)
+        np.put_along_axis(out, order, np.arange(1, x.shape[-1] + 1) / x.shape[-1], axis=-1)
+        return out
+    both = np.maximum(ranks(probe_reference(reference, ids, probe, scale)), ranks(keydiff_reference(reference, ids)))
+    return both.astype(np.float32)
