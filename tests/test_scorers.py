@@ -9,7 +9,7 @@ import pytest
 import sharpi
 from sharpi.common.errors import ConfigError
 from sharpi.common.snapkv_settings import SnapKVSettings
-from sharpi.runtime.scorers import REPEAT_PROMPT
+from sharpi.runtime.scorers import ANCHOR, CONTINUE_PROMPT, REPEAT_PROMPT
 from sharpi.testing.reference import NumpyReference
 from sharpi.testing.snapkv import (hybrid_reference, keydiff_reference, kvzip_reference, probe_reference,
                                    select_reference)
@@ -31,7 +31,11 @@ def _check_keep_sets(model, reference, ids, budget, recency, scorer="kvzip"):
     scale = model.config.head_dim ** -0.5
     if scorer == "kvzip":
         assert used.reduce_max                     # a fresh compile's score op takes the maximum
-        scores = kvzip_reference(reference, ids, model.tokenize(REPEAT_PROMPT, add_bos=False), used.chunk, scale)
+        again = model.tokenize(CONTINUE_PROMPT, add_bos=False)
+        prompt_for = lambda start: (model.tokenize(REPEAT_PROMPT, add_bos=False) if start == 0 else
+                                    again + list(ids[max(0, start - ANCHOR):start]))
+        assert [used.prompt_for(np.asarray(ids), s) for s in (0, used.chunk)] == [prompt_for(0), prompt_for(used.chunk)]
+        scores = kvzip_reference(reference, ids, prompt_for, used.chunk, scale)
     elif scorer == "keydiff":
         scores = keydiff_reference(reference, ids)
     elif scorer == "hybrid":
@@ -54,7 +58,7 @@ def test_keep_sets_on_smollm2(smollm2, reference, scorer):
 
 def test_keep_sets_on_a_tiny_model_on_llvm_and_vulkan(tiny_gguf, tmp_path):
     reference = NumpyReference(tiny_gguf)
-    ids = np.random.default_rng(1).integers(1, 200, 150).tolist()
+    ids = np.random.default_rng(1).integers(1, 200, 110).tolist()    # room for a kvzip chunk and its prompt in 256
     for target in ("llvm", "vulkan"):
         art = sharpi.compile(str(tiny_gguf), target=target, output=tmp_path / target, matmuls="float") \
             if target == "llvm" else sharpi.compile(str(tiny_gguf), target=target, output=tmp_path / target)

@@ -43,7 +43,7 @@ def _prompt_key(row: dict) -> tuple:
     return row["task"], row["length"], row["depth"], row["trial"], row["seed"], row.get("question", 0)
 
 
-def _suite_score(rows: list[dict]) -> float:
+def suite_score(rows: list[dict]) -> float:
     """Mean over tasks of the mean score over each task's prompts, in points."""
     by_task: dict[str, list[float]] = {}
     for r in rows:
@@ -68,9 +68,9 @@ def gap_table(rows: list[dict]) -> list[str]:
                 if _prompt_key(r) in full_score:
                     pairs.setdefault(r["task"], []).append((row_score(r), full_score[_prompt_key(r)]))
             gap = paired_gap(pairs)
-            cells.append(f"{_suite_score(by_column[c]):.1f} ({gap}, n={gap.prompts})" if gap.prompts else "-")
+            cells.append(f"{suite_score(by_column[c]):.1f} ({gap}, n={gap.prompts})" if gap.prompts else "-")
         out.append(f"| {label} | " + " | ".join(cells) + " |")
-    out.append(f"| full cache | {_suite_score(full):.1f} (n={len(full)}) |" + " |" * (len(columns) - 1))
+    out.append(f"| full cache | {suite_score(full):.1f} (n={len(full)}) |" + " |" * (len(columns) - 1))
     return out
 
 

@@ -20,8 +20,8 @@ from ..common.tokenizer import Tokenizer, TokenizerInfo, token_ids
 from .backend import Backend
 from .engine import Engine
 from .sampling import Sampler, SamplingParams
-from .scorers import (PROBE_PROMPT, REPEAT_PROMPT, SCORERS, ContextScorer, HybridScorer, KeyDiffScorer,
-                      KVzipScorer, ProbeScorer)
+from .scorers import (ANCHOR, CONTINUE_PROMPT, PROBE_PROMPT, REPEAT_PROMPT, SCORERS, ContextScorer,
+                      HybridScorer, KeyDiffScorer, KVzipScorer, ProbeScorer)
 from .session import Session
 from .text_output import TextOutput, stop_strings
 from .tvm_backend import TVMBackend
@@ -125,8 +125,10 @@ class Model:
             return probe
         if name == "hybrid":
             return HybridScorer(probe, KeyDiffScorer(self.max_context))
-        prompt = self.tokenize(REPEAT_PROMPT, add_bos=False)
-        return KVzipScorer(prompt, min(window, self.engine.prefill_chunk - len(prompt)), self.engine.score_max)
+        repeat = self.tokenize(REPEAT_PROMPT, add_bos=False)
+        again = self.tokenize(CONTINUE_PROMPT, add_bos=False)
+        longest = max(len(repeat), len(again) + ANCHOR)
+        return KVzipScorer(repeat, again, min(window, self.engine.prefill_chunk - longest), self.engine.score_max)
 
     def snapkv_settings(self, **knobs) -> tuple[SnapKVSettings, int]:
         """The resolved SnapKV settings and effective budget (0 = no eviction) for these knobs (budget=...,

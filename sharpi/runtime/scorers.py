@@ -9,13 +9,15 @@ closed again, so the session's cache and positions are exactly as the prefill le
 
 KVzip (Kim et al., arXiv 2505.23416): the model is asked to repeat the context, and each position scores by the
 most attention it receives from the queries of that repetition. Here the context is repeated chunk by chunk, each
-chunk on a fresh fork of the prefilled context after the repeat prompt, so a fork never holds more than the
-context, the prompt and one chunk (KVzip's chunked scoring); the chunk's queries are scored with the artifact's
-score op (prefill_snapkv's window = minus the chunk: the maximum over the chunk's queries and each KV head's
-query heads), and the maximum over chunks is the position's score, KVzip's own reduction. Artifacts compiled
-before the op took a negative window sum the chunk's queries instead (an approximation that favours diffuse
-recent attention over the one query that copies an old token). Cost: about one more prefill of the context, plus
-the repeat prompt once per chunk.
+chunk on a fresh fork of the prefilled context after a repeat prompt, so a fork never holds more than the
+context, the prompt and one chunk (KVzip's chunked scoring). As in KVzip's own code and kvpress's, the first
+chunk follows "Repeat the previous context exactly", every later one "Repeat the part of the previous context
+exactly, starting with" and the last ANCHOR tokens before it (so the model knows where to go on from), and a
+position takes its score from its own chunk's repetition only (the queries that copy it). The chunk's queries are
+scored with the artifact's score op (prefill_snapkv's window = minus the chunk: the maximum over the chunk's
+queries and each KV head's query heads); artifacts compiled before the op took a negative window sum them instead
+(an approximation that favours diffuse recent attention over the one query that copies an old token). Cost:
+about one more prefill of the context, plus the prompts once per chunk.
 
 KeyDiff (Park et al., arXiv 2504.15364; kvpress's KeyDiffPress): no queries at all. A position scores by how
 unlike its key is to the mean key of its layer and KV head (one minus their cosine similarity): keys near the
@@ -38,6 +40,8 @@ import numpy as np
 
 SCORERS = ("snapkv", "kvzip", "probe", "keydiff", "hybrid")
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly.\n"
+CONTINUE_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
+ANCHOR = 8                 # tokens of the context before a chunk that its prompt repeats (KVzip's prev_postfix_size)
 PROBE_PROMPT = ("\n\nList every name, number, key and fact stated in the text above, and say where each "
                 "appears.\n")
 
@@ -61,20 +65,30 @@ class ContextScorer(Protocol):
 class KVzipScorer:
     name = "kvzip"
 
-    def __init__(self, repeat_prompt_ids: list[int], chunk: int, reduce_max: bool = True):
+    def __init__(self, repeat_prompt_ids: list[int], continue_prompt_ids: list[int], chunk: int,
+                 reduce_max: bool = True):
         self.repeat_prompt_ids = list(repeat_prompt_ids)
+        self.continue_prompt_ids = list(continue_prompt_ids)
         self.chunk = chunk
         self.reduce_max = reduce_max      # False: an artifact whose score op only sums (compiled before)
 
+    def prompt_for(self, ids: np.ndarray, start: int) -> list[int]:
+        """What precedes the chunk at `start`: the repeat prompt, or the continue prompt and the context's last
+        ANCHOR tokens before the chunk."""
+        if start == 0:
+            return self.repeat_prompt_ids
+        return self.continue_prompt_ids + [int(t) for t in ids[max(0, start - ANCHOR):start]]
+
     def scores(self, session: ScoringSession, ids: np.ndarray) -> np.ndarray:
-        n = len(ids)
         best = None
-        for start in range(0, n, self.chunk):
+        for start in range(0, len(ids), self.chunk):
             piece = ids[start:start + self.chunk]
             window = -len(piece) if self.reduce_max else len(piece)
-            chunk_scores = session.score_continuation(np.concatenate([self.repeat_prompt_ids, piece]), window)
-            best = chunk_scores if best is None else np.maximum(best, chunk_scores)
-        best[..., n:] = 0.0
+            chunk_scores = session.score_continuation(np.concatenate([self.prompt_for(ids, start), piece]), window)
+            if best is None:
+                best = np.zeros_like(chunk_scores)
+            end = start + len(piece)
+            best[..., start:end] = chunk_scores[..., start:end]   # each position from its own chunk's copy
         return best
 
 

@@ -71,19 +71,21 @@ def select_reference(scores: np.ndarray, budget: int, recency: int, pooling: str
                                for h in range(kv_heads)]) for l in range(layers)])
 
 
-def kvzip_reference(reference, ids: list[int], repeat_prompt: list[int], chunk: int, scale: float,
+def kvzip_reference(reference, ids: list[int], prompt_for, chunk: int, scale: float,
                     reduce: str = "max") -> np.ndarray:
     """KVzip's scores as sharpi.runtime.scorers computes them, from the numpy forward pass (`reference`, a
-    NumpyReference): per chunk of `ids`, the sequence ids + repeat_prompt + chunk, whose chunk queries score every
-    position (score_reference); the maximum over chunks, for the positions of `ids`. Returns [L, KVH, len(ids)]."""
-    n, best = len(ids), None
+    NumpyReference): per chunk of `ids` starting at `start`, the sequence ids + prompt_for(start) + chunk, whose
+    chunk queries score the chunk's own positions (score_reference). Returns [L, KVH, len(ids)]."""
+    n = len(ids)
+    out = None
     for start in range(0, n, chunk):
         piece = list(ids[start:start + chunk])
         captured = []
-        reference.forward(list(ids) + list(repeat_prompt) + piece, capture=captured)
+        reference.forward(list(ids) + list(prompt_for(start)) + piece, capture=captured)
         scores = np.stack([score_reference(q[-len(piece):], k, 0, scale, reduce)[:, :n] for q, k, _ in captured])
-        best = scores if best is None else np.maximum(best, scores)
-    return best.astype(np.float32)
+        out = np.zeros_like(scores) if out is None else out
+        out[..., start:start + len(piece)] = scores[..., start:start + len(piece)]
+    return out.astype(np.float32)
 
 
 def probe_reference(reference, ids: list[int], probe: list[int], scale: float) -> np.ndarray:
