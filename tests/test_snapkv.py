@@ -201,16 +201,30 @@ def test_layer_budgets_pyramid_and_uniform():
         settings_from(env={}, allocation="adaptive")
 
 
-def test_pyramid_eviction_keeps_each_layers_budget(smollm2, long_prompt):
-    """Pyramid allocation on SmolLM2: each layer keeps its own budget, and its keep sets are the uniform
-    selection's at that layer's budget (the session's own scores); the pages of the slots let go return."""
+def test_scores_allocation_follows_one_threshold():
+    settings = settings_from(env={}, allocation="scores", recency=2)
+    scores = np.zeros((3, 2, 100), np.float32)
+    scores[0, :, :60] = 1.0                 # layer 0 has the most above any threshold, layer 2 nothing
+    scores[1, :, :30] = 0.5
+    assert layer_budgets(30, 3, settings, scores) == [60, 30, 3]   # 90 = 3 x 30 slots pass; layer 2 its floor
+    assert layer_budgets(30, 3, settings_from(env={}), scores) == [30, 30, 30]
+    with pytest.raises(sharpi.ConfigError, match="needs the prompt's scores"):
+        layer_budgets(30, 3, settings)
+
+
+@pytest.mark.parametrize("allocation", ["pyramid", "scores"])
+def test_layer_allocation_keeps_each_layers_budget(smollm2, long_prompt, allocation):
+    """Pyramid and score-allocated budgets on SmolLM2: each layer keeps its own budget, and its keep sets are the
+    uniform selection's at that layer's budget (the session's own scores)."""
     ids = long_prompt[:700]
     with smollm2.session(snapkv_budget=0, snapkv_recency=16) as base:
         base.prefill(ids, keep_scores=True)
         with base.fork() as pyr:
-            assert pyr.evict(256, allocation="pyramid", recency=16)
-            budgets = layer_budgets(256, smollm2.config.n_layers, settings_from(env={}, allocation="pyramid",
-                                                                                recency=16))
+            assert pyr.evict(256, allocation=allocation, recency=16)
+            scores = smollm2.engine.backend.to_host(base._scores)[:, :, :len(ids)]
+            budgets = layer_budgets(256, smollm2.config.n_layers, settings_from(env={}, allocation=allocation,
+                                                                                recency=16), scores)
+            assert len(set(budgets)) > 1 and abs(np.mean(budgets) - 256) < 0.1 * 256
             assert pyr.kv_length == [min(b, len(ids)) for b in budgets]
             for layer, b in enumerate(budgets):
                 if b >= len(ids):

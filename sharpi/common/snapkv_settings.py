@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, replace
 
+import numpy as np
+
 from .config import MAX_SIZE
 from .errors import ConfigError
 from .settings import parse_int
@@ -12,9 +14,10 @@ from .targets import target_spec
 
 POOLINGS = ("max", "avg", "none")
 GRANULARITIES = ("kv-head", "shared")
-# How the budget spreads over the layers: the same everywhere, or PyramidKV's (Cai et al., arXiv 2406.02069)
-# arithmetic sequence, most in the first layer, budget / PYRAMID_BETA in the last, the same mean.
-ALLOCATIONS = ("uniform", "pyramid")
+# How the budget spreads over the layers: the same everywhere; PyramidKV's (Cai et al., arXiv 2406.02069)
+# arithmetic sequence, most in the first layer, budget / PYRAMID_BETA in the last; or from the scores, as KVzip
+# does (one threshold over every layer's scores, each layer keeping what passes it); the same mean each time.
+ALLOCATIONS = ("uniform", "pyramid", "scores")
 PYRAMID_BETA = 20
 CHOICES = {"pooling": POOLINGS, "granularity": GRANULARITIES, "allocation": ALLOCATIONS}
 AUTO_MIN_CACHE_BYTES = 256 * 2**20
@@ -141,12 +144,22 @@ def check_against(settings: SnapKVSettings, budget: int, max_window: int) -> Non
         raise ConfigError("SnapKV pooling 'none' takes kernel 1.")
 
 
-def layer_budgets(budget: int, layers: int, settings: SnapKVSettings) -> list[int]:
-    """Slots each of `layers` (the layers that take keep sets, in order) keeps: `budget` each with uniform
-    allocation; with pyramid, from 2 * budget - low in the first layer down to low = budget / PYRAMID_BETA
-    (never fewer than recency + sinks + 1, which every keep set holds) in the last, in equal steps."""
+def layer_budgets(budget: int, layers: int, settings: SnapKVSettings, scores=None) -> list[int]:
+    """Slots each of `layers` (the layers that take keep sets, in order) keeps, `budget` on average: `budget` each
+    with uniform allocation; with pyramid, from 2 * budget - low in the first layer down to low = budget /
+    PYRAMID_BETA in the last, in equal steps; with scores ([layers, kv_heads, slots] on the host, the prompt's
+    slots only), what passes one threshold over all of them, a layer's count averaged over its KV heads (the
+    cache is rectangular within a layer). Never fewer than recency + sinks + 1 (every keep set holds them)."""
+    floor = settings.recency + settings.sinks + 1
     if settings.allocation == "uniform" or layers < 2:
         return [budget] * layers
-    low = min(max(budget // PYRAMID_BETA, settings.recency + settings.sinks + 1), budget)
+    if settings.allocation == "scores":
+        if scores is None:
+            raise ConfigError("SnapKV allocation 'scores' needs the prompt's scores.")
+        flat = np.sort(np.asarray(scores, np.float32).reshape(-1))[::-1]
+        threshold = flat[min(layers * scores.shape[1] * budget, flat.size) - 1]
+        counts = (np.asarray(scores) >= threshold).sum(axis=(1, 2)) / scores.shape[1]
+        return [int(min(max(round(c), floor), scores.shape[2])) for c in counts]
+    low = min(max(budget // PYRAMID_BETA, floor), budget)
     high = 2 * budget - low
     return [round(high - (high - low) * layer / (layers - 1)) for layer in range(layers)]

@@ -133,7 +133,11 @@ class Session:
         # The rule for sliding-window layers: they keep their last window (they hold nothing else), so only
         # the global layers get keep sets; the local layers' scores are not used.
         global_layers = [l for l in range(cache.n_layers) if not cache.is_local(l)]
-        budgets = dict(zip(global_layers, layer_budgets(budget, len(global_layers), settings)))
+        ranked = None
+        if settings.allocation == "scores":
+            host = scores if isinstance(scores, np.ndarray) else self._engine.backend.to_host(scores)
+            ranked = host[global_layers, :, :total]
+        budgets = dict(zip(global_layers, layer_budgets(budget, len(global_layers), settings, ranked)))
         with self._engine.lock:
             rows: list[np.ndarray | None] = [None] * cache.n_layers
             # One select per distinct budget (one when uniform); a layer whose budget holds the whole prompt is
