@@ -10,6 +10,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from sharpi.common.snapkv_settings import ALLOCATIONS
 from sharpi.eval.report import suite_score
 from sharpi.eval.scoring import paired_gap, row_score
 from sharpi.eval.sweep import Results
@@ -22,7 +23,8 @@ def prompt_key(r):
 
 
 def line_of(r):
-    allocation = "pyramid" if r["setting"].split("/")[-1] == "pyramid" or "/pyramid" in r["setting"] else "uniform"
+    """(scorer, allocation) of a row: the setting key names a non-uniform allocation (sharpi.eval.sweep.Setting)."""
+    allocation = next((part for part in r["setting"].split("/") if part in ALLOCATIONS), "uniform")
     return r["scorer"] or "full", allocation
 
 
@@ -47,7 +49,8 @@ def gaps(rows):
 
 
 def ordered(lines):
-    return sorted(lines, key=lambda l: (l[1] != "uniform", SCORER_ORDER.index(l[0]) if l[0] in SCORER_ORDER else 9))
+    return sorted(lines, key=lambda l: (ALLOCATIONS.index(l[1]), SCORER_ORDER.index(l[0]) if l[0] in SCORER_ORDER
+                                        else 9))
 
 
 def suite_table(name, rows):
@@ -120,8 +123,9 @@ def plot(path, panels):
         for i, line in enumerate(ordered(table)):
             ratios = sorted(table[line])
             ax.plot([0] + ratios, [full] + [table[line][r][0] for r in ratios], marker="os^vD"[i % 5],
-                    linestyle="-" if line[1] == "uniform" else ":", label=f"{line[0]}" +
-                    ("" if line[1] == "uniform" else ", pyramid"), color=f"C{SCORER_ORDER.index(line[0]) % 10}")
+                    linestyle={"uniform": "-", "pyramid": ":", "scores": "--"}[line[1]],
+                    label=line[0] + ("" if line[1] == "uniform" else f", {line[1]}"),
+                    color=f"C{SCORER_ORDER.index(line[0]) % 10}")
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("compression (% of the tokens evicted)", fontsize=8)
         ax.grid(alpha=0.3)
