@@ -159,7 +159,21 @@ def layer_budgets(budget: int, layers: int, settings: SnapKVSettings, scores=Non
         flat = np.sort(np.asarray(scores, np.float32).reshape(-1))[::-1]
         threshold = flat[min(layers * scores.shape[1] * budget, flat.size) - 1]
         counts = (np.asarray(scores) >= threshold).sum(axis=(1, 2)) / scores.shape[1]
-        return [int(min(max(round(c), floor), scores.shape[2])) for c in counts]
+        budgets = np.clip(np.round(counts), floor, scores.shape[2]).astype(np.int64)
+        return _within_mean(budgets, budget, floor).tolist()
     low = min(max(budget // PYRAMID_BETA, floor), budget)
     high = 2 * budget - low
     return [round(high - (high - low) * layer / (layers - 1)) for layer in range(layers)]
+
+
+def _within_mean(budgets: np.ndarray, budget: int, floor: int) -> np.ndarray:
+    """Budgets whose mean is at most `budget`: what the floor added (and ties at the threshold) is taken back
+    from the layers above the floor, in proportion to what they hold above it."""
+    excess = int(budgets.sum()) - budget * len(budgets)
+    above = budgets - floor
+    if excess <= 0 or above.sum() <= 0:
+        return budgets
+    cut = np.floor(above * min(excess / above.sum(), 1.0)).astype(np.int64)
+    for i in np.argsort(-above)[:max(0, excess - int(cut.sum()))]:   # the rounding's remainder, largest first
+        cut[i] += 1 if budgets[i] - cut[i] > floor else 0
+    return budgets - cut

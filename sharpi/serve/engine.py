@@ -29,8 +29,8 @@ compressed continuation (only the new tokens computed, as `sharpi chat` does). U
 cache's blocks go first (they are a whole prompt's pages; the compressed entries are a budget's), so the two
 complement each other: with room the faithful path, when memory is tight the compressed one.
 
-A request may ask for its prefix to be compressed by a query-agnostic scorer (GenerationRequest.compress: kvzip
-or probe, sharpi.runtime.scorers): the prefix is prefilled and compressed alone, a fork of it goes to the
+A request may ask for its prefix to be compressed by a query-agnostic scorer (GenerationRequest.compress: probe,
+keydiff, hybrid or kvzip, sharpi.runtime.scorers): the prefix is prefilled and compressed alone, a fork of it goes to the
 conversation cache under the prefix's exact tokens, and the rest of the prompt follows as a continuation. Such an
 entry was chosen without any question, so it serves any later prompt that starts with those tokens (another
 question about the same document) with the same scorer and settings.

@@ -35,12 +35,13 @@ class SnapKVOptions(BaseModel):
 
 class CompressOptions(BaseModel):
     """A query-agnostic compression of the prompt's prefix (sharpi's extension): the prefix is compressed to
-    `budget` slots a layer by `scorer` (kvzip, or the cheap probe), kept in the server's cache under its exact
+    `budget` slots a layer by `scorer` (probe, the default: the best measured for its cost, benchmarks/
+    compression.md; keydiff, hybrid or kvzip, sharpi.runtime.scorers), kept in the server's cache under its exact
     tokens, and reused by any later prompt that starts with them (another question about the same document).
     The prefix: a chat's messages but the last ("all-but-last-message", the default for chat) or a completion
     prompt's first `prefix_tokens` tokens."""
     model_config = _STRICT
-    scorer: Literal["kvzip", "probe", "keydiff", "hybrid"] = "kvzip"
+    scorer: Literal["probe", "keydiff", "hybrid", "kvzip"] = "probe"
     budget: int = Field(ge=1, le=1 << 24)
     prefix: Literal["all-but-last-message"] | None = None
     prefix_tokens: int | None = Field(None, ge=1)
