@@ -122,8 +122,10 @@ def _margins(logits) -> list[float]:
 
 
 def _runtime_tree(stage: Path, python_version: str) -> Path:
-    """TVM's Python package without its compiler library, plus apache-tvm-ffi built for the GPU machine's Python
-    (downloaded as a wheel: the one installed here is built for this Python)."""
+    """TVM's Python package without its compiler library, plus apache-tvm-ffi and ml_dtypes (TVM's own
+    dependencies: ml_dtypes gives numpy the bfloat16 a bf16 KV pool is read back as) built for the GPU machine's
+    Python (downloaded as wheels: the ones installed here are built for this Python)."""
+    import ml_dtypes
     import tvm
     import tvm_ffi
 
@@ -135,7 +137,7 @@ def _runtime_tree(stage: Path, python_version: str) -> Path:
                     "--python-version", python_version, "--implementation", "cp",
                     "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_24_x86_64",
                     "--platform", "manylinux_2_17_x86_64", "-d", str(wheels),
-                    f"apache-tvm-ffi=={tvm_ffi.__version__}"], check=True)
+                    f"apache-tvm-ffi=={tvm_ffi.__version__}", f"ml_dtypes=={ml_dtypes.__version__}"], check=True)
     import zipfile
     for wheel in wheels.glob("*.whl"):
         zipfile.ZipFile(wheel).extractall(site)
@@ -191,7 +193,7 @@ def receive(args) -> int:
     present = sorted(p.name for p in bundle.glob("p*") if p.is_dir())
     print(f"parts present: {present} of {index['parts'] if index else '?'}")
     print(f"python {sys.version.split()[0]}; disk free {shutil.disk_usage('/tmp').free / 2**30:.0f} GiB")
-    for module in ("numpy", "tokenizers", "jinja2", "tqdm"):
+    for module in ("numpy", "tokenizers", "jinja2", "tqdm", "ml_dtypes"):
         try:
             print(f"  {module} {__import__(module).__version__}")
         except Exception as exc:       # noqa: BLE001 - a report, not a failure
