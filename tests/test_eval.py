@@ -386,7 +386,7 @@ def test_real_model_tiny_sweep(smollm2, tmp_path):
     results = run_sweep(smollm2, config, Results(tmp_path / "real.json", {"name": "smollm2"}), progress=False)
     full, evicted = sorted(results.rows(), key=lambda r: r["budget"])
     assert full["hit"], full["output"]                        # a 300-token passkey with its needle up front
-    assert evicted["evicted"] and evicted["kv_slots"] == 128 and not full["evicted"]
+    assert evicted["evicted"] and evicted["kv_slots"] == 128 == evicted["kv_mean"] and not full["evicted"]
     kept = np.load(results.kept_dir / evicted["kept"])
     assert len(kept.files) == smollm2.config.n_layers
     assert kept["arr_0"].shape == (smollm2.config.n_kv_heads, 128)

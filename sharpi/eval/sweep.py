@@ -383,6 +383,7 @@ def _run_compression(model, base, logits, cells: list[Cell], prompt, steps: int,
         evicted = bool(budget) and fork.logical_length > first.window and fork.evict(budget,
                                                                                      **first.setting.knobs())
         kv_slots = max(fork.kv_length)          # after eviction, before the question's or the answer's tokens
+        kv_mean = round(float(np.mean(fork.kv_length)), 1)      # the memory, when layers keep different counts
         kept = _save_kept(fork, first, results) if config.show_kept and evicted and first.trial == 0 else None
         evict_s = time.perf_counter() - start
         for cell in cells:
@@ -404,7 +405,7 @@ def _run_compression(model, base, logits, cells: list[Cell], prompt, steps: int,
                 "needle": list(prompt.needle), "needle_depth": prompt.needle_depth,
                 "distractors": [list(d) for d in prompt.distractors], "answer": ", ".join(answers),
                 "answers": list(answers), "output": output, "score": score, "hit": score == 1.0,
-                "evicted": evicted, "kv_slots": kv_slots, "kept": kept,
+                "evicted": evicted, "kv_slots": kv_slots, "kv_mean": kv_mean, "kept": kept,
                 "answer_s": round(time.perf_counter() - start + evict_s, 2)}
             evict_s = 0.0
 

@@ -28,9 +28,9 @@ Hybrid: the probe and KeyDiff together, each position ranked by the better of it
 scores replaced by their rank among the prompt's positions, per layer and KV head, then the maximum): what the
 probe's queries find and what stands out among the keys both stay. Cost: the probe's.
 
-Probe: the cheap one with queries. A generic instruction about the whole context (PROBE_PROMPT) is fed after it on one fork,
-and its queries score every position as SnapKV's last window would; it stands in for a question that is not known
-yet. Cost: one prefill of a few tokens.
+Probe: the cheap one with queries. A generic instruction about the whole context (PROBE_PROMPT) is fed after it
+on one fork, and its queries score every position as SnapKV's last window would; it stands in for a question that
+is not known yet. Cost: one prefill of a few tokens.
 """
 from __future__ import annotations
 

@@ -30,10 +30,10 @@ cache's blocks go first (they are a whole prompt's pages; the compressed entries
 complement each other: with room the faithful path, when memory is tight the compressed one.
 
 A request may ask for its prefix to be compressed by a query-agnostic scorer (GenerationRequest.compress: probe,
-keydiff, hybrid or kvzip, sharpi.runtime.scorers): the prefix is prefilled and compressed alone, a fork of it goes to the
-conversation cache under the prefix's exact tokens, and the rest of the prompt follows as a continuation. Such an
-entry was chosen without any question, so it serves any later prompt that starts with those tokens (another
-question about the same document) with the same scorer and settings.
+keydiff, hybrid or kvzip, sharpi.runtime.scorers): the prefix is prefilled and compressed alone, a fork of it goes
+to the conversation cache under the prefix's exact tokens, and the rest of the prompt follows as a continuation.
+Such an entry was chosen without any question, so it serves any later prompt that starts with those tokens
+(another question about the same document) with the same scorer and settings.
 """
 from __future__ import annotations
 
