@@ -56,7 +56,7 @@ def ordered(lines):
 def suite_table(name, rows):
     table, full, n = gaps(rows)
     ratios = sorted({ratio for cells in table.values() for ratio in cells})
-    print(f"\n{name}: full cache {full:.1f} on {n} prompts\n")
+    print(f"\n### {name}: full cache {full:.1f} on {n} prompts\n")
     print("| scorer | allocation | " + " | ".join(f"{r}% compression" for r in ratios) + " |")
     print("| --- | --- | " + " | ".join("---" for _ in ratios) + " |")
     for line in ordered(table):
@@ -73,7 +73,7 @@ def followup_table(name, rows):
     for r in asked:
         if line_of(r)[1] == "uniform":
             groups[(r["scorer"] or "full", r["ratio"])][bool(r.get("question"))].append(row_score(r))
-    print(f"\n{name}, several questions after one compression (multikey, multiquery; uniform allocation):\n")
+    print(f"\n### {name}, several questions after one compression (multikey, multiquery; uniform allocation)\n")
     print("| scorer | compression | own question | follow-ups |\n| --- | --- | --- | --- |")
     for (scorer, ratio), (own, later) in sorted(groups.items(), key=lambda kv: (kv[0][0] != "full",
                                                 SCORER_ORDER.index(kv[0][0]) if kv[0][0] in SCORER_ORDER else 9,
@@ -85,7 +85,7 @@ def followup_table(name, rows):
 def task_table(name, rows, ratio):
     own = [r for r in rows if not r.get("question") and line_of(r)[1] == "uniform"]
     tasks = sorted({r["task"] for r in own})
-    print(f"\n{name}, each task at {ratio}% compression (full cache first; mean score, points):\n")
+    print(f"\n### {name}, each task at {ratio}% compression (full cache first; mean score, points)\n")
     print("| scorer | " + " | ".join(tasks) + " |\n| --- | " + " | ".join("---" for _ in tasks) + " |")
     for scorer in ("full", *SCORER_ORDER):
         cells = []
@@ -106,7 +106,7 @@ def cost_table(name, rows):
     for (_, scorer), (prefill, scoring) in per_prompt.items():
         if scoring is not None:
             by_scorer[scorer].append((prefill + scoring) / prefill)
-    print(f"\n{name}, cost of each scorer: (prefill + its own pass) / prefill, median over prompts:\n")
+    print(f"\n### {name}, cost of each scorer: (prefill + its own pass) / prefill, median over prompts\n")
     print("| scorer | cost | prompts |\n| --- | --- | --- |")
     for scorer in SCORER_ORDER:
         if by_scorer.get(scorer):
@@ -135,6 +135,7 @@ def plot(path, panels):
 
 
 def main(argv):
+    print("# The compression suite's tables (benchmarks/compression_summary.py; see compression.md)")
     panels = []
     for path in argv[1:]:
         results = Results(path)
