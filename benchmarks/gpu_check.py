@@ -215,11 +215,14 @@ def receive(args) -> int:
 
 def _setup_runtime(bundle: Path) -> None:
     """Unpack the runtime, point Python at it and at the repo's sharpi, and preload CUDA's runtime library."""
-    site = WORK / "site"
-    if not site.is_dir():
+    site, runtime = WORK / "site", bundle / "p1" / "runtime.tar.gz"
+    stamp, made = WORK / "site.stamp", f"{runtime.stat().st_size}:{runtime.stat().st_mtime_ns}"
+    if not site.is_dir() or not stamp.is_file() or stamp.read_text() != made:   # another bundle's: unpack again
+        shutil.rmtree(site, ignore_errors=True)
         WORK.mkdir(parents=True, exist_ok=True)
-        with tarfile.open(bundle / "p1" / "runtime.tar.gz") as tar:
+        with tarfile.open(runtime) as tar:
             tar.extractall(WORK)
+        stamp.write_text(made)
     os.environ["TVM_USE_RUNTIME_LIB"] = "1"
     sys.path[:0] = [str(site), str(ROOT)]
     _preload_cudart()
