@@ -11,15 +11,12 @@ from collections import defaultdict
 from pathlib import Path
 
 from sharpi.common.snapkv_settings import ALLOCATIONS
-from sharpi.eval.report import suite_score
-from sharpi.eval.scoring import paired_gap, row_score
+from sharpi.eval.report import gap_to_full, suite_score
+from sharpi.eval.scoring import row_score
+from sharpi.eval.summary import prompt_key
 from sharpi.eval.sweep import Results
 
 SCORER_ORDER = ("snapkv", "keydiff", "probe", "hybrid", "kvzip")
-
-
-def prompt_key(r):
-    return r["task"], r["length"], r["depth"], r["trial"], r["seed"], r.get("question", 0)
 
 
 def line_of(r):
@@ -40,11 +37,7 @@ def gaps(rows):
     for line, by_ratio in by_line.items():
         out[line] = {}
         for ratio, cell in by_ratio.items():
-            pairs = defaultdict(list)
-            for r in cell:
-                if prompt_key(r) in full:
-                    pairs[r["task"]].append((row_score(r), full[prompt_key(r)]))
-            out[line][ratio] = (suite_score(cell), paired_gap(pairs))
+            out[line][ratio] = (suite_score(cell), gap_to_full(cell, full))
     return out, suite_score([r for r in own if not r["scorer"]]), len(full)
 
 

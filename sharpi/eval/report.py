@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .scoring import accuracy, paired_gap, row_score
-from .summary import budget_name, column, column_order, first_questions, has_length, lines
+from .scoring import Gap, accuracy, paired_gap, row_score
+from .summary import budget_name, column, column_order, first_questions, full_rows, has_length, lines, prompt_key
 
 
 def budget_table(rows: list[dict]) -> list[str]:
@@ -39,10 +39,6 @@ def depth_tables(rows: list[dict]) -> list[str]:
     return out
 
 
-def _prompt_key(row: dict) -> tuple:
-    return row["task"], row["length"], row["depth"], row["trial"], row["seed"], row.get("question", 0)
-
-
 def suite_score(rows: list[dict]) -> float:
     """Mean over tasks of the mean score over each task's prompts, in points."""
     by_task: dict[str, list[float]] = {}
@@ -51,23 +47,28 @@ def suite_score(rows: list[dict]) -> float:
     return 100 * sum(sum(v) / len(v) for v in by_task.values()) / len(by_task) if by_task else float("nan")
 
 
+def gap_to_full(cell_rows, full_score: dict) -> Gap:
+    """A cell's paired gap to the full cache: each row against the full cache's score of the same prompt_key
+    (`full_score`), paired within its task."""
+    pairs: dict[str, list[tuple[float, float]]] = {}
+    for r in cell_rows:
+        if prompt_key(r) in full_score:
+            pairs.setdefault(r["task"], []).append((row_score(r), full_score[prompt_key(r)]))
+    return paired_gap(pairs)
+
+
 def gap_table(rows: list[dict]) -> list[str]:
     """Each line's score (mean over tasks of the mean over prompts, points) per column and its gap to the full
     cache on the same prompts, with the paired bootstrap 95% interval; the full cache's own score last."""
     columns = sorted({column(r) for r in rows if column(r) != 0}, key=column_order)
-    line_groups = lines(rows)
-    full = next(iter(line_groups.values()))[1].get(0, []) if line_groups else []
-    full_score = {_prompt_key(r): row_score(r) for r in full}
+    full = full_rows(rows)
+    full_score = {prompt_key(r): row_score(r) for r in full}
     out = ["| setting | " + " | ".join(budget_name(c) for c in columns) + " |",
            "| --- | " + " | ".join("---" for _ in columns) + " |"]
-    for label, by_column in line_groups.values():
+    for label, by_column in lines(rows).values():
         cells = []
         for c in columns:
-            pairs: dict[str, list[tuple[float, float]]] = {}
-            for r in by_column.get(c, ()):
-                if _prompt_key(r) in full_score:
-                    pairs.setdefault(r["task"], []).append((row_score(r), full_score[_prompt_key(r)]))
-            gap = paired_gap(pairs)
+            gap = gap_to_full(by_column.get(c, ()), full_score)
             cells.append(f"{suite_score(by_column[c]):.1f} ({gap}, n={gap.prompts})" if gap.prompts else "-")
         out.append(f"| {label} | " + " | ".join(cells) + " |")
     out.append(f"| full cache | {suite_score(full):.1f} (n={len(full)}) |" + " |" * (len(columns) - 1))
@@ -80,10 +81,9 @@ def questions_table(rows: list[dict]) -> list[str]:
     asked = sorted({r.get("question", 0) for r in rows})
     out = ["| setting | budget | " + " | ".join(f"question {q + 1}" for q in asked) + " |",
            "| --- | --- | " + " | ".join("---" for _ in asked) + " |"]
-    groups = lines(rows).values()
-    full = next(iter(groups))[1].get(0) if groups else None
+    full = full_rows(rows)
     entries = [("full cache", 0, full)] if full else []
-    entries += [(label, c, by_column[c]) for label, by_column in groups
+    entries += [(label, c, by_column[c]) for label, by_column in lines(rows).values()
                 for c in sorted(by_column, key=column_order) if c != 0]
     for label, c, cell_rows in entries:
         cells = [str(accuracy(r for r in cell_rows if r.get("question", 0) == q)) for q in asked]
@@ -135,10 +135,9 @@ def followup_lines(followups: list[dict]) -> list[str]:
 
 def _paired_accuracy(own: list[dict], later: list[dict]):
     own_lines, later_lines = lines(own), lines(later)
-    full = next(iter(own_lines.values()))[1].get(0) if own_lines else None
+    full = full_rows(own)
     if full:
-        later_full = next(iter(later_lines.values()))[1].get(0, []) if later_lines else []
-        yield "full cache", 0, accuracy(full), accuracy(later_full)
+        yield "full cache", 0, accuracy(full), accuracy(full_rows(later))
     for key, (label, by_column) in own_lines.items():
         for c in sorted((c for c in by_column if c != 0), key=column_order):
             yield label, c, accuracy(by_column[c]), accuracy(later_lines.get(key, ("", {}))[1].get(c, []))

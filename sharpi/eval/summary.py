@@ -23,6 +23,11 @@ def budget_name(budget: int | str, short: bool = False) -> str:
     return str(budget) if short else f"budget {budget}"
 
 
+def prompt_key(row: dict) -> tuple:
+    """The prompt and question a row answers: rows of one key are paired across lines."""
+    return row["task"], row["length"], row["depth"], row["trial"], row["seed"], row.get("question", 0)
+
+
 def first_questions(rows: list[dict]) -> list[dict]:
     """Rows of each prompt's own question (follow-ups have their own table)."""
     return [r for r in rows if not r.get("question")]
@@ -38,7 +43,7 @@ def full_rows(rows: list[dict]) -> list[dict]:
     seen = {}
     for r in rows:
         if column(r) == 0:
-            seen.setdefault((r["task"], r["length"], r["depth"], r["trial"], r["seed"], r.get("question", 0)), r)
+            seen.setdefault(prompt_key(r), r)
     return list(seen.values())
 
 
