@@ -1,13 +1,15 @@
-"""The integer-dot matmuls (quant_matmul_int8: the decode GEMV and the prefill GEMM) against numpy: the same
-weights multiplied by the activations quantized as ggml does (sharpi.testing.reference.quantize_activations_q8), for
-every quantized layout, with block counts that take each accumulator split, token counts that cut a tile, q8_0's
--128, zero blocks and the largest quants."""
+"""The integer-dot matmuls (quant_matmul_int8 and quant_matmul_vnni512: the decode GEMV and the prefill GEMM, on each
+instruction set this CPU has) against numpy: the same weights multiplied by the activations quantized as ggml does
+(sharpi.testing.reference.quantize_activations_q8), for every quantized layout, with block counts that take each
+accumulator split, token counts that cut a tile, q8_0's -128, zero blocks and the largest quants."""
 import numpy as np
 import pytest
 
+from sharpi.codegen.kernels import quant_matmul_vnni512
 from sharpi.codegen.kernels.quant_matmul_int8 import (INT8_DOT_TYPES, GEMM_TILE, element_lane, lane_element,
                                                       make_gemm_int8, make_gemv_int8)
-from sharpi.codegen.targets.llvm import int8_dot_available
+from sharpi.codegen.kernels.quant_matmul_vnni512 import make_gemm_vnni512, make_gemv_vnni512
+from sharpi.codegen.targets.llvm import int8_dot_available, int8_dot_isa
 from sharpi.common.quant_layout import dequantize_layout
 from sharpi.testing.reference import quantize_activations_q8
 import test_kernels
@@ -15,6 +17,15 @@ import test_kquants
 from test_kernels import TARGET, _as_cpu_kernel_takes, _build, _t, workspace_requests
 
 pytestmark = pytest.mark.skipif(not int8_dot_available(TARGET), reason="the integer-dot GEMV needs x86 AVX2")
+
+# every kernel variant this CPU can run: (GEMV maker, GEMM maker, GEMM tile)
+_HOST_ISA = int8_dot_isa(TARGET)
+VARIANTS = {"avx2": (make_gemv_int8, make_gemm_int8, GEMM_TILE)}
+if _HOST_ISA in ("avx-vnni", "avx512-vnni"):
+    VARIANTS["avx-vnni"] = (lambda q, n, k: make_gemv_int8(q, n, k, "avx-vnni"),
+                            lambda q, n, k: make_gemm_int8(q, n, k, "avx-vnni"), GEMM_TILE)
+if _HOST_ISA == "avx512-vnni":
+    VARIANTS["avx512-vnni"] = (make_gemv_vnni512, make_gemm_vnni512, quant_matmul_vnni512.GEMM_TILE)
 
 
 def _weight(qtype, n, k, rng):
@@ -31,15 +42,15 @@ def _expected(q, parts, x):
     return y[0] if len(x) == 1 else y
 
 
-def _run_gemm(q, parts, n, k, x):
+def _run_gemm(q, parts, n, k, x, isa="avx2"):
     y = _t(np.zeros((len(x), n), np.float32))
-    _build(make_gemm_int8(q, n, k))(_t(x), *[_t(p) for p in _as_cpu_kernel_takes(q, parts, n, k)], y)
+    _build(VARIANTS[isa][1](q, n, k))(_t(x), *[_t(p) for p in _as_cpu_kernel_takes(q, parts, n, k)], y)
     return y.numpy()
 
 
-def _run(q, parts, n, k, x):
+def _run(q, parts, n, k, x, isa="avx2"):
     y = _t(np.zeros((1, n), np.float32))
-    _build(make_gemv_int8(q, n, k))(_t(x), *[_t(p) for p in _as_cpu_kernel_takes(q, parts, n, k)], y)
+    _build(VARIANTS[isa][0](q, n, k))(_t(x), *[_t(p) for p in _as_cpu_kernel_takes(q, parts, n, k)], y)
     return y.numpy()[0]
 
 
@@ -49,28 +60,33 @@ def test_lane_order_is_a_permutation():
         assert all(lane_element(element_lane(e, qtype), qtype) == e for e in range(32))
 
 
+@pytest.mark.parametrize("isa", VARIANTS)
 @pytest.mark.parametrize("qtype", INT8_DOT_TYPES)
 @pytest.mark.parametrize("n,k", [(70, 256), (33, 768), (128, 512)])   # 8, 24 and 16 blocks: 4 chains; 70, 33 rows
-def test_gemv_int8_matches_numpy(qtype, n, k, rng):
+def test_gemv_int8_matches_numpy(isa, qtype, n, k, rng):
     q, parts = _weight(qtype, n, k, rng)
     x = rng.standard_normal((1, k)).astype(np.float32)
     x[0, 32:64] = 0                                   # a zero block: d = 0
     x[0, 64] = 40.0                                   # an outlier: its block quantizes coarsely, as in ggml
-    got, want = _run(q, parts, n, k, x), _expected(q, parts, x)
+    got, want = _run(q, parts, n, k, x, isa), _expected(q, parts, x)
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
     # and it is the activation rounding, not something larger, that separates it from the float product
     exact = dequantize_layout(q, parts) @ x[0]
     assert np.abs(got - exact).max() <= 0.02 * np.abs(exact).max()
 
 
-@pytest.mark.parametrize("k", [32 * 9, 32 * 18])   # odd and 2 x odd block counts: one and two chains
-def test_gemv_int8_accumulator_splits(k, rng):
+@pytest.mark.parametrize("isa", VARIANTS)
+@pytest.mark.parametrize("k", [32 * 9, 32 * 18, 32 * 36])   # 1, 2 and 4 chains of blocks (the 512-bit kernels:
+def test_gemv_int8_accumulator_splits(isa, k, rng):        # 9 pairs (one chain), 18 (two); 9 blocks do not fit
+    if isa == "avx512-vnni" and not quant_matmul_vnni512.vnni512_fits(k):
+        k *= 2
     q, parts = _weight("q4_1", 17, k, rng)
     x = rng.standard_normal((1, k)).astype(np.float32)
-    np.testing.assert_allclose(_run(q, parts, 17, k, x), _expected(q, parts, x), rtol=0, atol=1e-4)
+    np.testing.assert_allclose(_run(q, parts, 17, k, x, isa), _expected(q, parts, x), rtol=0, atol=1e-4)
 
 
-def test_q8_0_extremes(rng):
+@pytest.mark.parametrize("isa", VARIANTS)
+def test_q8_0_extremes(isa, rng):
     """Raw int8 weights -128..127 (ggml's quantizer never writes -128; a GGUF may) against x at +-127 after
     quantization: the sign trick's |w| = 128 and the pair sums (up to 2 * 128 * 127) must not saturate."""
     n, k = 8, 64
@@ -79,41 +95,55 @@ def test_q8_0_extremes(rng):
     words[1] = 127
     parts = {"qs": words.view(np.uint32).reshape(n, k // 4), "s": np.full((1, n, k // 32), 0.5, np.float32)}
     x = np.where(rng.random((1, k)) < 0.5, -1.0, 1.0).astype(np.float32) * 3
-    np.testing.assert_allclose(_run("q8_0", parts, n, k, x), _expected("q8_0", parts, x), rtol=1e-6)
+    np.testing.assert_allclose(_run("q8_0", parts, n, k, x, isa), _expected("q8_0", parts, x), rtol=1e-6)
+    y = _run_gemm("q8_0", parts, n, k, np.concatenate([x, -x]), isa)
+    np.testing.assert_allclose(y, _expected("q8_0", parts, np.concatenate([x, -x])), rtol=1e-6)
 
 
+@pytest.mark.parametrize("isa", VARIANTS)
 @pytest.mark.parametrize("qtype", INT8_DOT_TYPES)
-@pytest.mark.parametrize("tokens,n,k", [(GEMM_TILE + 5, 70, 256), (GEMM_TILE, 33, 512), (1, 64, 256)])
-def test_gemm_int8_matches_numpy(qtype, tokens, n, k, rng):
+@pytest.mark.parametrize("tiles,cut,n,k", [(1, 5, 70, 256), (1, 0, 33, 512), (0, 1, 64, 256)])
+def test_gemm_int8_matches_numpy(isa, qtype, tiles, cut, n, k, rng):
     """Prefill: a tile and a cut one (the padding rows must not reach y), a whole tile, one token; rows that do
     not divide into the tasks evenly."""
+    tokens = tiles * VARIANTS[isa][2] + cut
     q, parts = _weight(qtype, n, k, rng)
     x = rng.standard_normal((tokens, k)).astype(np.float32)
     x[0, 32:64] = 0                                   # a zero block
     x[-1, 5] = 40.0                                   # an outlier in the last token
     if tokens > 2:
         x[tokens // 2] *= 1e-3                        # a token of small activations: its own scales
-    got, want = _run_gemm(q, parts, n, k, x), _expected(q, parts, x).reshape(tokens, n)
+    got, want = _run_gemm(q, parts, n, k, x, isa), _expected(q, parts, x).reshape(tokens, n)
     err = np.abs(got - want).max(-1) / np.abs(want).max(-1)          # per token: each has its own scales
     assert err.max() <= 2e-5, err
     exact = x @ dequantize_layout(q, parts).T                         # and the rounding is all that separates them
     assert (np.abs(got - exact).max(-1) <= 0.05 * np.abs(exact).max(-1)).all()
 
 
-def test_gemm_int8_rows_agree_with_the_gemv(rng):
+@pytest.mark.parametrize("isa", VARIANTS)
+def test_gemm_int8_rows_agree_with_the_gemv(isa, rng):
     """A token's row quantizes the same in prefill and decode, so the two kernels give it the same products."""
-    q, parts = _weight("q5_0", 40, 192, rng)
-    x = rng.standard_normal((11, 192)).astype(np.float32)
-    got = _run_gemm(q, parts, 40, 192, x)
-    for t in (0, 7, 10):
-        np.testing.assert_allclose(got[t], _run(q, parts, 40, 192, x[t:t + 1]), rtol=1e-5, atol=1e-6)
+    q, parts = _weight("q5_0", 40, 256, rng)
+    x = rng.standard_normal((19, 256)).astype(np.float32)
+    got = _run_gemm(q, parts, 40, 256, x, isa)
+    for t in (0, 7, 18):
+        np.testing.assert_allclose(got[t], _run(q, parts, 40, 256, x[t:t + 1], isa), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.skipif(_HOST_ISA != "avx512-vnni", reason="needs AVX-512 VNNI")
+def test_the_wide_kernels_use_512_bit_dots():
+    """The 512-bit kernels run vpdpbusd on zmm registers (LLVM may split wide vectors where a CPU prefers 256)."""
+    for make in (make_gemv_vnni512, make_gemm_vnni512):
+        asm = _build(make("q4_k", 64, 512)).mod.inspect_source("asm")
+        assert "vpdpbusd" in asm and "zmm" in asm.split("vpdpbusd", 1)[1].splitlines()[0], make.__name__
+
+
+@pytest.mark.parametrize("isa", VARIANTS)
 @pytest.mark.parametrize("qtype", ["q5_0", "q4_k", "q8_0"])
-def test_scratch_stays_on_the_stack(qtype):
+def test_scratch_stays_on_the_stack(isa, qtype):
     """The GEMV and GEMM ask the workspace allocator only for their per-call activation buffers (>= 1 KB or sized
     by the token count), never for per-task accumulators or per-block scalars: those were ~16,000 allocator call
     pairs in a gemma3 decode step."""
-    for make in (make_gemv_int8, make_gemm_int8):
+    for make in VARIANTS[isa][:2]:
         sizes = workspace_requests(make(qtype, 256, 2048))
         assert all(not isinstance(size, int) or size >= 1024 for size in sizes), (make.__name__, sizes)

@@ -25,6 +25,7 @@ from .kernels.paged_attention import (make_kv_append, make_kv_append_batch, make
                                       make_paged_attention_batch)
 from ..common.quant_layout import QUANTIZED
 from .kernels.quant_matmul_int8 import INT8_DOT_TYPES, make_gemm_int8, make_gemv_int8
+from .kernels.quant_matmul_vnni512 import make_gemm_vnni512, make_gemv_vnni512, vnni512_fits
 from .kernels.quant_matmul import cpu_quants, make_embedding, make_matmul
 from .kernels.rope import make_rope
 from .kernels.snapkv import make_kv_compact, make_snapkv_score, make_snapkv_select
@@ -45,9 +46,9 @@ def _prim_constant(prim_value):
 
 @relax.expr_functor.mutator
 class KernelAttacher(relax.PyExprMutator):
-    def __init__(self, mod: tvm.IRModule, cfg: ModelConfig, gpu: bool = False, int8_dot: bool = False):
+    def __init__(self, mod: tvm.IRModule, cfg: ModelConfig, gpu: bool = False, int8_isa: str | None = None):
         super().__init__(mod)
-        self.mod_, self.cfg, self.gpu, self.int8_dot = mod, cfg, gpu, int8_dot
+        self.mod_, self.cfg, self.gpu, self.int8_isa = mod, cfg, gpu, int8_isa
         self.kernels: dict[tuple, tvm.ir.GlobalVar] = {}
 
     def run(self) -> tvm.IRModule:
@@ -127,13 +128,30 @@ class KernelAttacher(relax.PyExprMutator):
             gv = self.kernel(("gpu_matmul", qtype, n_out, k_in, tokens),
                              lambda: make_gpu_matmul(qtype, n_out, k_in, tokens))
             return relax.call_tir(gv, [call.args[0], *self._gpu_parts(qtype, parts, n_out, k_in)], call.ty)
-        if tokens == 1 and self.int8_dot and qtype in INT8_DOT_TYPES:
-            gv = self.kernel(("gemv_int8", qtype, n_out, k_in), lambda: make_gemv_int8(qtype, n_out, k_in))
-        elif self.int8_dot and qtype in INT8_DOT_TYPES:
-            gv = self.kernel(("gemm_int8", qtype, n_out, k_in), lambda: make_gemm_int8(qtype, n_out, k_in))
+        if self.int8_isa is not None and qtype in INT8_DOT_TYPES:
+            gv = self._int8_matmul(qtype, n_out, k_in, decode=tokens == 1)
         else:
             gv = self.kernel(("matmul", qtype, n_out, k_in, tokens), lambda: make_matmul(qtype, n_out, k_in, tokens))
         return relax.call_tir(gv, [call.args[0], *self._cpu_parts(qtype, parts, n_out, k_in)], call.ty)
+
+    # The decode GEMV's unpacking of 4-bit quants into 64 lanes costs what the wider dot saves: on a znver5, 2
+    # threads, a 32768 x 2048 GEMV took 1-3% longer in 512 bits than AVX-VNNI's 256 for q4_0 and q4_k, 3-10%
+    # less for q5_0, q6_k and q8_0; the prefill GEMM is ~1.6-2x AVX2's for every type (tiles share the unpacking)
+    _GEMV_512 = ("q5_0", "q5_1", "q5_k", "q6_k", "q8_0")
+
+    def _int8_matmul(self, qtype, n_out, k_in, decode: bool) -> tvm.ir.GlobalVar:
+        """The integer-dot kernel for the CPU's instruction set: AVX-512 VNNI's 512-bit kernels where the block
+        count is even (and, for the decode GEMV, the type gains by them), else the 256-bit ones (vpdpbusd on
+        AVX-VNNI and AVX-512 VNNI, vpmaddubsw + vpmaddwd on AVX2)."""
+        wide = self.int8_isa == "avx512-vnni" and vnni512_fits(k_in) and (not decode or qtype in self._GEMV_512)
+        kind = "gemv" if decode else "gemm"
+        if wide:
+            make = make_gemv_vnni512 if decode else make_gemm_vnni512
+            return self.kernel((f"{kind}_vnni512", qtype, n_out, k_in), lambda: make(qtype, n_out, k_in))
+        isa = "avx2" if self.int8_isa == "avx2" else "avx-vnni"
+        make = make_gemv_int8 if decode else make_gemm_int8
+        return self.kernel((f"{kind}_int8", None if isa == "avx2" else "vnni", qtype, n_out, k_in),
+                           lambda: make(qtype, n_out, k_in, isa))
 
     def _fuse_embedding(self, call):
         source = self._dequantize_source(call.args[0])
@@ -292,10 +310,12 @@ def _check_gpu_layouts(mod: tvm.IRModule) -> None:
                                        f"{', '.join(GPU_LAYOUTS)}); compile for llvm instead.")
 
 
-def attach_kernels(mod: tvm.IRModule, cfg: ModelConfig, gpu: bool = False, int8_dot: bool = False) -> tvm.IRModule:
-    """Replace the named ops with the CPU kernels, or with the GPU kernels when `gpu`; `int8_dot`: the CPU's
-    quantized matmuls through quant_matmul_int8 (x86 AVX2 only)."""
+def attach_kernels(mod: tvm.IRModule, cfg: ModelConfig, gpu: bool = False,
+                   int8_isa: str | None = None) -> tvm.IRModule:
+    """Replace the named ops with the CPU kernels, or with the GPU kernels when `gpu`; `int8_isa` ("avx2",
+    "avx-vnni", "avx512-vnni"): the CPU's quantized matmuls multiply int8 activations with that instruction set's
+    integer dots (quant_matmul_int8, quant_matmul_vnni512); None: the float kernels."""
     if gpu:
         _check_gpu_layouts(mod)
-    mod = KernelAttacher(mod, cfg, gpu, int8_dot).run()
+    mod = KernelAttacher(mod, cfg, gpu, int8_isa).run()
     return relax.transform.DeadCodeElimination()(mod)

@@ -93,14 +93,27 @@ def _unsigned_quants(qtype, qs, s, row, b):
     return T.reinterpret("int8x32", u)
 
 
-def _block_dot(qtype, qs, u, xq, t, row, b):
+ISAS = ("avx2", "avx-vnni")   # the instruction sets of these kernels (AVX-512 VNNI: quant_matmul_vnni512.py)
+
+
+def unsigned_dot(u, x, lanes: int, isa: str):
+    """int32 x lanes: sums of 4 adjacent products u_j * x_j (u unsigned bytes, x signed; both int8 x 4 lanes).
+    VNNI's vpdpbusd does it in one instruction; AVX2 takes vpmaddubsw (pairs to i16) and vpmaddwd against ones.
+    Both are exact here: a pair sum is at most 2 * 128 * 127 < 2^15 (no i16 saturation)."""
+    if isa == "avx2":
+        pairs = _intrin("int16x16", "llvm.x86.avx2.pmadd.ub.sw", u, x)
+        return _intrin("int32x8", "llvm.x86.avx2.pmadd.wd", pairs, T.Broadcast(T.int16(1), 16))
+    name = "llvm.x86.avx512.vpdpbusd.256" if lanes == 8 else "llvm.x86.avx512.vpdpbusd.512"   # AVX-VNNI's too
+    return _intrin(f"int32x{lanes}", name, T.Broadcast(T.int32(0), lanes), u, x)
+
+
+def _block_dot(qtype, qs, u, xq, t, row, b, isa):
     """int32x8: partial sums of u_e * xq_e for token t's activation block, lane i over the block's bytes 4i..4i+3;
     `u` is the block's unsigned quants (an int8x32 expression: unpacked here or loaded from a register buffer)."""
     x = xq[t, T.ramp(b * BLOCK, 1, BLOCK)]
     if qtype == "q8_0":   # x takes w's sign, as |w| did
         x = _intrin("int8x32", "llvm.x86.avx2.psign.b", x, qs[row, T.ramp(b * BLOCK, 1, BLOCK)])
-    pairs = _intrin("int16x16", "llvm.x86.avx2.pmadd.ub.sw", u, x)
-    return _intrin("int32x8", "llvm.x86.avx2.pmadd.wd", pairs, T.Broadcast(T.int16(1), 16))
+    return unsigned_dot(u, x, 8, isa)
 
 
 def _lane_scales(qtype, s, row, b):
@@ -204,13 +217,13 @@ TASKS = 64   # parallel tasks per GEMV and GEMM: enough to balance two to a few 
              # task's setup (its accumulators, the parallel loop's bookkeeping) does not count
 
 
-def make_gemv_int8(qtype: str, N: int, K: int):
+def make_gemv_int8(qtype: str, N: int, K: int, isa: str = "avx2"):
     """PrimFunc (x [1, K] f32, *weight parts as the CPU kernels take them, y [1, N] f32).
 
     The row x is quantized once (serially: K values, about a microsecond); then each task takes a chunk of output
     rows and per row runs A independent chains of block dot products (FMA latency), and the offset term as one
     short dot product of the row's offset scales with the activation sums (VO blocks a vector instruction)."""
-    assert qtype in INT8_DOT_TYPES, qtype
+    assert qtype in INT8_DOT_TYPES and isa in ISAS, (qtype, isa)
     NB = K // BLOCK
     qs_shape, qs_dtype = cpu_quants(qtype, N, K)
     S = LAYOUTS[qtype][1][2](N, K)[0]
@@ -240,9 +253,10 @@ def make_gemv_int8(qtype: str, N: int, K: int):
                     acc[a, T.ramp(0, 1, 8)] = T.Broadcast(T.float32(0), 8)
                 for bb in range(NB // A):
                     for a in T.unroll(A):
+                        b = T.meta_var(bb * A + a)
                         acc[a, T.ramp(0, 1, 8)] = acc[a, T.ramp(0, 1, 8)] + T.Cast("float32x8", _block_dot(
-                            qtype, qs, _unsigned_quants(qtype, qs, s, row, bb * A + a), xq, 0, row, bb * A + a)) * (
-                                _lane_scales(qtype, s, row, bb * A + a) * xd8[bb * A + a, 0, T.ramp(0, 1, 8)])
+                            qtype, qs, _unsigned_quants(qtype, qs, s, row, b), xq, 0, row, b, isa)) * (
+                                _lane_scales(qtype, s, row, b) * xd8[b, 0, T.ramp(0, 1, 8)])
                 for a in T.unroll(1, A):
                     acc[0, T.ramp(0, 1, 8)] = acc[0, T.ramp(0, 1, 8)] + acc[a, T.ramp(0, 1, 8)]
                 if len(fields) == 0:
@@ -282,7 +296,7 @@ def _tile_offset(qtype, s, xo, row, b, t0, TT):
     return total
 
 
-def make_gemm_int8(qtype: str, N: int, K: int):
+def make_gemm_int8(qtype: str, N: int, K: int, isa: str = "avx2"):
     """PrimFunc (x [n, K] f32, *weight parts, y [n, N] f32), n symbolic: the prefill matmul on int8 activations.
 
     Every token's row is quantized once (parallel over tokens) into a buffer padded to whole tiles of GEMM_TILE
@@ -290,7 +304,7 @@ def make_gemm_int8(qtype: str, N: int, K: int):
     per tile, per row, per block, the 32 quants are unpacked once into a register and multiplied with the tile's
     8 activation blocks. The offsets go 8 tokens at a time: the activation sums (times the activation scale) are
     stored token-minor, so one FMA per block adds a row's offset term to the whole tile."""
-    assert qtype in INT8_DOT_TYPES, qtype
+    assert qtype in INT8_DOT_TYPES and isa in ISAS, (qtype, isa)
     NB = K // BLOCK
     qs_shape, qs_dtype = cpu_quants(qtype, N, K)
     S = LAYOUTS[qtype][1][2](N, K)[0]
@@ -328,7 +342,7 @@ def make_gemm_int8(qtype: str, N: int, K: int):
                         u[T.ramp(0, 1, BLOCK)] = _unsigned_quants(qtype, qs, s, row, b)
                         for t in T.unroll(TT):
                             acc[t, T.ramp(0, 1, 8)] = acc[t, T.ramp(0, 1, 8)] + T.Cast("float32x8", _block_dot(
-                                qtype, qs, u[T.ramp(0, 1, BLOCK)], xq, tt * TT + t, row, b)) * (
+                                qtype, qs, u[T.ramp(0, 1, BLOCK)], xq, tt * TT + t, row, b, isa)) * (
                                     _lane_scales(qtype, s, row, b) * xd8[b, tt * TT + t, T.ramp(0, 1, 8)])
                         if has_offset:
                             off[T.ramp(0, 1, TT)] = off[T.ramp(0, 1, TT)] + _tile_offset(qtype, s, xo, row, b,

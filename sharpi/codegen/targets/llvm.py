@@ -1,6 +1,7 @@
 """The llvm target: this CPU (or --mcpu). Attach sharpi's kernels (int8 integer-dot matmuls where the CPU has
-AVX2, float32 ones otherwise or with --matmuls float), legalize the rest, fuse elementwise chains, schedule what is
-not hand-written (cpu_schedule), build one library with the Relax VM's code and the kernels."""
+AVX2, with AVX-512 VNNI's or AVX-VNNI's dot where it has one; float32 ones otherwise or with --matmuls float),
+legalize the rest, fuse elementwise chains, schedule what is not hand-written (cpu_schedule), build one library
+with the Relax VM's code and the kernels."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -53,16 +54,27 @@ def required_cpu_features(target: tvm.target.Target) -> list[str]:
     return sorted(flag for llvm_name, flag in _LLVM_TO_CPUINFO.items() if llvm_name in names)
 
 
+def int8_dot_isa(target: tvm.target.Target) -> str | None:
+    """The best instruction set for the integer-dot matmuls that code built for `target` may use: "avx512-vnni"
+    (512-bit vpdpbusd), "avx-vnni" (its 256-bit form without AVX-512), "avx2" (vpmaddubsw + vpmaddwd), or None."""
+    features = set(required_cpu_features(target))
+    if {"avx512_vnni", "avx512bw", "avx512vl"} <= features:
+        return "avx512-vnni"
+    if {"avx_vnni", "avx2"} <= features:
+        return "avx-vnni"
+    return "avx2" if "avx2" in features else None
+
+
 def int8_dot_available(target: tvm.target.Target) -> bool:
-    """Whether the integer-dot decode GEMV (x86 AVX2 intrinsics) can be built for `target`."""
-    return "avx2" in required_cpu_features(target)
+    """Whether the integer-dot matmuls (x86 AVX2 at least) can be built for `target`."""
+    return int8_dot_isa(target) is not None
 
 
-def lower(mod: tvm.IRModule, cfg: ModelConfig, target: tvm.target.Target, int8_dot: bool = False) -> tvm.IRModule:
-    """int8_dot: the quantized matmuls multiply int8-quantized activations (quant_matmul_int8; needs
-    int8_dot_available)."""
+def lower(mod: tvm.IRModule, cfg: ModelConfig, target: tvm.target.Target, int8_isa: str | None = None) -> tvm.IRModule:
+    """int8_isa: the quantized matmuls multiply int8-quantized activations with this instruction set's integer
+    dots (int8_dot_isa); None: the float kernels."""
     with target:
-        mod = attach_kernels(mod, cfg, int8_dot=int8_dot)
+        mod = attach_kernels(mod, cfg, int8_isa=int8_isa)
         mod = relax.transform.LegalizeOps(fast_math_legalizations())(mod)
         mod = relax.transform.AnnotateTIROpPattern()(mod)
         mod = relax.transform.FuseOps()(mod)
@@ -100,13 +112,16 @@ class LLVMTarget:
 
     def describe(self, options: CompileOptions) -> dict:
         target = make_target(options.mcpu)
-        return {"kind": self.spec.name, "mcpu": str(target.attrs["mcpu"]),
-                "cpu_features": required_cpu_features(target), "matmuls": options.matmuls}
+        entry = {"kind": self.spec.name, "mcpu": str(target.attrs["mcpu"]),
+                 "cpu_features": required_cpu_features(target), "matmuls": options.matmuls}
+        if options.matmuls == "int8":
+            entry["int8_isa"] = int8_dot_isa(target)
+        return entry
 
     def build(self, mod, cfg: ModelConfig, options: CompileOptions, staging: Path, progress, contract: str):
         target = make_target(options.mcpu)
         progress.set_postfix_str("attach kernels, legalize, fuse")
-        lowered = lower(mod, cfg, target, int8_dot=options.matmuls == "int8")
+        lowered = lower(mod, cfg, target, int8_isa=int8_dot_isa(target) if options.matmuls == "int8" else None)
         progress.update(1)
         progress.set_postfix_str("LLVM codegen")
         kernels = kernel_names(lowered)
