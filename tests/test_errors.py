@@ -105,6 +105,36 @@ def test_artifact_for_missing_cpu_features(smollm2_artifact, tmp_path, capsys):
     _assert_clean_failure(*_cli(main_cli, ["run", str(art), "-p", "hi"], capsys), "which this CPU lacks")
 
 
+def test_amx_counts_only_where_the_os_grants_it(smollm2_artifact, tmp_path, monkeypatch):
+    """An artifact needing AMX loads only where arch_prctl grants the tile state, whatever /proc/cpuinfo lists."""
+    from sharpi.common import cpu
+
+    art = _copy_artifact(smollm2_artifact, tmp_path / "amx")
+    manifest = json.loads((art / "manifest.json").read_text())
+    manifest["target"]["cpu_features"] = manifest["target"]["cpu_features"] + ["amx_int8", "amx_tile"]
+    manifest["digest"] = content_digest(manifest)
+    (art / "manifest.json").write_text(json.dumps(manifest))
+    listed = cpu.host_cpu_flags() | {"amx_int8", "amx_tile"}
+    monkeypatch.setattr(cpu, "host_cpu_flags", lambda: listed)
+    monkeypatch.setattr(cpu, "amx_granted", lambda: False)
+    with pytest.raises(sharpi.ArtifactError, match="amx_int8, amx_tile, which this CPU lacks or the operating "
+                                                   "system does not grant"):
+        sharpi.load(art)
+    monkeypatch.setattr(cpu, "amx_granted", lambda: True)
+    assert {"amx_int8", "amx_tile"} <= cpu.usable_cpu_flags()
+
+
+def test_the_amx_probe_asks_the_kernel():
+    """Where /proc/cpuinfo lists no AMX the kernel refuses the request (EOPNOTSUPP here), so the probe says no;
+    it never raises, whatever the platform."""
+    from sharpi.common import cpu
+
+    granted = cpu.amx_granted()
+    assert isinstance(granted, bool)
+    if not cpu.host_cpu_flags() & cpu.AMX_FLAGS:
+        assert not granted and not cpu.usable_cpu_flags() & cpu.AMX_FLAGS
+
+
 def test_corrupted_weights_are_detected(smollm2_artifact, tmp_path):
     art = _copy_artifact(smollm2_artifact, tmp_path / "bad")
     with open(art / "weights.bin", "r+b") as f:

@@ -6,20 +6,10 @@ from pathlib import Path
 
 import numpy as np
 
+from ..common.cpu import AMX_FLAGS, usable_cpu_flags
 from ..common.errors import ArtifactError
 from ..common.manifest import (CONTRACT_FUNCTION, LIBRARY, MANIFEST_NAME, TOKENIZER, WEIGHTS, Manifest,
                                check_contract, file_sha256, weights_size)
-
-
-def host_cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
 
 
 def check_artifact(directory: Path, manifest: Manifest, code_file: str, verify_hashes: bool = True) -> None:
@@ -48,11 +38,13 @@ def check_artifact(directory: Path, manifest: Manifest, code_file: str, verify_h
     required = set(manifest.target.get("cpu_features", []))      # a CPU target's: it runs on this CPU
     if not required:
         return
-    flags = host_cpu_flags()
+    flags = usable_cpu_flags()
     missing = sorted(required - flags) if flags else []
     if missing:
+        lacks = ("which this CPU lacks or the operating system does not grant" if set(missing) & AMX_FLAGS
+                 else "which this CPU lacks")
         raise ArtifactError(f"{directory} was built for CPU {manifest.target.get('mcpu')} and needs "
-                            f"{', '.join(missing)}, which this CPU lacks; compile it here or with a portable --mcpu.")
+                            f"{', '.join(missing)}, {lacks}; compile it here or with a portable --mcpu.")
 
 
 def weight_arrays(directory: Path, manifest: Manifest):
@@ -72,10 +64,29 @@ def weight_arrays(directory: Path, manifest: Manifest):
 
 
 def load_weights(directory: Path, manifest: Manifest, device) -> list:
-    """Weights as TVM tensors on `device`, in parameter order; the file is mapped, copied once, released."""
+    """Weights as TVM tensors on `device`, in parameter order. On the CPU they are views of the mapped file, not
+    copies: loading reads nothing until a kernel first touches a page, and resident memory is the weights once
+    (page cache pages, which the kernel may drop and read again) where a copy held them twice while loading and
+    once for ever. A GPU gets a copy of each, from the file mapped while they are copied."""
     import tvm
 
+    if device.dlpack_device_type() == tvm.cpu().dlpack_device_type():
+        return mapped_cpu_tensors(directory, manifest)
     return [tvm.runtime.tensor(array, device) for _, array in weight_arrays(directory, manifest)]
+
+
+def mapped_cpu_tensors(directory: Path, manifest: Manifest) -> list:
+    """The weights as CPU tensors over one private mapping of the file (copy-on-write, so the views are writable
+    for DLPack; nothing writes them, and nothing could reach the file if it did). Each tensor keeps the mapping
+    alive; a file replaced by a later compile is a new file, and this one stays mapped."""
+    import tvm
+
+    size = (directory / WEIGHTS).stat().st_size
+    if size == 0:
+        return [tvm.runtime.tensor(np.zeros(p.shape, p.dtype)) for p in manifest.params]
+    mapped = np.memmap(directory / WEIGHTS, dtype=np.uint8, mode="c", shape=(size,))
+    return [tvm.runtime.from_dlpack(mapped[p.offset:p.offset + p.nbytes].view(p.dtype).reshape(p.shape))
+            for p in manifest.params]
 
 
 def load_vm(directory: Path, manifest: Manifest, device):
