@@ -145,6 +145,7 @@ def export_onnx(model: str | Path, output: str | Path | None = None, *, weights:
         signature = emitter.export_module(front.mod, front.cfg, front.weights, staging, functions=tuple(functions),
                                           snapkv_settings=settings, weight_dtype=weights,
                                           metadata={"sharpi.source": front.gguf.path.name})
+        _warn_non_finite(front.weights, front.gguf.path.name)
         front.tokenizer.save(staging)
         emitter.write_export_manifest(
             staging, signature, sharpi_version=__version__, weights_dtype=weights,
@@ -172,7 +173,6 @@ def front_half(gguf_path: Path, options: CompileOptions, kv_dtype: str, show_pro
     load_weights, builder = frontend_for(cfg)
     options = _without_snapkv_if_all_local(options, cfg, show_progress)
     weights = load_weights(gguf, cfg, show_progress)
-    _warn_non_finite(weights, gguf.path.name)
     max_pages = math.ceil(max_context / PAGE_SIZE)
     mod = builder(cfg, weights, max_pages, kv_dtype=kv_dtype).build()
     functions = list(BASE_FUNCTIONS)
@@ -194,7 +194,8 @@ def _compile_artifact(gguf_path: Path, gguf_sha256: str, options: CompileOptions
     staging = staging_dir(output)
     with _writing(staging, output):
         # the weights first: the kernel contract compiled into the code names every parameter
-        params = artifact.write_weights(front.weights.arrays, front.weights.names, staging / WEIGHTS)
+        params = artifact.write_weights(front.weights.stream(show_progress), staging / WEIGHTS)
+        _warn_non_finite(front.weights, front.gguf.path.name)
         front.tokenizer.save(staging)
         manifest = Manifest(
             format_version=FORMAT_VERSION, sharpi_version=__version__,
@@ -242,7 +243,7 @@ def _warn_non_finite(weights, name: str) -> None:
         shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
         warnings.warn(f"{name}: {len(bad)} tensor{'s' if len(bad) > 1 else ''} hold NaN or infinite values ({shown}): "
                       f"the model's logits will not be finite, and running it will stop with an error.",
-                      SharpiWarning, stacklevel=4)
+                      SharpiWarning, stacklevel=3)
 
 
 def _max_context(options: CompileOptions, cfg) -> int:

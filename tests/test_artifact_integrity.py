@@ -149,9 +149,9 @@ def _interrupt(*args, **kwargs):
     raise KeyboardInterrupt
 
 
-def _half_written_weights(arrays, names, path):
+def _half_written_weights(weights, path):
     with open(path, "wb") as f:
-        f.write(np.ascontiguousarray(arrays[0]).tobytes()[:100])
+        f.write(np.ascontiguousarray(next(iter(weights))[1]).tobytes()[:100])
     raise KeyboardInterrupt
 
 

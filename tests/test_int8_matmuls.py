@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import sharpi
-from sharpi.codegen.targets.llvm import int8_dot_available, make_target
+from sharpi.codegen.targets.llvm import int8_dot_available, int8_dot_isa, make_target
 from sharpi.common.errors import ConfigError
 from sharpi.testing import conformance
 from sharpi.testing.reference import log_softmax
@@ -26,8 +26,16 @@ def test_artifact_records_and_uses_int8_matmuls(smollm2_int8, smollm2):
     assert smollm2_int8.manifest.kv_dtype == "float16" and smollm2.manifest.kv_dtype == "float32"
     assert smollm2_int8.engine.pool.page_bytes * 2 == smollm2.engine.pool.page_bytes
     kernels = smollm2_int8.manifest.kernels
-    assert any(k.startswith("gemv_int8_q4_1") for k in kernels) and any(k.startswith("gemm_int8_q4_1") for k in kernels)
-    assert not any(k.startswith(("gemv_int8", "gemm_int8")) for k in smollm2.manifest.kernels)
+    isa = smollm2_int8.manifest.target["int8_isa"]
+    assert isa == int8_dot_isa(make_target(None)) and "int8_isa" not in smollm2.manifest.target
+    # this CPU's best integer dot: SmolLM2's 576 inputs are 9 pairs of blocks, so AVX-512 VNNI's prefill GEMM is
+    # the 512-bit one; its 4-bit decode GEMVs stay 256-bit (attach_kernels._GEMV_512)
+    gemv, gemm = {"avx2": ("gemv_int8_q4_1", "gemm_int8_q4_1"),
+                  "avx-vnni": ("gemv_int8_vnni_q4_1", "gemm_int8_vnni_q4_1"),
+                  "avx512-vnni": ("gemv_int8_vnni_q4_1", "gemm_vnni512_q4_1")}[isa]
+    assert any(k.startswith(gemv) for k in kernels) and any(k.startswith(gemm) for k in kernels), kernels
+    assert not any(k.startswith(("gemv_int8", "gemm_int8", "gemv_vnni512", "gemm_vnni512"))
+                   for k in smollm2.manifest.kernels)
     assert conformance.tolerance_for(smollm2_int8.manifest).logprob_atol == conformance.INT8_MATMULS[0]
 
 
@@ -87,3 +95,22 @@ def test_perplexity_matches_llama_cpp(smollm2_int8, smollm2, golden):
     assert abs(int8 / tf["perplexity"] - 1) <= 0.01, (int8, tf["perplexity"])
     assert abs(int8 / exact - 1) <= 0.01, (int8, exact)
     assert int8 != exact                                                 # the int8 kernels really ran
+
+
+@pytest.mark.skipif(int8_dot_isa(make_target(None)) == "avx2", reason="this CPU's best integer dot is AVX2's")
+def test_the_avx2_kernels_still_serve_a_portable_mcpu(tmp_path):
+    """--mcpu x86-64-v3 (AVX2, no VNNI) builds the AVX2 kernels on a VNNI CPU. Both artifacts' log-probs are as
+    close to the float path's as each other (the integer products are the same; a float sum in another order moves
+    an activation by an ulp, which can round its int8 quant the other way: 0.055 apart, each 0.084 from float)."""
+    from tiny_gguf import write_tiny_llama
+
+    path = write_tiny_llama(tmp_path / "tiny.gguf", matrix_type="Q4_0", dim=128, ffn=256)
+    compiled = {name: sharpi.load(sharpi.compile(str(path), output=tmp_path / name, use_cache=False, **options))
+                for name, options in (("v3", {"mcpu": "x86-64-v3"}), ("native", {}), ("float", {"matmuls": "float"}))}
+    assert compiled["v3"].manifest.target["int8_isa"] == "avx2"
+    assert any(k.startswith("gemm_int8_q4_0") for k in compiled["v3"].manifest.kernels)
+    assert compiled["native"].manifest.target["int8_isa"] != "avx2"
+    ids = list(range(1, 40))
+    lp = {name: log_softmax(model.score(ids)) for name, model in compiled.items()}
+    gaps = [np.abs(lp[name] - lp["float"]).max() for name in ("v3", "native")]
+    assert max(gaps) <= conformance.INT8_MATMULS[0] and abs(gaps[0] - gaps[1]) <= 0.25 * max(gaps), gaps

@@ -28,3 +28,16 @@ def test_runtime_holds_no_float_copy_of_a_quantized_weight(smollm2):
         assert int(np.prod(parts["s"].shape)) <= n_rows * k // 16, tensor
     held = sum(int(np.prod(w.shape)) * np.dtype(str(w.dtype)).itemsize for w in smollm2.engine.backend.weights)
     assert held <= 1.3 * smollm2.manifest.source["size"]
+
+
+def test_cpu_weights_are_views_of_the_mapped_file(smollm2):
+    """On the CPU the runtime's weights are the artifact's file mapped, not copies: consecutive parameters lie
+    exactly as far apart in memory as in the file, and the pages are file-backed (not anonymous memory)."""
+    held = smollm2.engine.backend.weights
+    params = smollm2.manifest.params
+    address = [np.from_dlpack(w).__array_interface__["data"][0] for w in held]
+    base = address[0] - params[0].offset
+    assert all(a - base == p.offset for a, p in zip(address, params))
+    maps = open("/proc/self/maps").read().splitlines()
+    span = next(line for line in maps if int(line.split("-")[0], 16) <= base < int(line.split()[0].split("-")[1], 16))
+    assert span.endswith(str((smollm2.path / WEIGHTS).resolve())), span

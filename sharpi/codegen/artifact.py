@@ -7,6 +7,7 @@ artifact behind that would load.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Iterable
 
 import numpy as np
 
@@ -17,10 +18,12 @@ from ..common.output_dir import install
 __all__ = ["LIBRARY", "PLAN", "TOKENIZER", "WEIGHTS", "write_weights", "finalize", "with_contract"]
 
 
-def write_weights(arrays: list[np.ndarray], names: list[str], path: Path) -> list[ParamEntry]:
+def write_weights(weights: Iterable[tuple[str, np.ndarray]], path: Path) -> list[ParamEntry]:
+    """(name, array) pairs into one file, each at a WEIGHT_ALIGN offset; taken one at a time, so a stream of
+    repacked tensors never sits in memory whole."""
     entries, offset = [], 0
     with open(path, "wb") as f:
-        for name, array in zip(names, arrays):
+        for name, array in weights:
             pad = (-offset) % WEIGHT_ALIGN
             f.write(b"\0" * pad)
             offset += pad

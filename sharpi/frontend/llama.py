@@ -86,8 +86,8 @@ class LlamaBuilder:
         page_table = relax.Var("page_table", tensor_type((*per_sequence, cfg.n_layers, self.max_pages), "int32"))
         kv_lens = relax.Var("kv_lens", tensor_type((*per_sequence, cfg.n_layers), "int32"))
         self._batched = batched
-        params = relax.Var("params", relax.TupleType([tensor_type(a.shape, str(a.dtype))
-                                                      for a in self.weights.arrays]))
+        params = relax.Var("params", relax.TupleType([tensor_type(spec.shape, spec.dtype)
+                                                      for spec in self.weights.specs]))
         bb = self.bb
         with bb.function(name, [ids, pos, pool, page_table, kv_lens, params], attrs={"num_input": 5}, pure=False):
             with bb.dataflow():

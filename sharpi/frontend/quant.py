@@ -34,14 +34,20 @@ def _check_dequantizable(t: GGUFTensor) -> None:
             f"Tensor {t.name} has type {t.type_name}, which neither sharpi nor the gguf package can dequantize.")
 
 
+def check_repackable(t: GGUFTensor, qtype: str) -> None:
+    """What repack would refuse, found from the tensor's info alone (before anything is repacked)."""
+    width = SUPER_BLOCK if qtype in K_QUANTS else BLOCK
+    if qtype in _REPACKERS and t.shape[1] % width:
+        raise UnsupportedTensorTypeError(f"{t.name}: K={t.shape[1]} is not a multiple of {width}.")
+
+
 def repack(t: GGUFTensor) -> dict[str, np.ndarray]:
     """GGUF tensor (2-D: [N, K]) -> the parts of its sharpi layout."""
     qtype = layout_of(t)
     n, k = t.shape
     if qtype in _REPACKERS:
+        check_repackable(t, qtype)
         width = SUPER_BLOCK if qtype in K_QUANTS else BLOCK
-        if k % width:
-            raise UnsupportedTensorTypeError(f"{t.name}: K={k} is not a multiple of {width}.")
         blocks = np.asarray(t.data, dtype=np.uint8).reshape(n, k // width, _BLOCK_BYTES[t.type_name])
         return _REPACKERS[qtype](blocks)
     if qtype == "f32":

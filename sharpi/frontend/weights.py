@@ -1,55 +1,112 @@
-"""The model's weights in sharpi's layouts, in the order the Relax functions take them as parameters."""
+"""The model's weights in sharpi's layouts, in the order the Relax functions take them as parameters.
+
+A WeightTable knows every parameter's name, shape and dtype from the GGUF's tensor infos alone (the layouts'
+shapes, common.quant_layout), which is all the graph builder needs; the arrays themselves are repacked from the
+mapped GGUF one tensor at a time when the artifact's weights file is written (`repacked`). A compile therefore
+holds one repacked tensor at a time, not the model: an 8B model's 5 GB of weights would otherwise be 5 GB of
+numpy arrays beside the GGUF's mapped pages.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import numpy as np
 
+from ..common.errors import CompileError
 from ..common.progress import progress_bar
-from ..common.quant_layout import FLOAT_PLANES
+from ..common.quant_layout import FLOAT_PLANES, parts as layout_parts
 from .gguf_file import GGUFFile
-from .quant import layout_of, repack
+from .quant import check_repackable, layout_of, repack
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str                 # "tensor:part"
+    shape: tuple[int, ...]
+    dtype: str
 
 
 @dataclass
 class WeightTable:
-    """Flat list of parameter arrays (one per layout part) and, per GGUF tensor, its qtype and part indices."""
-    arrays: list[np.ndarray] = field(default_factory=list)
-    names: list[str] = field(default_factory=list)
+    """Per parameter (one per layout part) its spec; per GGUF tensor its qtype and part indices. `non_finite`
+    grows as tensors are repacked: those holding NaN or infinite weights or scales."""
+    gguf: GGUFFile | None = None
+    specs: list[ParamSpec] = field(default_factory=list)
     tensors: dict[str, tuple[str, list[int]]] = field(default_factory=dict)
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)     # logical (dequantized) shape
-    non_finite: list[str] = field(default_factory=list)    # tensors holding NaN or infinite weights or scales
+    non_finite: list[str] = field(default_factory=list)
+    vectors: set[str] = field(default_factory=set)                         # tensors kept as f32 vectors
+    _last: tuple[str, dict] | None = field(default=None, repr=False)      # the tensor repacked last (see array())
+
+    @property
+    def names(self) -> list[str]:
+        return [s.name for s in self.specs]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize for s in self.specs)
 
     def add_matrix(self, gguf: GGUFFile, name: str) -> None:
         t = gguf.tensor(name)
         qtype = layout_of(t)
-        parts = repack(t)
-        if not all_finite(qtype, parts):
-            self.non_finite.append(name)
-        self.tensors[name] = (qtype, self._append(name, parts))
+        check_repackable(t, qtype)
+        n, k = t.shape
+        self._add(gguf, name, qtype, [(part, dtype, shape) for part, dtype, shape in layout_parts(qtype, n, k)])
         self.shapes[name] = tuple(t.shape)
 
     def add_vector(self, gguf: GGUFFile, name: str) -> None:
-        from gguf import GGMLQuantizationType
-        from gguf.quants import dequantize
-
         t = gguf.tensor(name)
-        data = np.asarray(dequantize(t.data, GGMLQuantizationType(t.type_id)), dtype=np.float32).reshape(t.shape)
-        if not np.isfinite(data).all():
-            self.non_finite.append(name)
-        self.tensors[name] = ("f32", self._append(name, {"w": np.ascontiguousarray(data)}))
+        self._add(gguf, name, "f32", [("w", "float32", tuple(t.shape))])
+        self.vectors.add(name)
         self.shapes[name] = tuple(t.shape)
 
-    def _append(self, name: str, parts: dict[str, np.ndarray]) -> list[int]:
-        start = len(self.arrays)
-        for part, array in parts.items():
-            self.arrays.append(array)
-            self.names.append(f"{name}:{part}")
-        return list(range(start, len(self.arrays)))
+    def _add(self, gguf: GGUFFile, name: str, qtype: str, parts: list[tuple[str, str, tuple]]) -> None:
+        self.gguf = gguf
+        start = len(self.specs)
+        self.specs += [ParamSpec(f"{name}:{part}", tuple(int(d) for d in shape), dtype) for part, dtype, shape in parts]
+        self.tensors[name] = (qtype, list(range(start, len(self.specs))))
 
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.arrays)
+    def repacked(self, name: str) -> dict[str, np.ndarray]:
+        """The parts of one tensor in its layout (repacked from the GGUF now; matrices stay quantized, vectors
+        become f32), checked against the specs the graph was built with; a non-finite tensor is recorded."""
+        qtype, indices = self.tensors[name]
+        t = self.gguf.tensor(name)
+        if name in self.vectors:
+            from gguf import GGMLQuantizationType
+            from gguf.quants import dequantize
+
+            data = np.asarray(dequantize(t.data, GGMLQuantizationType(t.type_id)), dtype=np.float32)
+            parts = {"w": np.ascontiguousarray(data.reshape(t.shape))}
+        else:
+            parts = repack(t)
+        for (part, array), index in zip(parts.items(), indices, strict=True):
+            spec = self.specs[index]
+            if spec.name != f"{name}:{part}" or tuple(array.shape) != spec.shape or str(array.dtype) != spec.dtype:
+                raise CompileError(f"{name}:{part} repacked to {array.dtype}{list(array.shape)}, not the "
+                                   f"{spec.dtype}{list(spec.shape)} the graph was built for.")
+        if not all_finite(qtype, parts) and name not in self.non_finite:
+            self.non_finite.append(name)
+        return parts
+
+    def stream(self, show_progress: bool = False) -> Iterator[tuple[str, np.ndarray]]:
+        """(parameter name, array) in parameter order, one tensor repacked at a time."""
+        with progress_bar(len(self.tensors), "repacking weights", show_progress, unit="tensor") as bar:
+            for name in self._tensor_order():
+                for part, array in self.repacked(name).items():
+                    yield f"{name}:{part}", array
+                bar.update(1)
+
+    def array(self, index: int) -> np.ndarray:
+        """One parameter's array (the ONNX export reads them one by one; the tensor repacked last is kept, since
+        its parts are read together)."""
+        name = self.specs[index].name.rsplit(":", 1)[0]
+        if self._last is None or self._last[0] != name:
+            self._last = (name, self.repacked(name))
+        return self._last[1][self.specs[index].name.rsplit(":", 1)[1]]
+
+    def _tensor_order(self) -> list[str]:
+        return sorted(self.tensors, key=lambda name: self.tensors[name][1][0])
 
 
 def all_finite(qtype: str, parts: dict[str, np.ndarray]) -> bool:
@@ -64,13 +121,11 @@ def all_finite(qtype: str, parts: dict[str, np.ndarray]) -> bool:
 
 
 def load_weights(gguf: GGUFFile, matrices: list[str], vectors: list[str], show_progress: bool) -> WeightTable:
-    """Repack the named GGUF tensors (matrices stay quantized; vectors become f32), with a progress bar."""
+    """The table of the named GGUF tensors (matrices stay quantized; vectors become f32); nothing is repacked
+    yet."""
     table = WeightTable()
-    with progress_bar(len(matrices) + len(vectors), "repacking weights", show_progress, unit="tensor") as bar:
-        for name in matrices:
-            table.add_matrix(gguf, name)
-            bar.update(1)
-        for name in vectors:
-            table.add_vector(gguf, name)
-            bar.update(1)
+    for name in matrices:
+        table.add_matrix(gguf, name)
+    for name in vectors:
+        table.add_vector(gguf, name)
     return table

@@ -381,7 +381,7 @@ class Translator:
             return self.cached(("weight", value.name), lambda: self._materialize(value))
         if isinstance(value, WeightRef):
             name = self.weights.names[value.index].split(":")[0]
-            array = self.weights.arrays[value.index]
+            array = self.weights.array(value.index)
             if array.dtype not in (np.float32, np.float16):
                 raise CompileError(f"ONNX export: {self.function} uses weight part "
                                    f"{self.weights.names[value.index]} ({array.dtype}) directly, not through a "
@@ -398,7 +398,7 @@ class Translator:
         name = self.weights.names[indices[0]].split(":")[0]
 
         def make():
-            arrays = {part: self.weights.arrays[i] for (part, _, _), i in zip(LAYOUTS[qtype], indices)}
+            arrays = {part: self.weights.array(i) for (part, _, _), i in zip(LAYOUTS[qtype], indices)}
             w = dequantize_layout(qtype, arrays)
             if list(w.shape) != list(shape):
                 raise CompileError(f"ONNX export: {name} dequantizes to {list(w.shape)}, expected {list(shape)}.")
