@@ -102,7 +102,7 @@ def test_q8_0_extremes(isa, rng):
 
 @pytest.mark.parametrize("isa", VARIANTS)
 @pytest.mark.parametrize("qtype", INT8_DOT_TYPES)
-@pytest.mark.parametrize("tiles,cut,n,k", [(1, 5, 70, 256), (1, 0, 33, 512), (0, 1, 64, 256)])
+@pytest.mark.parametrize("tiles,cut,n,k", [(1, 5, 70, 256), (1, 0, 33, 512), (0, 1, 64, 256), (1, 3, 24, 2560)])
 def test_gemm_int8_matches_numpy(isa, qtype, tiles, cut, n, k, rng):
     """Prefill: a tile and a cut one (the padding rows must not reach y), a whole tile, one token; rows that do
     not divide into the tasks evenly."""

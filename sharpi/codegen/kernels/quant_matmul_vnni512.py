@@ -24,6 +24,8 @@ from .quant_matmul_int8 import (INT8_DOT_TYPES, TASKS, _lane_scales, _offset_fie
 
 PAIR = 2 * BLOCK      # the bytes of one 512-bit dot: two blocks
 GEMM_TILE = 16        # tokens per prefill tile: 16 float32x16 accumulators of the 32 registers
+K_SPAN = 24           # pairs of blocks a row takes before the next row: the tile's activations for them (16 tokens x
+                      # 24 x 72 bytes, 27 KB) stay in L1 while every row of a task passes over them
 
 
 def vnni512_fits(K: int) -> bool:
@@ -113,12 +115,50 @@ def _tile_offset(s, xo, fields, coefficient, row, b, t0, TT):
     return total
 
 
+# The GEMM's pairs interleave their two blocks every 4 bytes (int32 lane i of a dot is block 2p + i % 2's), so a
+# pair's two activation scales are one 8-byte broadcast ([d0, d1, d0, d1, ...]) instead of 64 bytes in memory:
+# with 16 tokens a tile's activations then stay within what L1 and L2 serve (the 64-byte form made the K = 8960
+# GEMMs of a 1.5B model ~1.7x slower per multiply than the K = 1536 ones, their activations streaming from L2).
+_INTERLEAVE = [i // 2 + 8 * (i % 2) for i in range(16)]
+
+
+def _interleaved_quants(qtype, qs, s, row, p):
+    """int8x64: _pair_quants with the two blocks alternating every 4 bytes. (Unpacking the pair's nibbles in
+    one permute, shift and AND instead of per block measured no faster: the dots, not the unpacking, bound it.)"""
+    if qtype == "q8_0":
+        words = T.reinterpret("int32x16", qs[row, T.ramp(p * PAIR, 1, PAIR)])
+        return T.reinterpret("int8x64", T.Shuffle([words], _INTERLEAVE)) ^ T.Broadcast(T.int8(-128), PAIR)
+    first, second = (T.reinterpret("int32x8", _unsigned_quants(qtype, qs, s, row, 2 * p + h)) for h in (0, 1))
+    return T.reinterpret("int8x64", T.Shuffle([first, second], _INTERLEAVE))
+
+
+def _interleaved_scales(qtype, s, row, p):
+    return T.Shuffle([_lane_scales(qtype, s, row, 2 * p), _lane_scales(qtype, s, row, 2 * p + 1)], _INTERLEAVE)
+
+
+def _tile_totals(acc, tokens: int):
+    """float32 x tokens: lane t is the sum of the 16 lanes of acc[t] (tokens = 16). A transposing tree: two
+    vectors of 2^L tokens (16 / 2^L lanes each) become one of 2^(L+1) by adding their segments' halves, so 15
+    adds and 30 two-source permutes sum the tile, where summing each row on its own took ~30 instructions a token
+    (for K = 640, 10 pairs a row, a third of the GEMM's work)."""
+    vectors = [acc[t, T.ramp(0, 1, 16)] for t in range(tokens)]
+    width = 16
+    while len(vectors) > 1:
+        half = width // 2
+        lows = [seg * width + j for seg in range(16 // width) for j in range(half)]
+        low = lows + [16 + i for i in lows]
+        high = [i + half for i in low]
+        vectors = [T.Shuffle([a, b], low) + T.Shuffle([a, b], high) for a, b in zip(vectors[0::2], vectors[1::2])]
+        width = half
+    return vectors[0]
+
+
 def make_gemm_vnni512(qtype: str, N: int, K: int):
     """PrimFunc (x [n, K] f32, *weight parts, y [n, N] f32), n symbolic: quant_matmul_int8.make_gemm_int8 on 512
     bits. Tiles of GEMM_TILE tokens; per row and pair of blocks the 64 quants are unpacked once into a register
-    and multiplied with the tile's 16 activation pairs. The activation scales are stored token-major, a pair's two
-    side by side (one 16-lane load per token), the offsets' sums token-minor (one FMA adds a block's offset term
-    to a whole tile)."""
+    (interleaved, _INTERLEAVE) and multiplied with the tile's 16 activation pairs, laid out the same way. The
+    activation scales are stored token-major (a pair's two side by side), the offsets' sums token-minor (one FMA
+    adds a block's offset term to a whole tile)."""
     assert qtype in INT8_DOT_TYPES and vnni512_fits(K), (qtype, K)
     NB, NP = K // BLOCK, K // PAIR
     qs_shape, qs_dtype = cpu_quants(qtype, N, K)
@@ -130,6 +170,8 @@ def make_gemm_vnni512(qtype: str, N: int, K: int):
     F = max(1, len(fields))
     n = token_count(None)
     tiles = (n + TT - 1) // TT
+    SPAN = min(NP, K_SPAN)
+    SPANS = (NP + SPAN - 1) // SPAN
 
     @T.prim_func
     def quant_gemm_vnni512(var_x: T.handle, qs: T.Buffer(qs_shape, qs_dtype), s: T.Buffer((S, N, NB), "float32"),
@@ -137,35 +179,44 @@ def make_gemm_vnni512(qtype: str, N: int, K: int):
         T.func_attr({"tirx.noalias": True, "op_pattern": 8})
         x = T.match_buffer(var_x, (n, K), "float32")
         y = T.match_buffer(var_y, (n, N), "float32")
-        xq = T.decl_buffer((tiles * TT, K), "int8")
-        xd16 = T.decl_buffer((tiles * TT, NP, 16), "float32")
-        # the same scales as quantize_activation_block writes them (block, token, lane), token-major in memory
-        xd8 = T.decl_buffer((NB, tiles * TT, 8), "float32", data=xd16.data, strides=(8, NB * 8, 1))
+        xq = T.decl_buffer((tiles * TT, K // 4), "int32")
+        xd = T.decl_buffer((tiles * TT, NB), "float32")
+        xd_blocks = T.decl_buffer((NB, tiles * TT), "float32", data=xd.data, strides=(1, NB))  # as written
+        xd_pairs = T.decl_buffer((tiles * TT, NP), "float64", data=xd.data)                    # as read
         xo = T.decl_buffer((F, NB, tiles * TT), "float32")
         for t in T.parallel(tiles * TT):
             for b in range(NB):
-                quantize_activation_block(x, T.min(t, n - 1), t < n, xq, xd8, xo, t, b, qtype, F)
+                quantize_activation_block(x, T.min(t, n - 1), t < n, xq, xd_blocks, xo, t, b, qtype, F, True)
         for c in T.parallel(CHUNKS):
             acc = T.decl_buffer((TT, 16), "float32", scope="global")
             off = T.decl_buffer((TT,), "float32", scope="global")
             u = T.decl_buffer((PAIR,), "int8", scope="global")
             for tt in range(tiles):
-                for i in range(T.min(ROWS, N - c * ROWS)):
-                    row = T.meta_var(c * ROWS + i)
-                    for t in T.unroll(TT):
-                        acc[t, T.ramp(0, 1, 16)] = T.Broadcast(T.float32(0), 16)
-                    off[T.ramp(0, 1, TT)] = T.Broadcast(T.float32(0), TT)
-                    for p in range(NP):
-                        u[T.ramp(0, 1, PAIR)] = _pair_quants(qtype, qs, s, row, p)
+                for span in range(SPANS):
+                    for i in range(T.min(ROWS, N - c * ROWS)):
+                        row = T.meta_var(c * ROWS + i)
                         for t in T.unroll(TT):
-                            acc[t, T.ramp(0, 1, 16)] = acc[t, T.ramp(0, 1, 16)] + _pair_dot(
-                                u[T.ramp(0, 1, PAIR)], xq, tt * TT + t, p) * (
-                                    _pair_scales(qtype, s, row, p) * xd16[tt * TT + t, p, T.ramp(0, 1, 16)])
-                        for b in range(2 * p, 2 * p + 2):
-                            off[T.ramp(0, 1, TT)] = off[T.ramp(0, 1, TT)] + _tile_offset(
-                                s, xo, fields, coefficient, row, b, tt * TT, TT)
-                    for t in T.unroll(TT):
-                        if tt * TT + t < n:
-                            y[tt * TT + t, row] = lane_total(acc, t, lanes=16) + off[t]
+                            acc[t, T.ramp(0, 1, 16)] = T.Broadcast(T.float32(0), 16)
+                        off[T.ramp(0, 1, TT)] = T.Broadcast(T.float32(0), TT)
+                        # (a loop from span * SPAN, not from 0, came out wrong: TVM 0.27 miscompiled it here)
+                        for pp in range(T.min(SPAN, NP - span * SPAN)):
+                            p = T.meta_var(span * SPAN + pp)
+                            u[T.ramp(0, 1, PAIR)] = _interleaved_quants(qtype, qs, s, row, p)
+                            for t in T.unroll(TT):
+                                dot = T.meta_var(unsigned_dot(u[T.ramp(0, 1, PAIR)], T.reinterpret(
+                                    "int8x64", xq[tt * TT + t, T.ramp(p * 16, 1, 16)]), 16, "avx512-vnni"))
+                                acc[t, T.ramp(0, 1, 16)] = acc[t, T.ramp(0, 1, 16)] + T.Cast("float32x16", dot) * (
+                                    _interleaved_scales(qtype, s, row, p)
+                                    * T.reinterpret("float32x16", T.Broadcast(xd_pairs[tt * TT + t, p], 8)))
+                            for h in range(2):
+                                off[T.ramp(0, 1, TT)] = off[T.ramp(0, 1, TT)] + _tile_offset(
+                                    s, xo, fields, coefficient, row, 2 * p + h, tt * TT, TT)
+                        off[T.ramp(0, 1, TT)] = off[T.ramp(0, 1, TT)] + _tile_totals(acc, TT)
+                        for t in T.unroll(TT):
+                            if tt * TT + t < n:
+                                if span == 0:
+                                    y[tt * TT + t, row] = off[t]
+                                else:     # a later span of K adds to the row's sums
+                                    y[tt * TT + t, row] = y[tt * TT + t, row] + off[t]
 
     return quant_gemm_vnni512
