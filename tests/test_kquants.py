@@ -57,6 +57,21 @@ def test_repack_matches_gguf_dequantize(name, rng):
         np.testing.assert_array_equal(dequantize_layout(name.lower(), parts), expected)
 
 
+@pytest.mark.parametrize("name", TYPES)
+def test_repack_by_row_chunks_is_the_same(name, rng, monkeypatch):
+    """A tensor larger than a repack step is repacked in chunks of rows (7 rows of 40 here, the last one short)
+    into the same parts as at once."""
+    from sharpi.frontend import quant
+
+    t, _ = _tensor(name, 40, 512, rng)
+    whole = repack(t)
+    monkeypatch.setattr(quant, "CHUNK_BYTES", 7 * t.data[0].nbytes)
+    chunked = repack(t)
+    assert chunked.keys() == whole.keys()
+    for part in whole:
+        np.testing.assert_array_equal(chunked[part], whole[part])
+
+
 def test_k_quants_need_whole_super_blocks(rng):
     from sharpi.common.errors import UnsupportedTensorTypeError
     import gguf

@@ -12,6 +12,7 @@ valid UTF-8 in every string.
 from __future__ import annotations
 
 import math
+import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +54,7 @@ class GGUFTensor:
     type_id: int
     shape: tuple[int, ...]    # logical shape, outermost first (numpy order): (rows, cols) for a matrix
     data: np.ndarray          # raw bytes (uint8) for quantized types, typed array otherwise; memory-mapped
+    span: tuple[int, int] = (0, 0)   # (offset in the file, bytes)
 
 
 @dataclass
@@ -75,7 +77,9 @@ class GGUFFile:
             magic = f.read(4)
         if magic != GGUF_MAGIC:
             raise GGUFError(f"{self.path} is not a GGUF file (it does not start with the GGUF magic bytes).")
-        self._data = np.memmap(self.path, dtype=np.uint8, mode="r")
+        with open(self.path, "rb") as f:     # the mapping outlives the descriptor
+            self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self._data = np.frombuffer(self._mmap, dtype=np.uint8)
         parser = _Parser(memoryview(self._data), self.path.name)
         self.metadata, self.value_types, infos, data_start = parser.parse()
         self.tensors = _map_tensors(self._data, infos, data_start, parser.alignment, self.path.name)
@@ -92,6 +96,15 @@ class GGUFFile:
         if key not in self.metadata:
             raise GGUFError(f"{self.path.name} lacks the metadata field {key}.")
         return self.metadata[key]
+
+    def release(self, name: str) -> None:
+        """Drop a tensor's pages from this process's resident memory; they stay in the page cache, and a later
+        read maps them again. The compiler releases each tensor once it is repacked, so a large GGUF is never
+        resident whole (its mapped pages would count as the process's memory until unmapped)."""
+        start, nbytes = self.tensor(name).span
+        first, end = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, (start + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+        if end > first and hasattr(mmap, "MADV_DONTNEED"):
+            self._mmap.madvise(mmap.MADV_DONTNEED, first, end - first)
 
     def tensor(self, name: str) -> GGUFTensor:
         if name not in self.tensors:
@@ -228,7 +241,7 @@ class _Parser:
         return _TensorInfo(name=name, dims=dims, type_id=type_id, offset=offset)
 
 
-def _map_tensors(data: np.memmap, infos: list[_TensorInfo], data_start: int, alignment: int,
+def _map_tensors(data: np.ndarray, infos: list[_TensorInfo], data_start: int, alignment: int,
                  name: str) -> dict[str, GGUFTensor]:
     """Views into the mapped file, after checking that each tensor's bytes are aligned, inside the file and
     not shared with another tensor."""
@@ -267,14 +280,15 @@ def _tensor_type_and_size(info: _TensorInfo, name: str):
     return qtype, elements // block_size * type_size
 
 
-def _tensor_view(data: np.memmap, info: _TensorInfo, qtype, start: int, nbytes: int) -> GGUFTensor:
+def _tensor_view(data: np.ndarray, info: _TensorInfo, qtype, start: int, nbytes: int) -> GGUFTensor:
     from gguf.quants import quant_shape_to_byte_shape
 
     shape = tuple(reversed(info.dims))
     item = _TYPED_TENSORS.get(qtype.name)
     view_shape = shape if item is not None else quant_shape_to_byte_shape(shape or (1,), qtype)
     array = data[start:start + nbytes].view(item or np.uint8).reshape(view_shape)
-    return GGUFTensor(name=info.name, type_name=qtype.name, type_id=int(qtype), shape=shape, data=array)
+    return GGUFTensor(name=info.name, type_name=qtype.name, type_id=int(qtype), shape=shape, data=array,
+                      span=(start, nbytes))
 
 
 def _check_no_overlap(spans: list[tuple[int, int, str]], name: str) -> None:

@@ -49,7 +49,7 @@ def repack(t: GGUFTensor) -> dict[str, np.ndarray]:
         check_repackable(t, qtype)
         width = SUPER_BLOCK if qtype in K_QUANTS else BLOCK
         blocks = np.asarray(t.data, dtype=np.uint8).reshape(n, k // width, _BLOCK_BYTES[t.type_name])
-        return _REPACKERS[qtype](blocks)
+        return _repack_by_rows(_REPACKERS[qtype], blocks)
     if qtype == "f32":
         return {"w": np.ascontiguousarray(np.asarray(t.data, dtype=np.float32).reshape(n, k))}
     if qtype == "f16":
@@ -59,6 +59,28 @@ def repack(t: GGUFTensor) -> dict[str, np.ndarray]:
     if qtype == "bf16":
         return {"w": np.ascontiguousarray(np.asarray(t.data).view(np.uint16).reshape(n, k))}
     raise AssertionError(qtype)
+
+
+CHUNK_BYTES = 8 << 20   # GGUF bytes repacked in one step: its numpy temporaries are ~10x that (u32 per nibble)
+
+
+def _repack_by_rows(repacker, blocks: np.ndarray) -> dict[str, np.ndarray]:
+    """repacker(blocks), a chunk of rows at a time into the finished parts (rows are axis 0 of qs and w, axis 1 of
+    the [S, N, K/32] scales), so a 200 MB embedding never expands into gigabytes of temporaries at once."""
+    rows = max(1, CHUNK_BYTES // max(1, blocks[0].nbytes))
+    if rows >= len(blocks):
+        return repacker(blocks)
+    out = {}
+    for r0 in range(0, len(blocks), rows):
+        for name, part in repacker(blocks[r0:r0 + rows]).items():
+            axis = 1 if name == "s" else 0
+            if name not in out:
+                shape = list(part.shape)
+                shape[axis] = len(blocks)
+                out[name] = np.empty(shape, part.dtype)
+            index = (slice(None), slice(r0, r0 + rows)) if axis else slice(r0, r0 + rows)
+            out[name][index] = part
+    return out
 
 
 def _f16_scale(blocks: np.ndarray, offset: int) -> np.ndarray:

@@ -80,6 +80,7 @@ class WeightTable:
             parts = {"w": np.ascontiguousarray(data.reshape(t.shape))}
         else:
             parts = repack(t)
+        self.gguf.release(name)
         for (part, array), index in zip(parts.items(), indices, strict=True):
             spec = self.specs[index]
             if spec.name != f"{name}:{part}" or tuple(array.shape) != spec.shape or str(array.dtype) != spec.dtype:
