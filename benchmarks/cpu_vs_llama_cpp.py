@@ -5,8 +5,14 @@ llama.cpp's thread pools in one process spin against each other), one run each p
 medians; a Markdown table with the ratios (sharpi / llama.cpp) is printed and, with --out, written with a
 description of the machine, and a bar chart of the ratios beside it (--plot, needs matplotlib).
 
-    python benchmarks/cpu_vs_llama_cpp.py [--models smollm2-135m,gemma3-270m] [--prompts 512,4096] [--gen 64]
-        [--repeats 3] [--budget 1024] [--matmuls float,int8] [--threads N] [--out benchmarks/cpu.md] [--plot P]
+    python benchmarks/cpu_vs_llama_cpp.py [--models smollm2-135m,gemma3-270m,FILE.gguf] [--prompts 512,4096]
+        [--gen 64] [--repeats 3] [--budget 1024] [--matmuls float,int8] [--threads N] [--out benchmarks/cpu.md]
+        [--plot P]
+
+Each decode figure comes with its bandwidth floor: the bytes a decode step reads (every weight but the embedding
+table's unread rows, plus the KV slots each layer holds half-way through the decode) over a read bandwidth
+measured in a process of its own on the same threads (a TVM kernel summing 1 GiB); "floor %" is the measured
+speed as a share of that bound. Models may be GGUF paths (benchmarks/synthetic_gguf.py writes 1.5B and 7B shapes).
 
 --matmuls compiles one artifact per value (sharpi-compile --matmuls) and times each beside the same llama.cpp
 run. Needs llama-cpp-python (built as ../shared/anchors/README.md says). Run it on a quiet machine.
@@ -47,12 +53,47 @@ def llama_cpp_info() -> str:
     return f"llama-cpp-python {llama_cpp.__version__}: {system.strip()}"
 
 
+def read_bandwidth(threads: int) -> float:
+    """Bytes per second a process of its own reads on `threads` threads (benchmarks/read_bandwidth.py)."""
+    import subprocess
+    script = Path(__file__).with_name("read_bandwidth.py")
+    done = subprocess.run([sys.executable, str(script), str(threads)], capture_output=True, text=True, check=True,
+                          env={**os.environ, "TVM_NUM_THREADS": str(threads)})
+    return float(done.stdout.split()[-1])
+
+
+def decode_bytes(manifest, context: int, budget: int = 0, gguf: Path | None = None) -> int:
+    """Bytes one decode step reads at `context` tokens: the weights (the embedding table's only one row unless it
+    is also the output matrix) and the KV slots of every layer (a window's at most; SnapKV's budget at most).
+    With `gguf`, llama.cpp's: the GGUF's tensors (sharpi's layouts hold f32 scales, ~1.2-1.3x the K-quants'
+    bytes) and an f16 cache."""
+    import numpy as np
+    from sharpi.common.config import ModelConfig
+    from sharpi.frontend.gguf_file import GGUFFile
+
+    cfg = ModelConfig.from_dict(manifest.config)
+    if gguf is None:
+        sizes = {p.name.split(":")[0]: 0 for p in manifest.params}
+        for p in manifest.params:
+            sizes[p.name.split(":")[0]] += p.nbytes
+    else:
+        sizes = {name: t.span[1] for name, t in GGUFFile(gguf).tensors.items()}
+    weights = sum(sizes.values()) - (0 if cfg.tied_embeddings else sizes["token_embd.weight"])
+    item = 2 if gguf is not None else np.dtype(manifest.kv_dtype).itemsize
+    slots = 0
+    for layer in range(cfg.n_layers):
+        held = min(context, cfg.sliding_window) if cfg.sliding_window and cfg.is_local(layer) else context
+        slots += min(held, budget) if budget else held
+    return weights + slots * 2 * cfg.n_kv_heads * cfg.head_dim * item
+
+
 def rows_for(name: str, prompts: list[int], gen: int, repeats: int, budget: int, matmuls: list[str],
-             threads: int) -> list[dict]:
-    artifacts = {m: sharpi.compile(name, target="llvm", output=f"/tmp/sharpi-cpu-bench-{name}-{m}", matmuls=m)
+             threads: int, bandwidth: float) -> list[dict]:
+    label_of = Path(name).stem if name.endswith(".gguf") else name
+    artifacts = {m: sharpi.compile(name, target="llvm", output=f"/tmp/sharpi-cpu-bench-{label_of}-{m}", matmuls=m)
                  for m in matmuls}
     tokenizer, manifest = artifact_tokenizer(artifacts[matmuls[0]])
-    gguf = find_gguf(manifest, None)
+    gguf = find_gguf(manifest, name if Path(name).is_file() else None)
     rows = []
     for n in prompts:
         print(f"{name}: {n}-token prompt", file=sys.stderr, flush=True)
@@ -69,19 +110,25 @@ def rows_for(name: str, prompts: list[int], gen: int, repeats: int, budget: int,
                 specs[f"{label}, SnapKV {budget}"] = {**sharpi_spec, "snapkv": {"snapkv_budget": budget}}
         medians = rounds(specs, repeats)
         theirs = medians.pop("llama.cpp")
-        rows += [{"model": name, "prompt": n, "engine": label, **m, "vs": theirs} for label, m in medians.items()]
-        rows.append({"model": name, "prompt": n, "engine": "llama.cpp", **theirs, "vs": theirs})
+        for label, m in medians.items():
+            kept = budget if "SnapKV" in label else 0
+            floor = bandwidth / decode_bytes(artifact_tokenizer(specs[label]["artifact"])[1], n + gen // 2, kept)
+            rows.append({"model": label_of, "prompt": n, "engine": label, **m, "vs": theirs, "floor": floor})
+        floor = bandwidth / decode_bytes(manifest, n + gen // 2, gguf=gguf)
+        rows.append({"model": label_of, "prompt": n, "engine": "llama.cpp", **theirs, "vs": theirs, "floor": floor})
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| model | prompt | engine | prefill tok/s | decode tok/s | prefill ratio | decode ratio |",
-             "| --- | ---: | --- | ---: | ---: | ---: | ---: |"]
+    lines = ["| model | prompt | engine | prefill tok/s | decode tok/s | prefill ratio | decode ratio | "
+             "decode floor tok/s | floor % |",
+             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         ratio = ("", "") if r["engine"] == "llama.cpp" else (f"{r['prefill_tok_s'] / r['vs']['prefill_tok_s']:.2f}x",
                                                              f"{r['decode_tok_s'] / r['vs']['decode_tok_s']:.2f}x")
         lines.append(f"| {r['model']} | {r['prompt']} | {r['engine']} | {r['prefill_tok_s']:.1f} | "
-                     f"{r['decode_tok_s']:.1f} | {ratio[0]} | {ratio[1]} |")
+                     f"{r['decode_tok_s']:.1f} | {ratio[0]} | {ratio[1]} | {r['floor']:.1f} | "
+                     f"{100 * r['decode_tok_s'] / r['floor']:.0f}% |")
     return "\n".join(lines)
 
 
@@ -120,13 +167,15 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     threads = resolve_threads(args.threads)
     started, about = time.strftime("%Y-%m-%d %H:%M"), machine()
+    bandwidth = read_bandwidth(threads)
     rows = []
     for name in args.models.split(","):
         rows += rows_for(name, [int(n) for n in args.prompts.split(",")], args.gen, args.repeats, args.budget,
-                         args.matmuls.split(","), threads)
+                         args.matmuls.split(","), threads, bandwidth)
     text = (f"# sharpi vs llama.cpp on the CPU, {started}\n\n{about}; {llama_cpp_info()}.\n\nSame GGUF, prompt and "
             f"{threads} threads for both; decode of {args.gen} tokens after the prompt; every engine in a process of "
-            f"its own, one run each per round, median of {args.repeats} rounds.\n\n"
+            f"its own, one run each per round, median of {args.repeats} rounds. Read bandwidth on {threads} threads: "
+            f"{bandwidth / 1e9:.1f} GB/s (the decode floor's).\n\n"
             f"`python benchmarks/cpu_vs_llama_cpp.py {' '.join(argv or sys.argv[1:])}`\n\n{table(rows)}\n")
     print(text)
     if args.out:

@@ -1,0 +1,157 @@
+"""A GGUF of a real model's shape with random quantized weights, for scale checks without a large checkpoint (the
+CPU issue's compile memory, load memory and speed at 1.5B and 7B).
+
+    python benchmarks/synthetic_gguf.py SHAPE OUT.gguf [--seed N]
+
+SHAPE is one of SHAPES: `qwen2-1.5b` (Qwen2.5-1.5B: 28 layers of 1536, 12 heads over 2 KV heads, QKV biases, tied
+embeddings, vocabulary 151,936) or `llama-7b` (Mistral-7B's shape: 32 layers of 4096, FFN 14336, 32 heads over 8 KV
+heads, vocabulary 32,000). Weights are typed as llama.cpp's Q4_K_M mix: Q4_K, with Q6_K for the output (or tied
+embedding) matrix and for attn_v and ffn_down in half the layers. Each tensor's blocks are random bytes whose
+f16 scales are set so that a weight's spread is about 1/sqrt(K) (a residual stream that stays finite); tensors
+are generated and written one at a time (gguf's add_tensor_info, then write_tensor_data), so writing a 4 GB file
+takes a tensor's memory. The text is meaningless; what runs is every kernel at the real shapes.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Shape:
+    arch: str
+    layers: int
+    dim: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    context: int
+    rope_base: float
+    qkv_bias: bool
+    tied: bool
+
+
+SHAPES = {
+    "qwen2-1.5b": Shape("qwen2", 28, 1536, 8960, 12, 2, 151936, 32768, 1e6, qkv_bias=True, tied=True),
+    "llama-7b": Shape("llama", 32, 4096, 14336, 32, 8, 32000, 32768, 1e6, qkv_bias=False, tied=False),
+}
+
+_BLOCK_BYTES = {"Q4_K": 144, "Q6_K": 210}
+_SUPER = 256
+
+
+def _random_blocks(qtype: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """uint8 [n, k / 256 * block bytes]: random quants with f16 scales giving weights of spread ~1/sqrt(k)."""
+    blocks = rng.integers(0, 256, (n, k // _SUPER, _BLOCK_BYTES[qtype]), dtype=np.uint8)
+    if qtype == "Q4_K":        # d, dmin (f16) then 6-bit scales and mins; w = d * sc * q - dmin * m, sc ~ 32, q ~ 7.5
+        d = np.float16(1.0 / (150 * np.sqrt(k)))
+        blocks[..., 0:2] = np.frombuffer(d.tobytes(), np.uint8)
+        blocks[..., 2:4] = np.frombuffer(np.float16(7.5 * d).tobytes(), np.uint8)
+    else:                      # Q6_K: int8 scales at 192..207, d (f16) at 208; w = d * scale * (q - 32)
+        blocks[..., 208:210] = np.frombuffer(np.float16(1.0 / (1400 * np.sqrt(k))).tobytes(), np.uint8)
+    return blocks.reshape(n, -1)
+
+
+def _tensors(shape: Shape) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, logical shape [N, K] or [N], type) in llama.cpp's order."""
+    s, head_dim = shape, shape.dim // shape.heads
+    out = [("token_embd.weight", (s.vocab, s.dim), "Q6_K" if s.tied else "Q4_K")]
+    for layer in range(s.layers):
+        p, heavy = f"blk.{layer}.", "Q6_K" if layer % 2 == 0 else "Q4_K"
+        out += [(p + "attn_norm.weight", (s.dim,), "F32"),
+                (p + "attn_q.weight", (s.heads * head_dim, s.dim), "Q4_K"),
+                (p + "attn_k.weight", (s.kv_heads * head_dim, s.dim), "Q4_K"),
+                (p + "attn_v.weight", (s.kv_heads * head_dim, s.dim), heavy),
+                (p + "attn_output.weight", (s.dim, s.heads * head_dim), "Q4_K"),
+                (p + "ffn_norm.weight", (s.dim,), "F32"),
+                (p + "ffn_gate.weight", (s.ffn, s.dim), "Q4_K"),
+                (p + "ffn_up.weight", (s.ffn, s.dim), "Q4_K"),
+                (p + "ffn_down.weight", (s.dim, s.ffn), heavy)]
+        if s.qkv_bias:
+            out += [(p + f"attn_{x}.bias", (n,), "F32") for x, n in
+                    (("q", s.heads * head_dim), ("k", s.kv_heads * head_dim), ("v", s.kv_heads * head_dim))]
+    out.append(("output_norm.weight", (s.dim,), "F32"))
+    if not s.tied:
+        out.append(("output.weight", (s.vocab, s.dim), "Q6_K"))
+    return out
+
+
+def _array(name: str, logical: tuple[int, ...], qtype: str, rng: np.random.Generator) -> np.ndarray:
+    if qtype == "F32":
+        scale = 0.1 if name.endswith(".bias") else 0.05
+        base = 0.0 if name.endswith(".bias") else 1.0
+        return (base + scale * rng.standard_normal(logical)).astype(np.float32)
+    return _random_blocks(qtype, *logical, rng)
+
+
+def _vocabulary(size: int) -> tuple[list[str], list[str]]:
+    """(tokens, merges): GPT-2's 256 byte tokens, their pairs as merged tokens (llama.cpp refuses a BPE vocabulary
+    without merges), fillers up to the embedding's rows, the last one end-of-text."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from tiny_gguf import byte_level_vocab
+
+    tokens = byte_level_vocab()
+    pairs = [(a, b) for a in tokens for b in tokens][:max(0, min(1 << 16, size - len(tokens) - 1))]
+    tokens = tokens + [a + b for a, b in pairs]
+    tokens += [f"<|synthetic_{i}|>" for i in range(size - len(tokens) - 1)] + ["<|endoftext|>"]
+    return tokens, [f"{a} {b}" for a, b in pairs]
+
+
+def write(shape_name: str, path: Path, seed: int = 0, show_progress: bool = True) -> Path:
+    import gguf
+    from tqdm import tqdm
+
+    shape, rng = SHAPES[shape_name], np.random.default_rng(seed)
+    tokens, merges = _vocabulary(shape.vocab)
+    w = gguf.GGUFWriter(str(path), shape.arch)
+    w.add_name(f"synthetic {shape_name}")
+    w.add_block_count(shape.layers)
+    w.add_context_length(shape.context)
+    w.add_embedding_length(shape.dim)
+    w.add_feed_forward_length(shape.ffn)
+    w.add_head_count(shape.heads)
+    w.add_head_count_kv(shape.kv_heads)
+    w.add_rope_freq_base(shape.rope_base)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2" if shape.arch == "qwen2" else "default")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * (len(tokens) - 1) + [3])
+    w.add_token_merges(merges)
+    w.add_eos_token_id(len(tokens) - 1)
+    w.add_bool("tokenizer.ggml.add_bos_token", False)
+    tensors = _tensors(shape)
+    for name, logical, qtype in tensors:
+        raw = gguf.GGMLQuantizationType[qtype]
+        if qtype == "F32":
+            w.add_tensor_info(name, logical, np.dtype(np.float32), int(np.prod(logical)) * 4)
+        else:
+            nbytes = logical[0] * logical[1] // _SUPER * _BLOCK_BYTES[qtype]
+            w.add_tensor_info(name, (logical[0], nbytes // logical[0]), np.dtype(np.uint8), nbytes, raw_dtype=raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for name, logical, qtype in tqdm(tensors, desc=f"writing {path.name}", unit="tensor", disable=not show_progress):
+        w.write_tensor_data(_array(name, logical, qtype, rng))
+    w.close()
+    return path
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("shape", choices=sorted(SHAPES))
+    p.add_argument("out", type=Path)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    write(args.shape, args.out, args.seed)
+    print(f"{args.out}: {args.out.stat().st_size / 1e9:.2f} GB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
