@@ -125,6 +125,20 @@ def test_rope_neox_layout(rng):
         make_rope(2, 24, 1e6, layout="glm")
 
 
+@pytest.mark.parametrize("layout,theta", [("norm", 10000.0), ("neox", 1e6)])
+def test_rope_over_runs_of_consecutive_positions(layout, theta, rng):
+    """A prompt's consecutive positions take the rotation path (sincos once per run of ROTATION_RUN tokens):
+    runs cut mid-way by a jump, a run starting deep in the context, a repeated position; as exact as sincos."""
+    from sharpi.codegen.kernels.rope import ROTATION_RUN
+
+    pos = np.concatenate([np.arange(0, 37), [36], np.arange(30000, 30000 + 2 * ROTATION_RUN + 5)]).astype(np.int32)
+    x = rng.standard_normal((len(pos), 2, 32)).astype(np.float32)
+    y = _t(np.zeros_like(x))
+    _build(make_rope(2, 32, theta, layout=layout))(_t(x), _t(pos), y)
+    want = rope_adjacent(x, pos, theta) if layout == "norm" else rope_halves(x, pos, theta)
+    np.testing.assert_allclose(y.numpy(), want, rtol=0, atol=2e-6)
+
+
 def _attention_reference(q, k_all, v_all, held, window=0):
     """Causal GQA attention: query t sees the `held` old slots and the new ones up to itself (with a window,
     only the last `window` of them)."""

@@ -56,7 +56,10 @@ def required_cpu_features(target: tvm.target.Target) -> list[str]:
 
 def int8_dot_isa(target: tvm.target.Target) -> str | None:
     """The best instruction set for the integer-dot matmuls that code built for `target` may use: "avx512-vnni"
-    (512-bit vpdpbusd), "avx-vnni" (its 256-bit form without AVX-512), "avx2" (vpmaddubsw + vpmaddwd), or None."""
+    (512-bit vpdpbusd), "avx-vnni" (its 256-bit form without AVX-512), "avx2" (vpmaddubsw + vpmaddwd), or None.
+    AMX is not among them: a CPU that has it (sapphirerapids and later) gets AVX-512 VNNI. No machine of this
+    project has granted AMX's tile state yet (sharpi.common.cpu.amx_granted, the probe such kernels must pass
+    at load), so tile kernels could not be run, let alone tested."""
     features = set(required_cpu_features(target))
     if {"avx512_vnni", "avx512bw", "avx512vl"} <= features:
         return "avx512-vnni"
