@@ -90,8 +90,11 @@ def decode_bytes(manifest, context: int, budget: int = 0, gguf: Path | None = No
 def rows_for(name: str, prompts: list[int], gen: int, repeats: int, budget: int, matmuls: list[str],
              threads: int, bandwidth: float) -> list[dict]:
     label_of = Path(name).stem if name.endswith(".gguf") else name
-    artifacts = {m: sharpi.compile(name, target="llvm", output=f"/tmp/sharpi-cpu-bench-{label_of}-{m}", matmuls=m)
-                 for m in matmuls}
+    artifacts = {}
+    for variant in matmuls:       # "int8", "float", or one for another CPU: "int8@znver3" (AVX2 only)
+        m, _, mcpu = variant.partition("@")
+        artifacts[variant] = sharpi.compile(name, target="llvm", matmuls=m, mcpu=mcpu or None,
+                                            output=f"/tmp/sharpi-cpu-bench-{label_of}-{m}{'-' + mcpu if mcpu else ''}")
     tokenizer, manifest = artifact_tokenizer(artifacts[matmuls[0]])
     gguf = find_gguf(manifest, name if Path(name).is_file() else None)
     rows = []
@@ -100,10 +103,13 @@ def rows_for(name: str, prompts: list[int], gen: int, repeats: int, budget: int,
         tokens = prompt_ids(tokenizer, n)
         common = {"tokens": tokens, "gen": gen, "threads": threads}
         specs = {"llama.cpp": {"engine": "llama.cpp", "gguf": str(gguf), **common}}
-        for m, path in artifacts.items():
+        for variant, path in artifacts.items():
+            m, _, mcpu = variant.partition("@")
             label = "sharpi" if m == "float" else f"sharpi, {m} matmuls"
             if artifact_tokenizer(path)[1].kv_dtype == "float16":     # the int8 default's KV cache, as llama.cpp's
                 label += ", f16 KV"
+            if mcpu:
+                label += f", --mcpu {mcpu}"
             sharpi_spec = {"engine": "sharpi", "artifact": str(path), **common}
             specs[label] = {**sharpi_spec, "snapkv": {"snapkv_budget": 0}}
             if budget and n > budget:
@@ -160,22 +166,25 @@ def main(argv=None) -> int:
     p.add_argument("--gen", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--budget", type=int, default=1024)
-    p.add_argument("--matmuls", default="float,int8", help="sharpi artifacts to time: float, int8 or both")
+    p.add_argument("--matmuls", default="float,int8",
+                   help="sharpi artifacts to time: float, int8, and either for another CPU (int8@znver3: its AVX2 "
+                        "kernels on this one)")
     p.add_argument("--threads", type=int, default=None, help="both engines (default: all this process may use)")
     p.add_argument("--out", default=None)
     p.add_argument("--plot", default=None, help="a PNG of the ratios")
     args = p.parse_args(argv)
     threads = resolve_threads(args.threads)
     started, about = time.strftime("%Y-%m-%d %H:%M"), machine()
-    bandwidth = read_bandwidth(threads)
-    rows = []
+    rows, bandwidths = [], []
     for name in args.models.split(","):
+        bandwidths.append(read_bandwidth(threads))    # again for each model: a shared machine's varies by the hour
         rows += rows_for(name, [int(n) for n in args.prompts.split(",")], args.gen, args.repeats, args.budget,
-                         args.matmuls.split(","), threads, bandwidth)
+                         args.matmuls.split(","), threads, bandwidths[-1])
+    measured = ", ".join(f"{b / 1e9:.1f}" for b in bandwidths)
     text = (f"# sharpi vs llama.cpp on the CPU, {started}\n\n{about}; {llama_cpp_info()}.\n\nSame GGUF, prompt and "
             f"{threads} threads for both; decode of {args.gen} tokens after the prompt; every engine in a process of "
-            f"its own, one run each per round, median of {args.repeats} rounds. Read bandwidth on {threads} threads: "
-            f"{bandwidth / 1e9:.1f} GB/s (the decode floor's).\n\n"
+            f"its own, one run each per round, median of {args.repeats} rounds. Read bandwidth on {threads} threads, "
+            f"measured before each model (its decode floor's): {measured} GB/s.\n\n"
             f"`python benchmarks/cpu_vs_llama_cpp.py {' '.join(argv or sys.argv[1:])}`\n\n{table(rows)}\n")
     print(text)
     if args.out:
