@@ -131,6 +131,20 @@ def test_gemm_int8_rows_agree_with_the_gemv(isa, rng):
 
 
 @pytest.mark.skipif(_HOST_ISA != "avx512-vnni", reason="needs AVX-512 VNNI")
+@pytest.mark.parametrize("qtype", ["q4_k", "q8_0", "q5_0"])
+def test_wide_gemm_in_row_blocks_and_spans_of_k(qtype, rng, monkeypatch):
+    """The 512-bit GEMM's loop blocking: 7 rows a task in blocks of 3 (the last one short), K in two spans (the
+    second short), two tiles and a cut one."""
+    n, k = 64 * 7, 64 * (quant_matmul_vnni512.K_SPAN + 8)
+    q, parts = _weight(qtype, n, k, rng)
+    row_bytes = sum(p[:1].nbytes if p.ndim == 2 else p[:, :1].nbytes for p in _as_cpu_kernel_takes(q, parts, n, k))
+    monkeypatch.setattr(quant_matmul_vnni512, "ROW_BLOCK_BYTES", 3 * row_bytes)
+    x = rng.standard_normal((2 * quant_matmul_vnni512.GEMM_TILE + 3, k)).astype(np.float32)
+    got, want = _run_gemm(q, parts, n, k, x, "avx512-vnni"), _expected(q, parts, x)
+    assert (np.abs(got - want).max(-1) / np.abs(want).max(-1)).max() <= 2e-5
+
+
+@pytest.mark.skipif(_HOST_ISA != "avx512-vnni", reason="needs AVX-512 VNNI")
 def test_the_wide_kernels_use_512_bit_dots():
     """The 512-bit kernels run vpdpbusd on zmm registers (LLVM may split wide vectors where a CPU prefers 256)."""
     for make in (make_gemv_vnni512, make_gemm_vnni512):
