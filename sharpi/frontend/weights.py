@@ -43,10 +43,6 @@ class WeightTable:
     def names(self) -> list[str]:
         return [s.name for s in self.specs]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize for s in self.specs)
-
     def add_matrix(self, gguf: GGUFFile, name: str) -> None:
         t = gguf.tensor(name)
         qtype = layout_of(t)

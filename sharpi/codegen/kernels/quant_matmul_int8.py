@@ -295,10 +295,10 @@ def _offset_scales_by_sums(s, sums, fields, row, blocks):
 GEMM_TILE = 8   # tokens per tile: 8 float accumulators + the block's unpacked quants stay in the 16 AVX2 registers
 
 
-def _tile_offset(qtype, s, xo, row, b, t0, TT):
-    """float32 x TT: what block b's offset or minimum adds to row `row` for tokens t0 .. t0 + TT (_offset_fields,
-    with the activation sums x scales xo stored token-minor)."""
-    fields, coefficient = _offset_fields(qtype)
+def tile_offset(offset, s, xo, row, b, t0, TT):
+    """float32 x TT: what block b's offset or minimum adds to row `row` for tokens t0 .. t0 + TT; `offset` is
+    _offset_fields' (fields, coefficient), the activation sums x scales xo are stored token-minor."""
+    fields, coefficient = offset
     total = None
     for f, field in enumerate(fields):
         scale = s[field, row, b] if coefficient == 1.0 else T.float32(coefficient) * s[field, row, b]
@@ -356,8 +356,8 @@ def make_gemm_int8(qtype: str, N: int, K: int, isa: str = "avx2"):
                                 qtype, qs, u[T.ramp(0, 1, BLOCK)], xq, tt * TT + t, row, b, isa)) * (
                                     _lane_scales(qtype, s, row, b) * xd8[b, tt * TT + t, T.ramp(0, 1, 8)])
                         if has_offset:
-                            off[T.ramp(0, 1, TT)] = off[T.ramp(0, 1, TT)] + _tile_offset(qtype, s, xo, row, b,
-                                                                                         tt * TT, TT)
+                            off[T.ramp(0, 1, TT)] = off[T.ramp(0, 1, TT)] + tile_offset(
+                                _offset_fields(qtype), s, xo, row, b, tt * TT, TT)
                     for t in T.unroll(TT):
                         if tt * TT + t < n:
                             y[tt * TT + t, row] = lane_total(acc, t) + off[t]

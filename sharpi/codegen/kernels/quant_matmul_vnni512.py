@@ -1,10 +1,11 @@
 """The integer-dot matmuls of quant_matmul_int8 on AVX-512 VNNI: the same arithmetic on 512-bit registers.
 
 One `vpdpbusd` multiplies two 32-blocks' 64 unsigned weight bytes with their 64 int8 activations and sums each
-4 adjacent products into 16 int32 lanes (AVX2 needs vpmaddubsw and vpmaddwd for one block's 32): lanes 0-7 are
-block 2p's partial sums, 8-15 block 2p + 1's, so each lane is converted and scaled by its own block's scales as in
-the AVX2 kernels. Per two blocks and token that is one dot, one convert, one multiply and one FMA, where AVX2 takes
-ten instructions; with 32 vector registers the prefill tile holds 16 tokens' accumulators (AVX2: 8 of 16).
+4 adjacent products into 16 int32 lanes (AVX2 needs vpmaddubsw and vpmaddwd for one block's 32); each lane is
+converted and scaled by its own block's scales as in the AVX2 kernels. In the decode GEMV lanes 0-7 are block 2p's
+partial sums and 8-15 block 2p + 1's; the prefill GEMM interleaves the two blocks (_INTERLEAVE). Per two blocks
+and token that is one dot, one convert, one multiply and one FMA, where AVX2 takes ten instructions; with 32
+vector registers the prefill tile holds 16 tokens' accumulators (AVX2: 8 of 16).
 
 The integer products are exactly the AVX2 kernels' (neither saturates on these quants), so the two differ only in
 the order of the float sums. q8_0's signed bytes have no vpsignb on 512 bits: they are offset to unsigned
@@ -20,7 +21,7 @@ from .lanes import lane_total
 from .common import token_count
 from .quant_matmul import cpu_quants
 from .quant_matmul_int8 import (INT8_DOT_TYPES, TASKS, _lane_scales, _offset_fields, _offset_scales_by_sums, _span,
-                                _unsigned_quants, quantize_activation_block, unsigned_dot)
+                                _unsigned_quants, quantize_activation_block, tile_offset, unsigned_dot)
 
 PAIR = 2 * BLOCK      # the bytes of one 512-bit dot: two blocks
 GEMM_TILE = 16        # tokens per prefill tile: 16 float32x16 accumulators of the 32 registers
@@ -107,16 +108,6 @@ def make_gemv_vnni512(qtype: str, N: int, K: int):
                 y[0, row] = lane_total(acc, 0, lanes=16) + T.float32(coefficient) * lane_total(off, lanes=VO)
 
     return quant_gemv_vnni512
-
-
-def _tile_offset(s, xo, fields, coefficient, row, b, t0, TT):
-    """float32 x TT: what block b's offset or minimum adds to row `row` for tokens t0 .. t0 + TT."""
-    total = None
-    for f, field in enumerate(fields):
-        scale = s[field, row, b] if coefficient == 1.0 else T.float32(coefficient) * s[field, row, b]
-        term = T.Broadcast(scale, TT) * xo[f, b, T.ramp(t0, 1, TT)]
-        total = term if total is None else total + term
-    return total
 
 
 # The GEMM's pairs interleave their two blocks every 4 bytes (int32 lane i of a dot is block 2p + i % 2's), so a
@@ -217,8 +208,8 @@ def make_gemm_vnni512(qtype: str, N: int, K: int):
                                         _interleaved_scales(qtype, s, row, p)
                                         * T.reinterpret("float32x16", T.Broadcast(xd_pairs[tt * TT + t, p], 8)))
                                 for h in range(2):
-                                    off[T.ramp(0, 1, TT)] = off[T.ramp(0, 1, TT)] + _tile_offset(
-                                        s, xo, fields, coefficient, row, 2 * p + h, tt * TT, TT)
+                                    off[T.ramp(0, 1, TT)] = off[T.ramp(0, 1, TT)] + tile_offset(
+                                        (fields, coefficient), s, xo, row, 2 * p + h, tt * TT, TT)
                             off[T.ramp(0, 1, TT)] = off[T.ramp(0, 1, TT)] + _tile_totals(acc, TT)
                             for t in T.unroll(TT):
                                 if tt * TT + t < n:
