@@ -8,7 +8,7 @@ import pytest
 from sharpi.codegen.kernels import quant_matmul_vnni512
 from sharpi.codegen.kernels.quant_matmul_int8 import (INT8_DOT_TYPES, GEMM_TILE, element_lane, lane_element,
                                                       make_gemm_int8, make_gemv_int8)
-from sharpi.codegen.kernels.quant_matmul_vnni512 import make_gemm_vnni512, make_gemv_vnni512
+from sharpi.codegen.kernels.quant_matmul_vnni512 import make_gemm_vnni512
 from sharpi.codegen.targets.llvm import int8_dot_available, int8_dot_isa
 from sharpi.common.quant_layout import dequantize_layout
 from sharpi.testing.reference import quantize_activations_q8
@@ -25,7 +25,8 @@ if _HOST_ISA in ("avx-vnni", "avx512-vnni"):
     VARIANTS["avx-vnni"] = (lambda q, n, k: make_gemv_int8(q, n, k, "avx-vnni"),
                             lambda q, n, k: make_gemm_int8(q, n, k, "avx-vnni"), GEMM_TILE)
 if _HOST_ISA == "avx512-vnni":
-    VARIANTS["avx512-vnni"] = (make_gemv_vnni512, make_gemm_vnni512, quant_matmul_vnni512.GEMM_TILE)
+    VARIANTS["avx512-vnni"] = (lambda q, n, k: make_gemv_int8(q, n, k, "avx512-vnni"), make_gemm_vnni512,
+                               quant_matmul_vnni512.GEMM_TILE)
 
 
 def _weight(qtype, n, k, rng):
@@ -147,9 +148,9 @@ def test_wide_gemm_in_row_blocks_and_spans_of_k(qtype, rng, monkeypatch):
 @pytest.mark.skipif(_HOST_ISA != "avx512-vnni", reason="needs AVX-512 VNNI")
 def test_the_wide_kernels_use_512_bit_dots():
     """The 512-bit kernels run vpdpbusd on zmm registers (LLVM may split wide vectors where a CPU prefers 256)."""
-    for make in (make_gemv_vnni512, make_gemm_vnni512):
+    for name, make in zip(("GEMV", "GEMM"), VARIANTS["avx512-vnni"][:2]):
         asm = _build(make("q4_k", 64, 512)).mod.inspect_source("asm")
-        assert "vpdpbusd" in asm and "zmm" in asm.split("vpdpbusd", 1)[1].splitlines()[0], make.__name__
+        assert "vpdpbusd" in asm and "zmm" in asm.split("vpdpbusd", 1)[1].splitlines()[0], name
 
 
 @pytest.mark.parametrize("isa", VARIANTS)

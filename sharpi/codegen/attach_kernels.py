@@ -25,7 +25,7 @@ from .kernels.paged_attention import (make_kv_append, make_kv_append_batch, make
                                       make_paged_attention_batch)
 from ..common.quant_layout import QUANTIZED
 from .kernels.quant_matmul_int8 import INT8_DOT_TYPES, make_gemm_int8, make_gemv_int8
-from .kernels.quant_matmul_vnni512 import make_gemm_vnni512, make_gemv_vnni512, vnni512_fits
+from .kernels.quant_matmul_vnni512 import make_gemm_vnni512, vnni512_fits
 from .kernels.quant_matmul import cpu_quants, make_embedding, make_matmul
 from .kernels.rope import make_rope
 from .kernels.snapkv import make_kv_compact, make_snapkv_score, make_snapkv_select
@@ -144,14 +144,15 @@ class KernelAttacher(relax.PyExprMutator):
         count is even (and, for the decode GEMV, the type gains by them), else the 256-bit ones (vpdpbusd on
         AVX-VNNI and AVX-512 VNNI, vpmaddubsw + vpmaddwd on AVX2)."""
         wide = self.int8_isa == "avx512-vnni" and vnni512_fits(k_in) and (not decode or qtype in self._GEMV_512)
-        kind = "gemv" if decode else "gemm"
+        if wide and decode:
+            return self.kernel(("gemv_vnni512", qtype, n_out, k_in),
+                               lambda: make_gemv_int8(qtype, n_out, k_in, "avx512-vnni"))
         if wide:
-            make = make_gemv_vnni512 if decode else make_gemm_vnni512
-            return self.kernel((f"{kind}_vnni512", qtype, n_out, k_in), lambda: make(qtype, n_out, k_in))
+            return self.kernel(("gemm_vnni512", qtype, n_out, k_in), lambda: make_gemm_vnni512(qtype, n_out, k_in))
         isa = "avx2" if self.int8_isa == "avx2" else "avx-vnni"
         make = make_gemv_int8 if decode else make_gemm_int8
-        return self.kernel((f"{kind}_int8", None if isa == "avx2" else "vnni", qtype, n_out, k_in),
-                           lambda: make(qtype, n_out, k_in, isa))
+        return self.kernel((f"{'gemv' if decode else 'gemm'}_int8", None if isa == "avx2" else "vnni", qtype, n_out,
+                            k_in), lambda: make(qtype, n_out, k_in, isa))
 
     def _fuse_embedding(self, call):
         source = self._dequantize_source(call.args[0])

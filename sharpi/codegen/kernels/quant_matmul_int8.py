@@ -93,7 +93,8 @@ def _unsigned_quants(qtype, qs, s, row, b):
     return T.reinterpret("int8x32", u)
 
 
-ISAS = ("avx2", "avx-vnni")   # the instruction sets of these kernels (AVX-512 VNNI: quant_matmul_vnni512.py)
+ISAS = ("avx2", "avx-vnni", "avx512-vnni")   # the GEMV's; the GEMM here takes the first two (AVX-512 VNNI's is
+                                            # quant_matmul_vnni512.py's)
 
 
 def unsigned_dot(u, x, lanes: int, isa: str):
@@ -228,22 +229,51 @@ TASKS = 64   # parallel tasks per GEMV and GEMM: enough to balance two to a few 
              # task's setup (its accumulators, the parallel loop's bookkeeping) does not count
 
 
+def _wide_offset(qtype) -> tuple[tuple[int, ...], float]:
+    """_offset_fields for the 512-bit kernels: q8_0's bytes are offset there (w + 128; AVX-512 has no vpsignb),
+    so it has an offset term of its own: -128 d times the activation sum."""
+    return ((0,), -128.0) if qtype == "q8_0" else _offset_fields(qtype)
+
+
+def pair_quants(qtype, qs, s, row, p):
+    """int8x64: blocks 2p and 2p + 1 as unsigned bytes, each in its lane order (the 512-bit GEMV's)."""
+    if qtype == "q8_0":
+        return qs[row, T.ramp(p * 2 * BLOCK, 1, 2 * BLOCK)] ^ T.Broadcast(T.int8(-128), 2 * BLOCK)
+    return T.Shuffle([_unsigned_quants(qtype, qs, s, row, 2 * p), _unsigned_quants(qtype, qs, s, row, 2 * p + 1)],
+                     list(range(2 * BLOCK)))
+
+
+def _unit_term(qtype, qs, s, xq, xd, row, j, isa):
+    """float32 x lanes: unit j's products for the GEMV, scaled: a block (8 lanes) on AVX2 and AVX-VNNI, a pair of
+    blocks (16 lanes: block 2j's sums in 0-7, 2j + 1's in 8-15) on AVX-512 VNNI."""
+    if isa != "avx512-vnni":
+        return T.Cast("float32x8", _block_dot(qtype, qs, _unsigned_quants(qtype, qs, s, row, j), xq, 0, row, j,
+                                              isa)) * (_lane_scales(qtype, s, row, j) * xd[j, T.ramp(0, 1, 8)])
+    dot = unsigned_dot(pair_quants(qtype, qs, s, row, j), xq[0, T.ramp(j * 2 * BLOCK, 1, 2 * BLOCK)], 16, isa)
+    scales = T.Shuffle([_lane_scales(qtype, s, row, 2 * j), _lane_scales(qtype, s, row, 2 * j + 1)], list(range(16)))
+    return T.Cast("float32x16", dot) * (scales * xd[j, T.ramp(0, 1, 16)])
+
+
 def make_gemv_int8(qtype: str, N: int, K: int, isa: str = "avx2"):
     """PrimFunc (x [1, K] f32, *weight parts as the CPU kernels take them, y [1, N] f32).
 
     The row x is quantized once (serially: K values, about a microsecond); then each task takes a chunk of output
-    rows and per row runs A independent chains of block dot products (FMA latency), and the offset term as one
-    short dot product of the row's offset scales with the activation sums (VO blocks a vector instruction)."""
+    rows and per row runs A independent chains of dot products (FMA latency) over units of one block (AVX2,
+    AVX-VNNI) or two (AVX-512 VNNI: one 512-bit vpdpbusd a pair; K must hold whole pairs), and the offset term as
+    one short dot product of the row's offset scales with the activation sums (VO blocks a vector instruction)."""
     assert qtype in INT8_DOT_TYPES and isa in ISAS, (qtype, isa)
     NB = K // BLOCK
+    W = 16 if isa == "avx512-vnni" else 8          # lanes of a unit's sums
+    NU = NB // (W // 8)
+    assert NU * (W // 8) == NB, (K, isa)
     qs_shape, qs_dtype = cpu_quants(qtype, N, K)
     S = LAYOUTS[qtype][1][2](N, K)[0]
     CHUNKS = min(TASKS, N)
     ROWS = (N + CHUNKS - 1) // CHUNKS   # the last chunk may be short
-    A = 4 if NB % 4 == 0 else 2 if NB % 2 == 0 else 1
-    VO = 8 if NB % 8 == 0 else 4 if NB % 4 == 0 else 2 if NB % 2 == 0 else 1
-    fields, coefficient = _offset_fields(qtype)
-    F = _activation_sums(qtype)
+    A = 4 if NU % 4 == 0 else 2 if NU % 2 == 0 else 1
+    VO = 16 if NB % 16 == 0 and W == 16 else 8 if NB % 8 == 0 else 4 if NB % 4 == 0 else 2 if NB % 2 == 0 else 1
+    fields, coefficient = _wide_offset(qtype) if W == 16 else _offset_fields(qtype)
+    F = max(1, len(fields))
 
     @T.prim_func
     def quant_gemv_int8(x: T.Buffer((1, K), "float32"), qs: T.Buffer(qs_shape, qs_dtype),
@@ -251,33 +281,32 @@ def make_gemv_int8(qtype: str, N: int, K: int, isa: str = "avx2"):
         T.func_attr({"tirx.noalias": True, "op_pattern": 8})
         xq = T.decl_buffer((1, K), "int8")
         xd8 = T.decl_buffer((NB, 1, 8), "float32")
+        xd = T.decl_buffer((NU, W), "float32", data=xd8.data)         # a unit's scales, 8 lanes a block
         xo = T.decl_buffer((F, NB, 1), "float32")
         xo_blocks = T.decl_buffer((F, NB), "float32", data=xo.data)   # the same sums, blocks as the last axis
         for b in range(NB):
             quantize_activation_block(x, 0, True, xq, xd8, xo, 0, b, qtype, F)
         for c in T.parallel(CHUNKS):
-            acc = T.decl_buffer((A, 8), "float32", scope="global")
+            acc = T.decl_buffer((A, W), "float32", scope="global")
             off = T.decl_buffer((VO,), "float32", scope="global")
             for i in range(T.min(ROWS, N - c * ROWS)):
                 row = T.meta_var(c * ROWS + i)
                 for a in T.unroll(A):
-                    acc[a, T.ramp(0, 1, 8)] = T.Broadcast(T.float32(0), 8)
-                for bb in range(NB // A):
+                    acc[a, T.ramp(0, 1, W)] = T.Broadcast(T.float32(0), W)
+                for jj in range(NU // A):
                     for a in T.unroll(A):
-                        b = T.meta_var(bb * A + a)
-                        acc[a, T.ramp(0, 1, 8)] = acc[a, T.ramp(0, 1, 8)] + T.Cast("float32x8", _block_dot(
-                            qtype, qs, _unsigned_quants(qtype, qs, s, row, b), xq, 0, row, b, isa)) * (
-                                _lane_scales(qtype, s, row, b) * xd8[b, 0, T.ramp(0, 1, 8)])
+                        acc[a, T.ramp(0, 1, W)] = acc[a, T.ramp(0, 1, W)] + _unit_term(
+                            qtype, qs, s, xq, xd, row, jj * A + a, isa)
                 for a in T.unroll(1, A):
-                    acc[0, T.ramp(0, 1, 8)] = acc[0, T.ramp(0, 1, 8)] + acc[a, T.ramp(0, 1, 8)]
+                    acc[0, T.ramp(0, 1, W)] = acc[0, T.ramp(0, 1, W)] + acc[a, T.ramp(0, 1, W)]
                 if len(fields) == 0:
-                    y[0, row] = lane_total(acc, 0)
+                    y[0, row] = lane_total(acc, 0, lanes=W)
                 else:
                     off[_span(0, VO)] = T.Broadcast(T.float32(0), VO) if VO > 1 else T.float32(0)
                     for ob in range(NB // VO):
                         off[_span(0, VO)] = off[_span(0, VO)] + _offset_scales_by_sums(s, xo_blocks, fields, row,
                                                                                        _span(ob * VO, VO))
-                    y[0, row] = lane_total(acc, 0) + T.float32(coefficient) * lane_total(off, lanes=VO)
+                    y[0, row] = lane_total(acc, 0, lanes=W) + T.float32(coefficient) * lane_total(off, lanes=VO)
 
     return quant_gemv_int8
 
@@ -315,7 +344,7 @@ def make_gemm_int8(qtype: str, N: int, K: int, isa: str = "avx2"):
     per tile, per row, per block, the 32 quants are unpacked once into a register and multiplied with the tile's
     8 activation blocks. The offsets go 8 tokens at a time: the activation sums (times the activation scale) are
     stored token-minor, so one FMA per block adds a row's offset term to the whole tile."""
-    assert qtype in INT8_DOT_TYPES and isa in ISAS, (qtype, isa)
+    assert qtype in INT8_DOT_TYPES and isa in ISAS[:2], (qtype, isa)
     NB = K // BLOCK
     qs_shape, qs_dtype = cpu_quants(qtype, N, K)
     S = LAYOUTS[qtype][1][2](N, K)[0]

@@ -1,11 +1,11 @@
-"""The integer-dot matmuls of quant_matmul_int8 on AVX-512 VNNI: the same arithmetic on 512-bit registers.
+"""The prefill GEMM of quant_matmul_int8 on AVX-512 VNNI: the same arithmetic on 512-bit registers (the decode
+GEMV's 512-bit form is quant_matmul_int8's, a unit of two blocks).
 
 One `vpdpbusd` multiplies two 32-blocks' 64 unsigned weight bytes with their 64 int8 activations and sums each
 4 adjacent products into 16 int32 lanes (AVX2 needs vpmaddubsw and vpmaddwd for one block's 32); each lane is
-converted and scaled by its own block's scales as in the AVX2 kernels. In the decode GEMV lanes 0-7 are block 2p's
-partial sums and 8-15 block 2p + 1's; the prefill GEMM interleaves the two blocks (_INTERLEAVE). Per two blocks
-and token that is one dot, one convert, one multiply and one FMA, where AVX2 takes ten instructions; with 32
-vector registers the prefill tile holds 16 tokens' accumulators (AVX2: 8 of 16).
+converted and scaled by its own block's scales as in the AVX2 kernels, the two blocks interleaved every 4 bytes
+(_INTERLEAVE). Per two blocks and token that is one dot, one convert, one multiply and one FMA, where AVX2 takes
+ten instructions; with 32 vector registers a tile holds 16 tokens' accumulators (AVX2: 8 of 16).
 
 The integer products are exactly the AVX2 kernels' (neither saturates on these quants), so the two differ only in
 the order of the float sums. q8_0's signed bytes have no vpsignb on 512 bits: they are offset to unsigned
@@ -17,11 +17,10 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from ...common.quant_layout import BLOCK, LAYOUTS
-from .lanes import lane_total
 from .common import token_count
 from .quant_matmul import cpu_quants
-from .quant_matmul_int8 import (INT8_DOT_TYPES, TASKS, _lane_scales, _offset_fields, _offset_scales_by_sums, _span,
-                                _unsigned_quants, quantize_activation_block, tile_offset, unsigned_dot)
+from .quant_matmul_int8 import (INT8_DOT_TYPES, TASKS, _lane_scales, _unsigned_quants, _wide_offset,
+                                quantize_activation_block, tile_offset, unsigned_dot)
 
 PAIR = 2 * BLOCK      # the bytes of one 512-bit dot: two blocks
 GEMM_TILE = 16        # tokens per prefill tile: 16 float32x16 accumulators of the 32 registers
@@ -38,78 +37,6 @@ def vnni512_fits(K: int) -> bool:
     return K % PAIR == 0
 
 
-def _offset(qtype) -> tuple[tuple[int, ...], float]:
-    """quant_matmul_int8._offset_fields, with q8_0's 128 (its bytes are offset here, not sign-flipped)."""
-    return ((0,), -128.0) if qtype == "q8_0" else _offset_fields(qtype)
-
-
-def _pair_quants(qtype, qs, s, row, p):
-    """int8x64: blocks 2p and 2p + 1 as unsigned bytes, each in its lane order."""
-    if qtype == "q8_0":
-        return qs[row, T.ramp(p * PAIR, 1, PAIR)] ^ T.Broadcast(T.int8(-128), PAIR)
-    return T.Shuffle([_unsigned_quants(qtype, qs, s, row, 2 * p), _unsigned_quants(qtype, qs, s, row, 2 * p + 1)],
-                     list(range(PAIR)))
-
-
-def _pair_scales(qtype, s, row, p):
-    """float32x16: the weight scale of each int32 lane of a pair's dot."""
-    return T.Shuffle([_lane_scales(qtype, s, row, 2 * p), _lane_scales(qtype, s, row, 2 * p + 1)], list(range(16)))
-
-
-def _pair_dot(u, xq, t, p):
-    return T.Cast("float32x16", unsigned_dot(u, xq[t, T.ramp(p * PAIR, 1, PAIR)], 16, "avx512-vnni"))
-
-
-def make_gemv_vnni512(qtype: str, N: int, K: int):
-    """PrimFunc (x [1, K] f32, *weight parts, y [1, N] f32): quant_matmul_int8.make_gemv_int8 on 512 bits
-    (A independent chains of pair dots per row; the offset term as a short dot product of the row's offset scales
-    with the activation sums)."""
-    assert qtype in INT8_DOT_TYPES and vnni512_fits(K), (qtype, K)
-    NB, NP = K // BLOCK, K // PAIR
-    qs_shape, qs_dtype = cpu_quants(qtype, N, K)
-    S = LAYOUTS[qtype][1][2](N, K)[0]
-    CHUNKS = min(TASKS, N)
-    ROWS = (N + CHUNKS - 1) // CHUNKS
-    A = 4 if NP % 4 == 0 else 2 if NP % 2 == 0 else 1
-    VO = 16 if NB % 16 == 0 else 8 if NB % 8 == 0 else 4 if NB % 4 == 0 else 2
-    fields, coefficient = _offset(qtype)
-    F = max(1, len(fields))
-
-    @T.prim_func
-    def quant_gemv_vnni512(x: T.Buffer((1, K), "float32"), qs: T.Buffer(qs_shape, qs_dtype),
-                           s: T.Buffer((S, N, NB), "float32"), y: T.Buffer((1, N), "float32")):
-        T.func_attr({"tirx.noalias": True, "op_pattern": 8})
-        xq = T.decl_buffer((1, K), "int8")
-        xd8 = T.decl_buffer((NB, 1, 8), "float32")
-        xd16 = T.decl_buffer((NP, 16), "float32", data=xd8.data)   # a pair's two scales, 8 lanes each
-        xo = T.decl_buffer((F, NB, 1), "float32")
-        xo_blocks = T.decl_buffer((F, NB), "float32", data=xo.data)
-        for b in range(NB):
-            quantize_activation_block(x, 0, True, xq, xd8, xo, 0, b, qtype, F)
-        for c in T.parallel(CHUNKS):
-            acc = T.decl_buffer((A, 16), "float32", scope="global")
-            off = T.decl_buffer((VO,), "float32", scope="global")
-            for i in range(T.min(ROWS, N - c * ROWS)):
-                row = T.meta_var(c * ROWS + i)
-                for a in T.unroll(A):
-                    acc[a, T.ramp(0, 1, 16)] = T.Broadcast(T.float32(0), 16)
-                for pp in range(NP // A):
-                    for a in T.unroll(A):
-                        p = T.meta_var(pp * A + a)
-                        acc[a, T.ramp(0, 1, 16)] = acc[a, T.ramp(0, 1, 16)] + _pair_dot(
-                            _pair_quants(qtype, qs, s, row, p), xq, 0, p) * (
-                                _pair_scales(qtype, s, row, p) * xd16[p, T.ramp(0, 1, 16)])
-                for a in T.unroll(1, A):
-                    acc[0, T.ramp(0, 1, 16)] = acc[0, T.ramp(0, 1, 16)] + acc[a, T.ramp(0, 1, 16)]
-                off[_span(0, VO)] = T.Broadcast(T.float32(0), VO)
-                for ob in range(NB // VO):
-                    off[_span(0, VO)] = off[_span(0, VO)] + _offset_scales_by_sums(s, xo_blocks, fields, row,
-                                                                                   _span(ob * VO, VO))
-                y[0, row] = lane_total(acc, 0, lanes=16) + T.float32(coefficient) * lane_total(off, lanes=VO)
-
-    return quant_gemv_vnni512
-
-
 # The GEMM's pairs interleave their two blocks every 4 bytes (int32 lane i of a dot is block 2p + i % 2's), so a
 # pair's two activation scales are one 8-byte broadcast ([d0, d1, d0, d1, ...]) instead of 64 bytes in memory:
 # with 16 tokens a tile's activations then stay within what L1 and L2 serve (the 64-byte form made the K = 8960
@@ -118,8 +45,9 @@ _INTERLEAVE = [i // 2 + 8 * (i % 2) for i in range(16)]
 
 
 def _interleaved_quants(qtype, qs, s, row, p):
-    """int8x64: _pair_quants with the two blocks alternating every 4 bytes. (Unpacking the pair's nibbles in
-    one permute, shift and AND instead of per block measured no faster: the dots, not the unpacking, bound it.)"""
+    """int8x64: quant_matmul_int8.pair_quants with the two blocks alternating every 4 bytes. (Unpacking the pair's
+    nibbles in one permute, shift and AND instead of per block measured no faster: the dots, not the unpacking,
+    bound it.)"""
     if qtype == "q8_0":
         words = T.reinterpret("int32x16", qs[row, T.ramp(p * PAIR, 1, PAIR)])
         return T.reinterpret("int8x64", T.Shuffle([words], _INTERLEAVE)) ^ T.Broadcast(T.int8(-128), PAIR)
@@ -161,7 +89,7 @@ def make_gemm_vnni512(qtype: str, N: int, K: int):
     TT = GEMM_TILE
     CHUNKS = min(TASKS, N)
     ROWS = (N + CHUNKS - 1) // CHUNKS
-    fields, coefficient = _offset(qtype)
+    fields, coefficient = _wide_offset(qtype)
     F = max(1, len(fields))
     n = token_count(None)
     tiles = (n + TT - 1) // TT
