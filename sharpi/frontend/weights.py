@@ -89,7 +89,7 @@ class WeightTable:
     def stream(self, show_progress: bool = False) -> Iterator[tuple[str, np.ndarray]]:
         """(parameter name, array) in parameter order, one tensor repacked at a time."""
         with progress_bar(len(self.tensors), "repacking weights", show_progress, unit="tensor") as bar:
-            for name in self._tensor_order():
+            for name in self.tensors:         # added in parameter order
                 for part, array in self.repacked(name).items():
                     yield f"{name}:{part}", array
                 bar.update(1)
@@ -101,9 +101,6 @@ class WeightTable:
         if self._last is None or self._last[0] != name:
             self._last = (name, self.repacked(name))
         return self._last[1][self.specs[index].name.rsplit(":", 1)[1]]
-
-    def _tensor_order(self) -> list[str]:
-        return sorted(self.tensors, key=lambda name: self.tensors[name][1][0])
 
 
 def all_finite(qtype: str, parts: dict[str, np.ndarray]) -> bool:

@@ -47,20 +47,17 @@ def check_artifact(directory: Path, manifest: Manifest, code_file: str, verify_h
                             f"{', '.join(missing)}, {lacks}; compile it here or with a portable --mcpu.")
 
 
-def weight_arrays(directory: Path, manifest: Manifest):
+def weight_arrays(directory: Path, manifest: Manifest, mode: str = "r"):
     """(param entry, numpy view into the mapped weights file) for every parameter, in order (their layout and the
-    file's size were checked by Manifest.read and check_artifact). Views are valid only while iterating: callers
-    copy each one (to a device)."""
+    file's size were checked by Manifest.read and check_artifact). Each view keeps the mapping alive; mode "c"
+    maps it copy-on-write, so the views are writable (for DLPack) and nothing written could reach the file."""
     size = (directory / WEIGHTS).stat().st_size
     if size == 0:           # numpy cannot map an empty file
         yield from ((p, np.zeros(p.shape, p.dtype)) for p in manifest.params)
         return
-    mapped = np.memmap(directory / WEIGHTS, dtype=np.uint8, mode="r", shape=(size,))
-    try:
-        for p in manifest.params:
-            yield p, mapped[p.offset:p.offset + p.nbytes].view(p.dtype).reshape(p.shape)
-    finally:
-        del mapped
+    mapped = np.memmap(directory / WEIGHTS, dtype=np.uint8, mode=mode, shape=(size,))
+    for p in manifest.params:
+        yield p, mapped[p.offset:p.offset + p.nbytes].view(p.dtype).reshape(p.shape)
 
 
 def load_weights(directory: Path, manifest: Manifest, device) -> list:
@@ -76,17 +73,13 @@ def load_weights(directory: Path, manifest: Manifest, device) -> list:
 
 
 def mapped_cpu_tensors(directory: Path, manifest: Manifest) -> list:
-    """The weights as CPU tensors over one private mapping of the file (copy-on-write, so the views are writable
-    for DLPack; nothing writes them, and nothing could reach the file if it did). Each tensor keeps the mapping
-    alive; a file replaced by a later compile is a new file, and this one stays mapped."""
+    """The weights as CPU tensors over one private mapping of the file (weight_arrays' mode "c"; nothing writes
+    them). Each tensor keeps the mapping alive; a file replaced by a later compile is a new file, and this one
+    stays mapped. (An empty file's parameters are all empty: plain tensors.)"""
     import tvm
 
-    size = (directory / WEIGHTS).stat().st_size
-    if size == 0:
-        return [tvm.runtime.tensor(np.zeros(p.shape, p.dtype)) for p in manifest.params]
-    mapped = np.memmap(directory / WEIGHTS, dtype=np.uint8, mode="c", shape=(size,))
-    return [tvm.runtime.from_dlpack(mapped[p.offset:p.offset + p.nbytes].view(p.dtype).reshape(p.shape))
-            for p in manifest.params]
+    return [tvm.runtime.from_dlpack(array) if array.nbytes else tvm.runtime.tensor(array)
+            for _, array in weight_arrays(directory, manifest, mode="c")]
 
 
 def load_vm(directory: Path, manifest: Manifest, device):

@@ -235,12 +235,22 @@ def _wide_offset(qtype) -> tuple[tuple[int, ...], float]:
     return ((0,), -128.0) if qtype == "q8_0" else _offset_fields(qtype)
 
 
-def pair_quants(qtype, qs, s, row, p):
-    """int8x64: blocks 2p and 2p + 1 as unsigned bytes, each in its lane order (the 512-bit GEMV's)."""
+PAIR_ORDER = list(range(16))   # a pair's int32 lanes: block 2p's 8, then block 2p + 1's (the 512-bit GEMV's)
+
+
+def pair_quants(qtype, qs, s, row, p, order=PAIR_ORDER):
+    """int8x64: blocks 2p and 2p + 1 as unsigned bytes, each in its lane order, their 16 groups of 4 bytes
+    placed by `order` (int32 lane i takes group order[i] of the two blocks' 16)."""
     if qtype == "q8_0":
-        return qs[row, T.ramp(p * 2 * BLOCK, 1, 2 * BLOCK)] ^ T.Broadcast(T.int8(-128), 2 * BLOCK)
-    return T.Shuffle([_unsigned_quants(qtype, qs, s, row, 2 * p), _unsigned_quants(qtype, qs, s, row, 2 * p + 1)],
-                     list(range(2 * BLOCK)))
+        words = T.reinterpret("int32x16", qs[row, T.ramp(p * 2 * BLOCK, 1, 2 * BLOCK)])
+        return T.reinterpret("int8x64", T.Shuffle([words], order)) ^ T.Broadcast(T.int8(-128), 2 * BLOCK)
+    first, second = (T.reinterpret("int32x8", _unsigned_quants(qtype, qs, s, row, 2 * p + h)) for h in (0, 1))
+    return T.reinterpret("int8x64", T.Shuffle([first, second], order))
+
+
+def pair_scales(qtype, s, row, p, order=PAIR_ORDER):
+    """float32x16: the weight scale of each int32 lane of pair_quants(..., order)'s dot."""
+    return T.Shuffle([_lane_scales(qtype, s, row, 2 * p), _lane_scales(qtype, s, row, 2 * p + 1)], order)
 
 
 def _unit_term(qtype, qs, s, xq, xd, row, j, isa):
@@ -250,8 +260,7 @@ def _unit_term(qtype, qs, s, xq, xd, row, j, isa):
         return T.Cast("float32x8", _block_dot(qtype, qs, _unsigned_quants(qtype, qs, s, row, j), xq, 0, row, j,
                                               isa)) * (_lane_scales(qtype, s, row, j) * xd[j, T.ramp(0, 1, 8)])
     dot = unsigned_dot(pair_quants(qtype, qs, s, row, j), xq[0, T.ramp(j * 2 * BLOCK, 1, 2 * BLOCK)], 16, isa)
-    scales = T.Shuffle([_lane_scales(qtype, s, row, 2 * j), _lane_scales(qtype, s, row, 2 * j + 1)], list(range(16)))
-    return T.Cast("float32x16", dot) * (scales * xd[j, T.ramp(0, 1, 16)])
+    return T.Cast("float32x16", dot) * (pair_scales(qtype, s, row, j) * xd[j, T.ramp(0, 1, 16)])
 
 
 def make_gemv_int8(qtype: str, N: int, K: int, isa: str = "avx2"):

@@ -19,7 +19,7 @@ from tvm.script import tirx as T
 from ...common.quant_layout import BLOCK, LAYOUTS
 from .common import token_count
 from .quant_matmul import cpu_quants
-from .quant_matmul_int8 import (INT8_DOT_TYPES, TASKS, _lane_scales, _unsigned_quants, _wide_offset,
+from .quant_matmul_int8 import (INT8_DOT_TYPES, TASKS, _wide_offset, pair_quants, pair_scales,
                                 quantize_activation_block, tile_offset, unsigned_dot)
 
 PAIR = 2 * BLOCK      # the bytes of one 512-bit dot: two blocks
@@ -41,22 +41,9 @@ def vnni512_fits(K: int) -> bool:
 # pair's two activation scales are one 8-byte broadcast ([d0, d1, d0, d1, ...]) instead of 64 bytes in memory:
 # with 16 tokens a tile's activations then stay within what L1 and L2 serve (the 64-byte form made the K = 8960
 # GEMMs of a 1.5B model ~1.7x slower per multiply than the K = 1536 ones, their activations streaming from L2).
+# (Unpacking a pair's nibbles in one permute, shift and AND instead of per block measured no faster: the dots, not
+# the unpacking, bound it.)
 _INTERLEAVE = [i // 2 + 8 * (i % 2) for i in range(16)]
-
-
-def _interleaved_quants(qtype, qs, s, row, p):
-    """int8x64: quant_matmul_int8.pair_quants with the two blocks alternating every 4 bytes. (Unpacking the pair's
-    nibbles in one permute, shift and AND instead of per block measured no faster: the dots, not the unpacking,
-    bound it.)"""
-    if qtype == "q8_0":
-        words = T.reinterpret("int32x16", qs[row, T.ramp(p * PAIR, 1, PAIR)])
-        return T.reinterpret("int8x64", T.Shuffle([words], _INTERLEAVE)) ^ T.Broadcast(T.int8(-128), PAIR)
-    first, second = (T.reinterpret("int32x8", _unsigned_quants(qtype, qs, s, row, 2 * p + h)) for h in (0, 1))
-    return T.reinterpret("int8x64", T.Shuffle([first, second], _INTERLEAVE))
-
-
-def _interleaved_scales(qtype, s, row, p):
-    return T.Shuffle([_lane_scales(qtype, s, row, 2 * p), _lane_scales(qtype, s, row, 2 * p + 1)], _INTERLEAVE)
 
 
 def _tile_totals(acc, tokens: int):
@@ -79,9 +66,9 @@ def _tile_totals(acc, tokens: int):
 def make_gemm_vnni512(qtype: str, N: int, K: int):
     """PrimFunc (x [n, K] f32, *weight parts, y [n, N] f32), n symbolic: quant_matmul_int8.make_gemm_int8 on 512
     bits. Tiles of GEMM_TILE tokens; per row and pair of blocks the 64 quants are unpacked once into a register
-    (interleaved, _INTERLEAVE) and multiplied with the tile's 16 activation pairs, laid out the same way. The
-    activation scales are stored token-major (a pair's two side by side), the offsets' sums token-minor (one FMA
-    adds a block's offset term to a whole tile)."""
+    (interleaved: pair_quants with _INTERLEAVE) and multiplied with the tile's 16 activation pairs, laid out the
+    same way. The activation scales are stored token-major (a pair's two side by side), the offsets' sums
+    token-minor (one FMA adds a block's offset term to a whole tile)."""
     assert qtype in INT8_DOT_TYPES and vnni512_fits(K), (qtype, K)
     NB, NP = K // BLOCK, K // PAIR
     qs_shape, qs_dtype = cpu_quants(qtype, N, K)
@@ -116,10 +103,11 @@ def make_gemm_vnni512(qtype: str, N: int, K: int):
             acc = T.decl_buffer((TT, 16), "float32", scope="global")
             off = T.decl_buffer((TT,), "float32", scope="global")
             u = T.decl_buffer((PAIR,), "int8", scope="global")
-            for rb in range((T.min(ROWS, N - c * ROWS) + ROW_BLOCK - 1) // ROW_BLOCK):
+            rows = T.meta_var(T.min(ROWS, N - c * ROWS))     # the last task's may be short
+            for rb in range((rows + ROW_BLOCK - 1) // ROW_BLOCK):
                 for tt in range(tiles):
                     for span in range(SPANS):
-                        for ii in range(T.min(ROW_BLOCK, T.min(ROWS, N - c * ROWS) - rb * ROW_BLOCK)):
+                        for ii in range(T.min(ROW_BLOCK, rows - rb * ROW_BLOCK)):
                             i = T.meta_var(rb * ROW_BLOCK + ii)
                             row = T.meta_var(c * ROWS + i)
                             for t in T.unroll(TT):
@@ -128,12 +116,12 @@ def make_gemm_vnni512(qtype: str, N: int, K: int):
                             # (a loop from span * SPAN, not from 0, came out wrong: TVM 0.27 miscompiled it here)
                             for pp in range(T.min(SPAN, NP - span * SPAN)):
                                 p = T.meta_var(span * SPAN + pp)
-                                u[T.ramp(0, 1, PAIR)] = _interleaved_quants(qtype, qs, s, row, p)
+                                u[T.ramp(0, 1, PAIR)] = pair_quants(qtype, qs, s, row, p, _INTERLEAVE)
                                 for t in T.unroll(TT):
                                     dot = T.meta_var(unsigned_dot(u[T.ramp(0, 1, PAIR)], T.reinterpret(
                                         "int8x64", xq[tt * TT + t, T.ramp(p * 16, 1, 16)]), 16, "avx512-vnni"))
                                     acc[t, T.ramp(0, 1, 16)] = acc[t, T.ramp(0, 1, 16)] + T.Cast("float32x16", dot) * (
-                                        _interleaved_scales(qtype, s, row, p)
+                                        pair_scales(qtype, s, row, p, _INTERLEAVE)
                                         * T.reinterpret("float32x16", T.Broadcast(xd_pairs[tt * TT + t, p], 8)))
                                 for h in range(2):
                                     off[T.ramp(0, 1, TT)] = off[T.ramp(0, 1, TT)] + tile_offset(
