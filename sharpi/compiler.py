@@ -25,7 +25,7 @@ import tvm
 from . import compile_cache
 from .codegen import artifact
 from .codegen.targets import Target, target_for
-from .common.compile_options import PREFILL_CHUNK, CompileOptions, kv_dtype_of
+from .common.compile_options import PREFILL_CHUNK, CompileOptions, kv_types_of
 from .common.config import ModelConfig
 from .common.errors import ConfigError, SharpiWarning, UnsupportedArchitectureError
 from .common.manifest import (ARTIFACT, FORMAT_VERSION, MANIFEST_NAME, TOKENIZER, WEIGHTS, Manifest, contract_json,
@@ -65,7 +65,8 @@ class FrontHalf:
 
 def compile(model: str | Path, target: str = DEFAULT_TARGET, output: str | Path | None = None, *,
             mcpu: str | None = None, arch: str | None = None, cuda_graph: bool = False, matmuls: str | None = None,
-            kv_dtype: str | None = None, max_context: int | None = None, snapkv: str | bool | None = None,
+            kv_dtype: str | None = None, kv_dtype_k: str | None = None, kv_dtype_v: str | None = None,
+            max_context: int | None = None, snapkv: str | bool | None = None,
             dump_ir: str | Path | None = None, use_cache: bool = True, show_progress: bool = False,
             emit: str | None = None, **snapkv_knobs) -> Path:
     """Compile a GGUF (path or known model name) into an artifact directory; returns its path.
@@ -73,8 +74,10 @@ def compile(model: str | Path, target: str = DEFAULT_TARGET, output: str | Path 
     target: llvm (mcpu: the CPU, default this one; matmuls: "int8" (the default where the CPU has AVX2):
     the quantized matmuls multiply int8-quantized activations with integer dot products as llama.cpp does, or
     "float": float32 throughout, exact to the numpy reference), vulkan, or cuda (arch: sm_XY, default sm_80;
-    cuda_graph: decode as one captured CUDA graph); kv_dtype: the KV cache's element type, "f32", "f16" or "bf16"
-    (not on vulkan; default f16 for cuda and for llvm with int8 matmuls, else f32).
+    cuda_graph: decode as one captured CUDA graph); kv_dtype: the KV cache's type, "f32", "f16", "bf16" (not on
+    vulkan), or on llvm "q8_0" or "q4_0" (blocks of 32 with an f16 scale, as ggml's); kv_dtype_k and kv_dtype_v
+    set the keys' or the values' alone (llama.cpp's -ctk, -ctv); default f16 for cuda and for llvm with int8
+    matmuls, else f32.
 
     snapkv decides whether the SnapKV ops exist; snapkv_window (of the snapkv_* knobs: budget, window, recency,
     pooling, kernel, granularity, sinks) is also the largest window allowed at run time; the knobs become the
@@ -82,10 +85,11 @@ def compile(model: str | Path, target: str = DEFAULT_TARGET, output: str | Path 
     file. emit="onnx" exports ONNX graphs instead (export_onnx; the target options do not apply)."""
     if emit is not None:
         return _emit_from_compile(model, output, emit, target=target, mcpu=mcpu, arch=arch, cuda_graph=cuda_graph,
-                                  matmuls=matmuls, kv_dtype=kv_dtype, max_context=max_context, snapkv=snapkv,
+                                  matmuls=matmuls, kv_dtype=kv_dtype or kv_dtype_k or kv_dtype_v,
+                                  max_context=max_context, snapkv=snapkv,
                                   dump_ir=dump_ir, show_progress=show_progress, **snapkv_knobs)
     options = CompileOptions(target=target, mcpu=mcpu, arch=arch, cuda_graph=bool(cuda_graph), matmuls=matmuls,
-                             kv_dtype=kv_dtype_of(kv_dtype), max_context=max_context,
+                             **kv_types_of(kv_dtype, kv_dtype_k, kv_dtype_v), max_context=max_context,
                              **_snapkv_fields(snapkv, snapkv_knobs))
     options.validate()
     emitter = target_for(options.target)
@@ -134,7 +138,8 @@ def export_onnx(model: str | Path, output: str | Path | None = None, *, weights:
     gguf_path = resolve_model(model, show_progress=show_progress)
     output = Path(output) if output is not None else Path(gguf_path.stem + "-onnx")
     check_output_dir(output, emitter.EXPORT, [emitter.WEIGHTS_FILE, TOKENIZER, emitter.EXPORT_FILE])
-    front = front_half(gguf_path, options, "float32", show_progress, dump_ir, architectures=emitter.ARCHITECTURES,
+    front = front_half(gguf_path, options, ("float32", "float32"), show_progress, dump_ir,
+                       architectures=emitter.ARCHITECTURES,
                        emitter_name="ONNX export")
     settings = front.options.snapkv_defaults
     if functions is None:
@@ -158,11 +163,11 @@ def export_onnx(model: str | Path, output: str | Path | None = None, *, weights:
     return output
 
 
-def front_half(gguf_path: Path, options: CompileOptions, kv_dtype: str, show_progress: bool,
+def front_half(gguf_path: Path, options: CompileOptions, kv_types: tuple[str, str], show_progress: bool,
                dump_ir: str | Path | None, architectures=None, emitter_name: str = "") -> FrontHalf:
     """The GGUF read (config, tokenizer, weights), the model built as Relax functions with a KV pool of
-    `kv_dtype`, the IR passes run (SnapKV unless off), the IR dumped if asked. `architectures`: those the
-    emitter supports (None: all the frontend builds)."""
+    `kv_types` (keys', values'), the IR passes run (SnapKV unless off), the IR dumped if asked.
+    `architectures`: those the emitter supports (None: all the frontend builds)."""
     gguf = GGUFFile(gguf_path)
     cfg = config_from_gguf(gguf)
     if architectures is not None and cfg.arch not in architectures:
@@ -174,7 +179,7 @@ def front_half(gguf_path: Path, options: CompileOptions, kv_dtype: str, show_pro
     options = _without_snapkv_if_all_local(options, cfg, show_progress)
     weights = load_weights(gguf, cfg, show_progress)
     max_pages = math.ceil(max_context / PAGE_SIZE)
-    mod = builder(cfg, weights, max_pages, kv_dtype=kv_dtype).build()
+    mod = builder(cfg, weights, max_pages, kv_types=kv_types).build()
     functions = list(BASE_FUNCTIONS)
     if options.snapkv == "on":
         mod = snapkv_pass(mod)
@@ -189,7 +194,7 @@ def _compile_artifact(gguf_path: Path, gguf_sha256: str, options: CompileOptions
                       show_progress: bool, dump_ir: str | Path | None) -> Path:
     """The front half, then the target's build into a staging folder, the manifest, the move into place."""
     started = time.perf_counter()
-    front = front_half(gguf_path, options, options.kv_dtype, show_progress, dump_ir)
+    front = front_half(gguf_path, options, options.kv_types, show_progress, dump_ir)
     options, settings = front.options, front.options.snapkv_defaults
     staging = staging_dir(output)
     with _writing(staging, output):
@@ -205,7 +210,7 @@ def _compile_artifact(gguf_path: Path, gguf_sha256: str, options: CompileOptions
             prefill_chunk=PREFILL_CHUNK, functions=front.functions, kernels=[], params=params,
             snapkv={"enabled": options.snapkv == "on", "max_window": settings.window, "defaults": settings.to_dict(),
                     "select_params": SELECT_PARAMS,
-                    "score_max": True}, kv_dtype=options.kv_dtype)
+                    "score_max": True}, kv_dtype=options.kv_dtype, kv_dtype_v=options.kv_dtype_v)
         contract = contract_json(manifest.kernel_contract())
         with progress_bar(2, "compiling", show_progress, unit="step") as bar:
             manifest.kernels = emitter.build(front.mod, front.cfg, options, staging, bar, contract)

@@ -27,9 +27,12 @@ def build_parser() -> ArgumentParser:
                         "int8-quantized activations with integer dot products, as llama.cpp does; float: float32 "
                         "throughout, exact to the numpy reference")
     p.add_argument("--max-context", type=int, default=None, help="context length (default: the GGUF's)")
-    p.add_argument("--kv-dtype", default=None, help="the KV cache's element type: f32, f16 (half the memory) or bf16 "
-                                                     "(half the memory, f32's range); default f16 for GPUs and for "
-                                                     "int8 matmuls, else f32 (each target says which it lacks)")
+    p.add_argument("--kv-dtype", default=None, help="the KV cache's type: f32, f16 (half the memory), bf16 (half "
+                                                     "the memory, f32's range), q8_0 or q4_0 (blocks of 32 with an "
+                                                     "f16 scale, as ggml's: 0.53x and 0.28x f16's memory; llvm only); "
+                                                     "default f16 for GPUs and for int8 matmuls, else f32")
+    p.add_argument("--kv-dtype-k", default=None, help="the keys' type alone (over --kv-dtype), as llama.cpp's -ctk")
+    p.add_argument("--kv-dtype-v", default=None, help="the values' type alone (over --kv-dtype), as llama.cpp's -ctv")
     p.add_argument("--snapkv", default=None, help="on (default) or off: whether the SnapKV ops are compiled in")
     add_snapkv_flags(p)
     p.add_argument("--dump-ir", default=None, metavar="FILE", help="write the Relax IR after the passes to FILE")
@@ -57,7 +60,9 @@ def main(argv=None) -> int:
     if args.emit == "onnx":
         from ..compiler import export_onnx
         used = [flag for flag, on in (("--mcpu", args.mcpu), ("--arch", args.arch), ("--cuda-graph", args.cuda_graph),
-                                      ("--matmuls", args.matmuls), ("--kv-dtype", args.kv_dtype), ("--check", args.check),
+                                      ("--matmuls", args.matmuls), ("--kv-dtype", args.kv_dtype),
+                                      ("--kv-dtype-k", args.kv_dtype_k), ("--kv-dtype-v", args.kv_dtype_v),
+                                      ("--check", args.check),
                                       ("--target", args.target != DEFAULT_TARGET)) if on]
         if used:
             raise ConfigError(f"{', '.join(used)} {'does' if len(used) == 1 else 'do'} not apply to --emit onnx.")
@@ -68,6 +73,7 @@ def main(argv=None) -> int:
     from ..compiler import compile as compile_model
     out = compile_model(args.model, target=args.target, output=args.output, mcpu=args.mcpu, arch=args.arch,
                         cuda_graph=args.cuda_graph, matmuls=args.matmuls, kv_dtype=args.kv_dtype,
+                        kv_dtype_k=args.kv_dtype_k, kv_dtype_v=args.kv_dtype_v,
                         max_context=args.max_context, snapkv=args.snapkv, dump_ir=args.dump_ir,
                         use_cache=not args.no_cache, show_progress=not args.quiet, **snapkv_keywords(args))
     print(out)

@@ -20,6 +20,7 @@ from tvm import relax, s_tir
 from ..common import ops
 from ..common.config import ModelConfig
 from ..common.errors import CompileError
+from ..common.kv_format import KVFormat
 from ..ir_passes.named_ops import extern_name
 from .kernels.paged_attention import (make_kv_append, make_kv_append_batch, make_paged_attention,
                                       make_paged_attention_batch)
@@ -46,9 +47,11 @@ def _prim_constant(prim_value):
 
 @relax.expr_functor.mutator
 class KernelAttacher(relax.PyExprMutator):
-    def __init__(self, mod: tvm.IRModule, cfg: ModelConfig, gpu: bool = False, int8_isa: str | None = None):
+    def __init__(self, mod: tvm.IRModule, cfg: ModelConfig, gpu: bool = False, int8_isa: str | None = None,
+                 kv_types: tuple[str, str] | None = None):
         super().__init__(mod)
         self.mod_, self.cfg, self.gpu, self.int8_isa = mod, cfg, gpu, int8_isa
+        self.kv_types = kv_types
         self.kernels: dict[tuple, tvm.ir.GlobalVar] = {}
 
     def run(self) -> tvm.IRModule:
@@ -56,6 +59,15 @@ class KernelAttacher(relax.PyExprMutator):
             if isinstance(func, relax.Function):
                 self.builder_.update_func(gv, self.visit_expr(func))
         return self.builder_.get()
+
+    def _kv(self, pool):
+        """What the KV kernels take for this pool: its element type (GPU kernels: the plain layout only), or on
+        the CPU its KVFormat."""
+        dtype = str(pool.ty.dtype)
+        if self.gpu:
+            return dtype
+        cfg = self.cfg
+        return KVFormat.of(self.kv_types or dtype, cfg.n_kv_heads, ops.PAGE_SIZE, cfg.head_dim)
 
     def kernel(self, key: tuple, make) -> tvm.ir.GlobalVar:
         if key not in self.kernels:
@@ -204,7 +216,7 @@ class KernelAttacher(relax.PyExprMutator):
         pool, k, v, page_table, kv_lens, layer = args
         tokens = _static_int(k.ty.shape[0])
         cfg = self.cfg
-        kv = _kv_dtype(pool)
+        kv = self._kv(pool)
         if self.gpu:
             def make():
                 return gpu_attention.make_gpu_kv_append(cfg.n_kv_heads, cfg.head_dim, ops.PAGE_SIZE, tokens,
@@ -224,7 +236,7 @@ class KernelAttacher(relax.PyExprMutator):
         window = int(_prim_constant(window))
         cfg = self.cfg
         scale = _prim_constant(scale)
-        kv = _kv_dtype(pool)
+        kv = self._kv(pool)
         shape = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, ops.PAGE_SIZE, scale)
         if self.gpu:
             def make():
@@ -247,7 +259,7 @@ class KernelAttacher(relax.PyExprMutator):
         max_pages = int(page_table.ty.shape[1])
         scale = _prim_constant(scale)
         shape = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, ops.PAGE_SIZE, max_pages, scale)
-        kv = _kv_dtype(pool)
+        kv = self._kv(pool)
         if self.gpu:
             stats_gv = self.kernel(("snapkv_row_stats", _kv_key(kv)),
                                    lambda: gpu_snapkv.make_gpu_snapkv_row_stats(*shape, kv_dtype=kv))
@@ -274,20 +286,17 @@ class KernelAttacher(relax.PyExprMutator):
         cfg = self.cfg
         layers, max_pages = (int(d) for d in page_table.ty.shape)
         make = gpu_snapkv.make_gpu_kv_compact if self.gpu else make_kv_compact
-        kv = _kv_dtype(pool)
+        kv = self._kv(pool)
         gv = self.kernel(("kv_compact", _kv_key(kv)),
                          lambda: make(layers, cfg.n_kv_heads, cfg.head_dim, ops.PAGE_SIZE, max_pages, kv_dtype=kv))
         return relax.call_tir_inplace(gv, [pool, page_table, keep, count], [0], ty)
 
 
-def _kv_dtype(pool) -> str:
-    """The KV pool's element type, as the frontend typed the pool argument."""
-    return str(pool.ty.dtype)
-
-
-def _kv_key(kv_dtype: str) -> str | None:
-    """Kernel-name part for the pool type: none for float32, so f32 kernel names stay as they were."""
-    return None if kv_dtype == "float32" else "kv" + kv_dtype.replace("float", "f")
+def _kv_key(kv) -> str | None:
+    """Kernel-name part for the KV types (an element type or a KVFormat): none for float32, so f32 kernel names
+    stay as they were."""
+    name = kv.name if isinstance(kv, KVFormat) else kv.replace("float", "f")
+    return None if name == "f32" else "kv" + name
 
 
 def _with_root_block(prim: tvm.tirx.PrimFunc) -> tvm.tirx.PrimFunc:
@@ -312,11 +321,12 @@ def _check_gpu_layouts(mod: tvm.IRModule) -> None:
 
 
 def attach_kernels(mod: tvm.IRModule, cfg: ModelConfig, gpu: bool = False,
-                   int8_isa: str | None = None) -> tvm.IRModule:
+                   int8_isa: str | None = None, kv_types: tuple[str, str] | None = None) -> tvm.IRModule:
     """Replace the named ops with the CPU kernels, or with the GPU kernels when `gpu`; `int8_isa` ("avx2",
     "avx-vnni", "avx512-vnni"): the CPU's quantized matmuls multiply int8 activations with that instruction set's
-    integer dots (quant_matmul_int8, quant_matmul_vnni512); None: the float kernels."""
+    integer dots (quant_matmul_int8, quant_matmul_vnni512); None: the float kernels. `kv_types`: the KV cache's
+    (keys', values') types, which a packed pool's uint8 elements do not say (None: the pool's element type)."""
     if gpu:
         _check_gpu_layouts(mod)
-    mod = KernelAttacher(mod, cfg, gpu, int8_isa).run()
+    mod = KernelAttacher(mod, cfg, gpu, int8_isa, kv_types).run()
     return relax.transform.DeadCodeElimination()(mod)

@@ -8,7 +8,8 @@ from .settings import parse_positive_int
 from .snapkv_settings import SnapKVSettings, check_against
 from .targets import DEFAULT_TARGET, target_spec, targets_taking
 
-KV_DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}    # --kv-dtype names -> element types
+# --kv-dtype names -> the KV types of sharpi.common.kv_format
+KV_DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16", "q8_0": "q8_0", "q4_0": "q4_0"}
 MATMULS = ("float", "int8")
 PREFILL_CHUNK = 512
 # how each target-only option is named in messages (and on the command line)
@@ -23,11 +24,17 @@ class CompileOptions:
     cuda_graph: bool = False                 # cuda: decode replays one captured CUDA graph
     matmuls: str | None = None               # llvm: "int8" (int8 activations, integer dots) or "float"; None: the
                                              # target's default ("float" elsewhere: their only arithmetic)
-    kv_dtype: str | None = None              # the KV page pool's element type; None: the target's default
+    kv_dtype: str | None = None              # the KV cache's type for keys; None: the target's default
+    kv_dtype_v: str | None = None            # for values; None: the target's default, or (resolved) the keys' type
     max_context: int | None = None
     snapkv: str = "on"                       # whether the SnapKV ops are compiled in
     snapkv_explicit: bool = False            # snapkv was asked for (not the default)
     snapkv_defaults: SnapKVSettings = field(default_factory=SnapKVSettings)   # the artifact's run-time defaults
+
+    @property
+    def kv_types(self) -> tuple[str, str]:
+        """(keys' type, values' type) of resolved options."""
+        return self.kv_dtype, self.kv_dtype_v or self.kv_dtype
 
     def validate(self) -> None:
         """The checks that need no target code: names and values, and which target takes which option."""
@@ -44,18 +51,34 @@ class CompileOptions:
                 raise ConfigError(f"{flag} applies to the {owners} target only.")
         if self.matmuls is not None and self.matmuls not in MATMULS:
             raise ConfigError(f"--matmuls must be one of {', '.join(MATMULS)}, got {self.matmuls!r}.")
-        if self.kv_dtype is not None:
-            if self.kv_dtype not in KV_DTYPES.values():
-                raise ConfigError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}.")
-            if self.kv_dtype not in spec.kv_dtypes:
-                name = next(k for k, v in KV_DTYPES.items() if v == self.kv_dtype)
-                others = " or ".join(k for k, v in reversed(KV_DTYPES.items()) if v in spec.kv_dtypes)
-                raise ConfigError(f"--kv-dtype {name} is not available on the {self.target} target "
+        for flag, value in (("--kv-dtype", self.kv_dtype), ("--kv-dtype-v", self.kv_dtype_v)):
+            if value is None:
+                continue
+            if value not in KV_DTYPES.values():
+                raise ConfigError(f"{flag} must be one of {', '.join(KV_DTYPES)}, got {value!r}.")
+            if value not in spec.kv_dtypes:
+                name = next(k for k, v in KV_DTYPES.items() if v == value)
+                others = ", ".join(k for k, v in KV_DTYPES.items() if v in spec.kv_dtypes)
+                raise ConfigError(f"{flag} {name} is not available on the {self.target} target "
                                   f"({spec.kv_dtype_note}); use {others}.")
         if self.max_context is not None:
             parse_positive_int(self.max_context, "--max-context")
 
 
 def kv_dtype_of(name: str | None) -> str | None:
-    """--kv-dtype's names (f32, f16, bf16) as element types; other values are left for validate() to refuse."""
+    """--kv-dtype's names (f32, f16, bf16, q8_0, q4_0) as KV types; other values are left for validate() to
+    refuse."""
     return KV_DTYPES.get(name, name) if name is not None else None
+
+
+def kv_types_of(kv_dtype: str | None, kv_dtype_k: str | None = None, kv_dtype_v: str | None = None) -> dict:
+    """CompileOptions' kv_dtype (keys) and kv_dtype_v (values) from --kv-dtype (both) and --kv-dtype-k /
+    --kv-dtype-v (one each, over it), as llama.cpp's -ctk / -ctv; None leaves a side to the target's default."""
+    return {"kv_dtype": kv_dtype_of(kv_dtype_k or kv_dtype), "kv_dtype_v": kv_dtype_of(kv_dtype_v or kv_dtype)}
+
+
+def resolved_kv_types(options: "CompileOptions", default: str) -> dict:
+    """A target's resolve(): each side's type or the target's default, kv_dtype_v None where it is the keys'
+    (so that an artifact of one type is described, cached and recorded as before K and V could differ)."""
+    keys, values = options.kv_dtype or default, options.kv_dtype_v or default
+    return {"kv_dtype": keys, "kv_dtype_v": values if values != keys else None}

@@ -19,6 +19,7 @@ from pathlib import Path
 from . import schema
 from .config import MAX_SIZE, ModelConfig
 from .errors import ArtifactError, ConfigError
+from .kv_format import KV_TYPES
 from .output_dir import MAX_MANIFEST_BYTES, OutputKind, plain_file_name
 from .plan import PLAN_FILE
 from .snapkv_settings import CHOICES as SNAPKV_CHOICES, KNOBS as SNAPKV_KNOBS
@@ -40,8 +41,6 @@ FUNCTIONS = ("prefill", "prefill_logits", "decode", "decode_batch", "prefill_sna
 REQUIRED_FUNCTIONS = FUNCTIONS[:3]
 MAX_PREFILL_CHUNK = 8192
 
-# bytes of a KV pool element (numpy itself knows "bfloat16" only once ml_dtypes is imported)
-KV_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 PARAM_ITEMSIZE = {"float32": 4, "float16": 2, "uint32": 4, "uint16": 2, "int32": 4, "uint8": 1, "int8": 1}
 
 
@@ -71,7 +70,8 @@ class Manifest:
     params: list[ParamEntry]
     files: dict[str, str] = field(default_factory=dict)   # file name -> sha256
     snapkv: dict = field(default_factory=dict)
-    kv_dtype: str = "float32"    # the KV page pool's element type (float32, float16 or bfloat16)
+    kv_dtype: str = "float32"    # the KV cache's type (kv_format.KV_TYPES): the keys', and the values' unless
+    kv_dtype_v: str | None = None    # gives theirs (absent in artifacts compiled before K and V could differ)
     format: str = FORMAT
     digest: str = ""             # sha256 of the manifest's canonical JSON without this field (set by to_json)
 
@@ -82,6 +82,11 @@ class Manifest:
 
     def write(self, directory: Path) -> None:
         (Path(directory) / MANIFEST_NAME).write_text(self.to_json())
+
+    @property
+    def kv_types(self) -> tuple[str, str]:
+        """(keys' type, values' type)."""
+        return self.kv_dtype, self.kv_dtype_v or self.kv_dtype
 
     def kernel_contract(self) -> dict:
         """What the compiled kernels were built for; compiled into them and compared at load."""
@@ -126,7 +131,9 @@ def kernel_contract(content: dict) -> dict:
             "page_size": content["page_size"], "max_context": content["max_context"],
             "max_pages": content["max_pages"], "functions": content["functions"], "kv_dtype": content["kv_dtype"],
             "params": [[p["name"], p["dtype"], p["shape"]] for p in content["params"]],
-            "snapkv": {k: snapkv.get(k) for k in ("enabled", "max_window", "select_params")}}
+            "snapkv": {k: snapkv.get(k) for k in ("enabled", "max_window", "select_params")},
+            # only where set: the contracts compiled into earlier artifacts have no such key
+            **({"kv_dtype_v": content["kv_dtype_v"]} if content.get("kv_dtype_v") else {})}
 
 
 def contract_json(contract: dict) -> str:
@@ -272,7 +279,8 @@ _TOP = schema.record({
     "functions": schema.array(schema.one_of(*FUNCTIONS), len(FUNCTIONS), unique=True),
     "kernels": schema.array(schema.text(256), 100_000), "params": schema.array(_PARAM, 1_000_000),
     "files": schema.mapping(_plain_name, schema.sha256_hex, 100_000),
-    "snapkv": _SNAPKV, "kv_dtype": schema.one_of(*KV_ITEMSIZE)})
+    "snapkv": _SNAPKV, "kv_dtype": schema.one_of(*KV_TYPES), "kv_dtype_v": schema.optional(schema.one_of(*KV_TYPES))},
+    optional_keys=("kv_dtype_v",))
 
 
 def check_manifest_dict(raw: dict) -> None:

@@ -10,5 +10,5 @@ BUILDERS: dict = {}        # arch -> (load_weights, Builder) where the llama fam
 
 
 def frontend_for(cfg: ModelConfig):
-    """(load_weights(gguf, cfg, show_progress) -> WeightTable, Builder(cfg, weights, max_pages, kv_dtype=...))."""
+    """(load_weights(gguf, cfg, show_progress) -> WeightTable, Builder(cfg, weights, max_pages, kv_types=...))."""
     return BUILDERS.get(cfg.arch, (llama_weights, LlamaBuilder))

@@ -27,6 +27,7 @@ from tvm.relax import op as R
 
 from ..common import ops
 from ..common.config import ModelConfig
+from ..common.kv_format import KVFormat
 from .gguf_file import GGUFFile
 from .weights import WeightTable, load_weights
 
@@ -60,8 +61,9 @@ def tensor_type(shape, dtype):
 
 class LlamaBuilder:
     def __init__(self, cfg: ModelConfig, weights: WeightTable, max_pages: int, page_size: int = ops.PAGE_SIZE,
-                 kv_dtype: str = "float32"):
-        self.cfg, self.weights, self.kv_dtype = cfg, weights, kv_dtype
+                 kv_types: tuple[str, str] = ("float32", "float32")):
+        self.cfg, self.weights = cfg, weights
+        self.kv_format = KVFormat(*kv_types, cfg.n_kv_heads, page_size, cfg.head_dim)
         self.max_pages, self.page_size = max_pages, page_size
         self.bb = relax.BlockBuilder()
 
@@ -81,7 +83,7 @@ class LlamaBuilder:
         pages = tvm.tirx.Var("pages", "int64")
         ids = relax.Var("ids", tensor_type((n,), "int32"))
         pos = relax.Var("pos", tensor_type((n,), "int32"))
-        pool = relax.Var("pool", tensor_type((pages, 2, cfg.n_kv_heads, self.page_size, cfg.head_dim), self.kv_dtype))
+        pool = relax.Var("pool", tensor_type(self.kv_format.pool_shape(pages), self.kv_format.pool_dtype))
         per_sequence = (n,) if batched else ()
         page_table = relax.Var("page_table", tensor_type((*per_sequence, cfg.n_layers, self.max_pages), "int32"))
         kv_lens = relax.Var("kv_lens", tensor_type((*per_sequence, cfg.n_layers), "int32"))

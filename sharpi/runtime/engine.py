@@ -12,7 +12,8 @@ import numpy as np
 
 from ..common.config import ModelConfig
 from ..common.errors import ArtifactError, ConfigError, NonFiniteLogitsError
-from ..common.manifest import KV_ITEMSIZE, Manifest
+from ..common.kv_format import KVFormat
+from ..common.manifest import Manifest
 from ..common.ops import SELECT_PARAMS, SELECT_PARAMS_BEFORE_SINKS
 from ..common.snapkv_settings import SnapKVSettings, auto_budget, check_against, settings_from
 from .backend import Backend
@@ -32,11 +33,10 @@ class Engine:
         every layer when given (a server's pool: llama.cpp's -c), or as many pages as the backend can hold in one
         buffer (Vulkan's storage-binding limit) if that is less."""
         cfg, m = self.config, self.manifest
-        page_bytes = kv_slot_bytes(m, cfg) // cfg.n_layers * m.page_size
+        fmt = kv_format(m, cfg)
         pages_per_layer = -(-tokens // m.page_size) if tokens else sequences * m.max_pages
-        shape = (cfg.n_layers * pages_per_layer, 2, cfg.n_kv_heads, m.page_size, cfg.head_dim)
-        pages = self.backend.allocate_pool(shape, m.kv_dtype)
-        return PagePool(self.backend, pages, m.page_size, page_bytes)
+        pages = self.backend.allocate_pool(fmt.pool_shape(cfg.n_layers * pages_per_layer), fmt.pool_dtype)
+        return PagePool(self.backend, pages, m.page_size, fmt.page_bytes, fmt)
 
     # -- what sessions read of the artifact -------------------------------------------------------------------
     @property
@@ -128,9 +128,14 @@ class Engine:
         return settings, budget
 
 
+def kv_format(manifest: Manifest, config: ModelConfig) -> KVFormat:
+    """The pool's layout (sharpi.common.kv_format) of an artifact."""
+    return KVFormat(*manifest.kv_types, config.n_kv_heads, manifest.page_size, config.head_dim)
+
+
 def kv_slot_bytes(manifest: Manifest, config: ModelConfig) -> int:
-    """The KV cache's bytes for one token in every layer (keys and values)."""
-    return KV_ITEMSIZE[manifest.kv_dtype] * 2 * config.n_kv_heads * config.head_dim * config.n_layers
+    """The KV cache's bytes for one token in every layer (keys and values, block scales included)."""
+    return kv_format(manifest, config).row_bytes * config.n_kv_heads * config.n_layers
 
 
 def _check_finite(logits: np.ndarray, positions: np.ndarray) -> None:

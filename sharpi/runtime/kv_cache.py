@@ -35,10 +35,11 @@ class PagePool:
     never write a page they share (SequenceCache copies it first). The pool's memory belongs to the backend (a TVM
     tensor on CPU, a wgpu buffer on Vulkan), which the kernels write in place."""
 
-    def __init__(self, backend, num_pages: int, page_size: int, page_bytes: int):
+    def __init__(self, backend, num_pages: int, page_size: int, page_bytes: int, kv_format=None):
         self.backend = backend
         self.page_size = page_size
         self.page_bytes = page_bytes
+        self.kv_format = kv_format          # a common.kv_format.KVFormat: how the host reads keys from pages
         self.num_pages = num_pages
         self.free: list[int] = list(range(self.num_pages - 1, -1, -1))
         self.refs = np.zeros(num_pages, np.int32)
@@ -275,7 +276,7 @@ class SequenceCache:
         for layer, layer_rows in enumerate(rows):
             if not self.pages[layer] or layer_rows is None:
                 continue
-            data = self.pool.read_pages(self.pages[layer])          # [pages, 2, kv_heads, page_size, head_dim]
+            data = self.pool.read_pages(self.pages[layer])    # [pages, 2 (or 1 packed), kv_heads, page_size, d]
             slots = data.transpose(0, 3, 1, 2, 4).reshape(-1, *data.shape[1:3], data.shape[4])  # [slot, 2, kvh, d]
             moved = slots.copy()
             for head in range(self.kv_heads):

@@ -156,15 +156,15 @@ class Session:
         return True
 
     def cached_keys(self) -> list[np.ndarray | None]:
-        """Per layer the keys it holds, [kv_heads, length, head_dim] in the cache's dtype (RoPE'd, as stored);
-        None for sliding-window layers (SnapKV leaves them alone)."""
+        """Per layer the keys it holds, [kv_heads, length, head_dim] as float32 (RoPE'd, as stored, quantized
+        ones dequantized); None for sliding-window layers (SnapKV leaves them alone)."""
         self._check_open()
         cache, keys = self._cache, []
         for layer in range(cache.n_layers):
             if cache.is_local(layer) or not cache.pages[layer]:
                 keys.append(None)
                 continue
-            data = cache.pool.read_pages(cache.pages[layer])[:, 0]        # [pages, kv_heads, page_size, d]
+            data = cache.pool.kv_format.decode(cache.pool.read_pages(cache.pages[layer]), 0)   # [pages, kvh, page, d]
             slots = data.transpose(1, 0, 2, 3).reshape(data.shape[1], -1, data.shape[3])
             keys.append(slots[:, :cache.length[layer]])
         return keys

@@ -7,7 +7,8 @@ from pathlib import Path
 import numpy as np
 
 from ..common.errors import ConfigError, SharpiError
-from ..common.manifest import KV_ITEMSIZE, LIBRARY, Manifest
+from ..common.kv_format import POOL_ITEMSIZE
+from ..common.manifest import LIBRARY, Manifest
 from ..common.targets import target_spec
 from .kv_cache import PoolAllocationError
 from .loader import check_artifact, configure_threads, first_line, load_vm, load_weights
@@ -55,7 +56,7 @@ class TVMBackend:
         try:
             self.pool = tvm.runtime.empty(shape, dtype, self.device)
         except Exception as exc:       # TVM's out-of-memory is a plain error with a multi-line message
-            nbytes = KV_ITEMSIZE[dtype] * int(np.prod(shape, dtype=object))
+            nbytes = POOL_ITEMSIZE[dtype] * int(np.prod(shape, dtype=object))
             raise PoolAllocationError(f"The KV page pool ({nbytes / 2**30:.1f} GiB for {shape[0]} pages) cannot be "
                                       f"allocated on {self.description} ({first_line(exc)}); load the model with "
                                       f"fewer pool_sequences.") from None
@@ -76,7 +77,7 @@ class TVMBackend:
     def _page(self, page: int):
         """One page of the pool as a TVM view (no copy), for device-side page copies."""
         shape, dtype = tuple(int(d) for d in self.pool.shape[1:]), str(self.pool.dtype)
-        size = KV_ITEMSIZE[dtype] * int(np.prod(shape))
+        size = POOL_ITEMSIZE[dtype] * int(np.prod(shape))
         return self.pool._create_view(shape, dtype, relative_byte_offset=page * size)
 
     def copy_pages(self, src: list[int], dst: list[int]) -> None:

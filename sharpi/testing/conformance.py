@@ -45,7 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..common.manifest import KV_ITEMSIZE
+from ..common.kv_format import KVFormat
 from ..common.targets import DEFAULT_TARGET, target_spec
 from .backends import NEAR_TIE
 from .reference import log_softmax
@@ -480,7 +480,7 @@ def expected_kv_bytes(model, kv_length, kept_positions=None) -> int:
     """The pages the held slots need times the page's bytes (from the manifest): ceil(length / page_size) per
     layer; a sliding-window layer's slots start at its first held position's offset in its first page."""
     m, cfg = model.manifest, model.config
-    page_bytes = KV_ITEMSIZE[m.kv_dtype] * 2 * cfg.n_kv_heads * m.page_size * cfg.head_dim
+    page_bytes = KVFormat(*m.kv_types, cfg.n_kv_heads, m.page_size, cfg.head_dim).page_bytes
     pages = 0
     for layer, length in enumerate(kv_length):
         offset = 0

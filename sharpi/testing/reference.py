@@ -23,7 +23,9 @@ from ..frontend.gguf_file import GGUFFile
 class NumpyReference:
     """Exact float32 forward pass. `sliding_window` (from the GGUF; 0: none) may be reassigned on an instance, e.g.
     to a tiny value in a test: a query of a local layer at position p sees keys p - sliding_window + 1 .. p. So
-    may `config` (e.g. `dataclasses.replace(ref.config, qkv_bias=False)`, to see what a flag changes)."""
+    may `config` (e.g. `dataclasses.replace(ref.config, qkv_bias=False)`, to see what a flag changes), and
+    `kv_types` (keys', values' types of sharpi.common.kv_format; None: float32): attention then reads keys and
+    values rounded as a KV cache of those types stores them (the emulation a quantized cache is held to)."""
 
     def __init__(self, gguf_path: str | Path):
         from gguf import GGMLQuantizationType
@@ -37,6 +39,7 @@ class NumpyReference:
         cfg = self.config
         self.sliding_window = cfg.sliding_window
         self.swa_pattern = cfg.swa_pattern
+        self.kv_types: tuple[str, str] | None = None
         self.local_rope_theta = cfg.rope_theta_local   # 0: local layers keep the model's RoPE base
         self.embed_scale = np.float32(cfg.embed_scale)
         self.attn_scale = cfg.attn_scale or None
@@ -70,6 +73,7 @@ class NumpyReference:
         masks = {}
         for l in range(cfg.n_layers):
             q, k, v = self._qkv(l, x, pos)
+            k, v = self._as_cached(k, v)
             if capture is not None:
                 capture.append((q, k, v))
             local = self.is_local(l)
@@ -99,6 +103,7 @@ class NumpyReference:
         rep = cfg.n_heads // cfg.n_kv_heads
         for l in range(cfg.n_layers):
             q, k, v = self._qkv(l, x, np.array([n]))
+            k, v = self._as_cached(k, v)
             _, pk, pv = captured[l]
             out = np.empty((1, cfg.n_heads, cfg.head_dim), np.float32)
             for kvh in range(cfg.n_kv_heads):
@@ -110,6 +115,12 @@ class NumpyReference:
                 out[:, heads] = _attention(q[:, heads], keys, values, visible, self._scale())
             x = self._finish_layer(l, x, out)
         return self._logits(x)[0]
+
+    def _as_cached(self, k, v):
+        """k, v [T, KVH, D] as the KV cache holds them (kv_types)."""
+        if self.kv_types is None:
+            return k, v
+        return tuple(kv_roundtrip(dtype, x) for dtype, x in zip(self.kv_types, (k, v)))
 
     # -- the two graphs --------------------------------------------------------------------------------------
 
@@ -290,3 +301,17 @@ def quantize_activations_q8(x: np.ndarray, block: int = 32) -> tuple[np.ndarray,
     v = xb * inv[..., None]
     q = np.rint(v).astype(np.int8)   # halves to even, as the kernels and ggml's AVX2 path (_MM_ROUND_NEAREST) round
     return q.reshape(x.shape), d
+
+
+def kv_roundtrip(dtype: str, x: np.ndarray) -> np.ndarray:
+    """x (f32, last axis head_dim) stored in a KV cache of `dtype` and read back as f32."""
+    from ..common.kv_format import FLOAT_KV, dequantize_kv, quantize_kv
+    if dtype == "float32":
+        return x
+    if dtype == "float16":
+        return x.astype(np.float16).astype(np.float32)
+    if dtype == "bfloat16":
+        import ml_dtypes
+        return x.astype(ml_dtypes.bfloat16).astype(np.float32)
+    assert dtype not in FLOAT_KV, dtype
+    return dequantize_kv(dtype, *quantize_kv(dtype, x))

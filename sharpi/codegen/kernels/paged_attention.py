@@ -1,6 +1,8 @@
 """Attention over the paged KV cache, and the append of new keys/values into it.
 
-Pool layout: [pages, 2 (k, v), kv_heads, page_size, head_dim] f32, shared by all layers and sessions.
+Pool layout: [pages, 2 (k, v), kv_heads, page_size, head_dim] f32, f16 or bf16, shared by all layers and sessions,
+or with quantized keys or values the packed layout of sharpi.common.kv_format (a row of bytes a slot), which the
+kernels read and write through kv_rows' views.
 page_table [layers, max_pages] int32 maps a layer's slot s to pool page page_table[l, s // page_size].
 kv_lens [layers] int32 = slots a layer held before this call; the n new tokens go to slots kv_lens[l] + t.
 Query t sees slots [0, kv_lens[l] + t]: all held slots (whatever logical positions they came from, e.g. after
@@ -14,7 +16,9 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
+from ...common.kv_format import KVFormat
 from .common import LANES, NEG_INF, token_count
+from .kv_rows import store_slot, with_pool_rows
 from .lanes import lane_total
 
 
@@ -75,7 +79,7 @@ def online_softmax_page(stats, score, i, first_slot, total, window, page_size):
 
 
 @T.macro
-def page_scores(score, i0, sacc, q, t, h0, pool, page, kvh, first_slot, total, window, page_size, QP, OS, DC,
+def page_scores(score, i0, sacc, q, t, h0, rows, page, kvh, first_slot, total, window, page_size, QP, OS, DC,
                 LANES, scale):
     """q . k of query heads h0 .. h0 + QP of token t with every slot of a page (its first slot `first_slot`) into
     score rows i0 .. i0 + QP, register-blocked as a small GEMM: QP heads x OS slots in 8 accumulators (QP + OS
@@ -90,7 +94,7 @@ def page_scores(score, i0, sacc, q, t, h0, pool, page, kvh, first_slot, total, w
                 for ss in T.unroll(OS):
                     for l in T.vectorized(LANES):
                         sacc[qq * OS + ss, l] = sacc[qq * OS + ss, l] + q[t, h0 + qq, dc * LANES + l] \
-                            * f32(pool[page, 0, kvh, o0 * OS + ss, dc * LANES + l])
+                            * rows.load(0, page, kvh, o0 * OS + ss, dc * LANES + l)
         for qq in T.unroll(QP):
             for ss in T.unroll(OS):
                 score[i0 + qq, o0 * OS + ss] = T.if_then_else(
@@ -99,7 +103,7 @@ def page_scores(score, i0, sacc, q, t, h0, pool, page, kvh, first_slot, total, w
 
 
 @T.macro
-def add_page_values(acc, a0, vacc, score, stats, i0, pool, page, kvh, slots, head_dim, QP, VC, LANES):
+def add_page_values(acc, a0, vacc, score, stats, i0, rows, page, kvh, slots, head_dim, QP, VC, LANES):
     """acc rows a0 .. a0 + QP, rescaled by their queries' softmax corrections (stats rows i0 .., column 4), plus
     the page's first `slots` V rows weighted by score rows i0 ..: VC lanes at a time held in registers over the
     slots, each V row loaded once for the QP queries."""
@@ -112,8 +116,8 @@ def add_page_values(acc, a0, vacc, score, stats, i0, pool, page, kvh, slots, hea
             for qq in T.unroll(QP):
                 for c in T.unroll(VC // LANES):
                     for l in T.vectorized(LANES):
-                        vacc[qq, c, l] = vacc[qq, c, l] + score[i0 + qq, o] * f32(
-                            pool[page, 1, kvh, o, dc * VC + c * LANES + l])
+                        vacc[qq, c, l] = vacc[qq, c, l] + score[i0 + qq, o] * rows.load(
+                            1, page, kvh, o, dc * VC + c * LANES + l)
         for qq in T.unroll(QP):
             for c in T.unroll(VC // LANES):
                 for l in T.vectorized(LANES):
@@ -131,55 +135,53 @@ def _register_blocks(group: int, DC: int, LANES: int, page_size: int) -> tuple[i
 
 
 def make_kv_append(kv_heads: int, head_dim: int, page_size: int, tokens: int | None = None,
-                   kv_dtype: str = "float32"):
-    """PrimFunc (pool, k [n, KVH, D], v [n, KVH, D], page_table, kv_lens, layer) writing the pool in place."""
-    n = token_count(tokens)
+                   kv_dtype="float32"):
+    """PrimFunc (pool, k [n, KVH, D], v [n, KVH, D], page_table, kv_lens, layer) writing the pool in place.
+    kv_dtype: the pool's element type, or a KVFormat (kv_format.KVFormat.of)."""
+    return _kv_append(KVFormat.of(kv_dtype, kv_heads, page_size, head_dim), token_count(tokens), batched=False)
+
+
+def make_kv_append_batch(kv_heads: int, head_dim: int, page_size: int, kv_dtype="float32"):
+    """PrimFunc (pool, k [B, KVH, D], v [B, KVH, D], page_tables [B, L, MP], kv_lens [B, L], layer) writing token
+    b at sequence b's slot kv_lens[b, layer], in place."""
+    return _kv_append(KVFormat.of(kv_dtype, kv_heads, page_size, head_dim), token_count(None), batched=True)
+
+
+def _kv_append(fmt: KVFormat, n, batched: bool):
+    """batched: token t is sequence t's (page_tables [n, L, MP], kv_lens [n, L]), appended at its slot
+    kv_lens[t, layer]; else all are one sequence's, at slots kv_lens[layer] + t."""
     pages, layers, max_pages = T.int64(), T.int64(), T.int64()
+    kv_heads, page_size, head_dim = fmt.kv_heads, fmt.page_size, fmt.head_dim
+    tables_shape = (n, layers, max_pages) if batched else (layers, max_pages)
+    lens_shape = (n, layers) if batched else (layers,)
+
+    def slot_of(kv_lens, t, layer):
+        return T.Cast("int64", kv_lens[t, layer]) if batched else T.Cast("int64", kv_lens[layer]) + t
+
+    def page_of(page_table, t, layer, index):
+        return T.Cast("int64", page_table[t, layer, index] if batched else page_table[layer, index])
+
+    @T.macro
+    def append(rows, k, v, page_table, kv_lens, layer):
+        for t in range(n):
+            slot = slot_of(kv_lens, t, layer)
+            page = page_of(page_table, t, layer, slot // page_size)
+            for h in range(kv_heads):
+                store_slot(rows, 0, page, h, slot % page_size, k, t)
+                store_slot(rows, 1, page, h, slot % page_size, v, t)
 
     @T.prim_func
     def kv_append(var_pool: T.handle, var_k: T.handle, var_v: T.handle, var_pt: T.handle, var_lens: T.handle,
                   layer: T.int64):
         T.func_attr({"tirx.noalias": True, "op_pattern": 8})
-        pool = T.match_buffer(var_pool, (pages, 2, kv_heads, page_size, head_dim), kv_dtype)
+        pool = T.match_buffer(var_pool, fmt.pool_shape(pages), fmt.pool_dtype)
         k = T.match_buffer(var_k, (n, kv_heads, head_dim), "float32")
         v = T.match_buffer(var_v, (n, kv_heads, head_dim), "float32")
-        page_table = T.match_buffer(var_pt, (layers, max_pages), "int32")
-        kv_lens = T.match_buffer(var_lens, (layers,), "int32")
-        for t in range(n):
-            slot = T.Cast("int64", kv_lens[layer]) + t
-            page = T.Cast("int64", page_table[layer, slot // page_size])
-            for h in range(kv_heads):
-                for d in T.vectorized(head_dim):
-                    pool[page, 0, h, slot % page_size, d] = T.Cast(kv_dtype, k[t, h, d])
-                    pool[page, 1, h, slot % page_size, d] = T.Cast(kv_dtype, v[t, h, d])
+        page_table = T.match_buffer(var_pt, tables_shape, "int32")
+        kv_lens = T.match_buffer(var_lens, lens_shape, "int32")
+        with_pool_rows(pool, fmt, append, k, v, page_table, kv_lens, layer)
 
     return kv_append
-
-
-def make_kv_append_batch(kv_heads: int, head_dim: int, page_size: int, kv_dtype: str = "float32"):
-    """PrimFunc (pool, k [B, KVH, D], v [B, KVH, D], page_tables [B, L, MP], kv_lens [B, L], layer) writing token
-    b at sequence b's slot kv_lens[b, layer], in place."""
-    n = token_count(None)
-    pages, layers, max_pages = T.int64(), T.int64(), T.int64()
-
-    @T.prim_func
-    def kv_append_batch(var_pool: T.handle, var_k: T.handle, var_v: T.handle, var_pt: T.handle,
-                        var_lens: T.handle, layer: T.int64):
-        T.func_attr({"tirx.noalias": True, "op_pattern": 8})
-        pool = T.match_buffer(var_pool, (pages, 2, kv_heads, page_size, head_dim), kv_dtype)
-        k = T.match_buffer(var_k, (n, kv_heads, head_dim), "float32")
-        v = T.match_buffer(var_v, (n, kv_heads, head_dim), "float32")
-        page_tables = T.match_buffer(var_pt, (n, layers, max_pages), "int32")
-        kv_lens = T.match_buffer(var_lens, (n, layers), "int32")
-        for t in range(n):
-            slot = T.Cast("int64", kv_lens[t, layer])
-            page = T.Cast("int64", page_tables[t, layer, slot // page_size])
-            for h in range(kv_heads):
-                for d in T.vectorized(head_dim):
-                    pool[page, 0, h, slot % page_size, d] = T.Cast(kv_dtype, k[t, h, d])
-                    pool[page, 1, h, slot % page_size, d] = T.Cast(kv_dtype, v[t, h, d])
-
-    return kv_append_batch
 
 
 def make_paged_attention(heads: int, kv_heads: int, head_dim: int, page_size: int, scale: float,
@@ -189,18 +191,15 @@ def make_paged_attention(heads: int, kv_heads: int, head_dim: int, page_size: in
     while a layer's cache is contiguous, which is how sliding-window layers are kept)."""
     n = token_count(tokens)
     group = heads // kv_heads
-
+    fmt = KVFormat.of(kv_dtype, kv_heads, page_size, head_dim)
     if head_dim % LANES:
-        return _paged_attention_scalar(heads, kv_heads, head_dim, page_size, scale, n, group, kv_dtype,
-                                       window)
+        return _paged_attention_scalar(heads, kv_heads, head_dim, page_size, scale, n, group, fmt, window)
     if tokens == 1:
-        return _paged_attention_split(heads, kv_heads, head_dim, page_size, scale, None, group, LANES, kv_dtype,
-                                      window)
-    return _paged_attention_tiled(heads, kv_heads, head_dim, page_size, scale, n, group, LANES, kv_dtype,
-                                  window)
+        return _paged_attention_split(heads, kv_heads, head_dim, page_size, scale, None, group, LANES, fmt, window)
+    return _paged_attention_tiled(heads, kv_heads, head_dim, page_size, scale, n, group, LANES, fmt, window)
 
 
-def _paged_attention_tiled(heads, kv_heads, head_dim, page_size, scale, n, group, LANES, kv_dtype, window):
+def _paged_attention_tiled(heads, kv_heads, head_dim, page_size, scale, n, group, LANES, fmt, window):
     """Several tokens: one task per (block of TB consecutive tokens, KV head). The block's TB x group queries walk
     the KV head's pages together, so each page of K and V is read once per block (from L1) instead of once per
     query: with one query per task the K/V re-reads made an 8000-token SmolLM2 prefill take ~115 s.
@@ -218,15 +217,8 @@ def _paged_attention_tiled(heads, kv_heads, head_dim, page_size, scale, n, group
     Q = TB * group
     QP, OS, VC = _register_blocks(group, DC, LANES, page_size)
 
-    @T.prim_func
-    def paged_attention(var_q: T.handle, var_pool: T.handle, var_pt: T.handle, var_lens: T.handle,
-                        layer: T.int64, var_out: T.handle):
-        T.func_attr({"tirx.noalias": True, "op_pattern": 8})
-        q = T.match_buffer(var_q, (n, heads, head_dim), "float32")
-        pool = T.match_buffer(var_pool, (pages, 2, kv_heads, page_size, head_dim), kv_dtype)
-        page_table = T.match_buffer(var_pt, (layers, max_pages), "int32")
-        kv_lens = T.match_buffer(var_lens, (layers,), "int32")
-        out = T.match_buffer(var_out, (n, heads, head_dim), "float32")
+    @T.macro
+    def attend(rows, q, page_table, kv_lens, layer, out):
         for task in T.parallel((n + TB - 1) // TB * kv_heads):
             kvh = T.meta_var(task % kv_heads)
             z = T.meta_var(task // kv_heads)
@@ -252,17 +244,28 @@ def _paged_attention_tiled(heads, kv_heads, head_dim, page_size, scale, n, group
                     h0 = T.meta_var(kvh * group + ip * QP % group)
                     total = T.meta_var(held + t + 1)
                     if t < n and p * page_size < total and p >= first_page(total, window, page_size):
-                        page_scores(score, ip * QP, sacc, q, t, h0, pool, page, kvh, p * page_size, total, window,
+                        page_scores(score, ip * QP, sacc, q, t, h0, rows, page, kvh, p * page_size, total, window,
                                     page_size, QP, OS, DC, LANES, scale)
                         for qq in range(QP):
                             online_softmax_page(stats, score, ip * QP + qq, p * page_size, total, window, page_size)
-                        add_page_values(acc, ip * QP, vacc, score, stats, ip * QP, pool, page, kvh,
+                        add_page_values(acc, ip * QP, vacc, score, stats, ip * QP, rows, page, kvh,
                                         T.min(T.Cast("int64", page_size), total - p * page_size), head_dim, QP, VC,
                                         LANES)
             for i in range(Q):
                 if blk * TB + i // group < n:
                     for d in T.vectorized(head_dim):
                         out[blk * TB + i // group, kvh * group + i % group, d] = acc[i, d] / stats[i, 1]
+
+    @T.prim_func
+    def paged_attention(var_q: T.handle, var_pool: T.handle, var_pt: T.handle, var_lens: T.handle,
+                        layer: T.int64, var_out: T.handle):
+        T.func_attr({"tirx.noalias": True, "op_pattern": 8})
+        q = T.match_buffer(var_q, (n, heads, head_dim), "float32")
+        pool = T.match_buffer(var_pool, fmt.pool_shape(pages), fmt.pool_dtype)
+        page_table = T.match_buffer(var_pt, (layers, max_pages), "int32")
+        kv_lens = T.match_buffer(var_lens, (layers,), "int32")
+        out = T.match_buffer(var_out, (n, heads, head_dim), "float32")
+        with_pool_rows(pool, fmt, attend, q, page_table, kv_lens, layer, out)
 
     return paged_attention
 
@@ -273,7 +276,7 @@ def decode_splits(kv_heads: int) -> int:
     return max(1, 8 // kv_heads)
 
 
-def _paged_attention_split(heads, kv_heads, head_dim, page_size, scale, n, group, LANES, kv_dtype, window):
+def _paged_attention_split(heads, kv_heads, head_dim, page_size, scale, n, group, LANES, fmt, window):
     """One new token per sequence, split-K (flash-decoding); n None: decode (one sequence: page_table [L, MP],
     kv_lens [L]), else decode_batch (n sequences: page_tables [n, L, MP], kv_lens [n, L]). One task per (token, KV
     head, range of its visible pages) computes all `group` query heads of that KV head over its range, so each K/V
@@ -301,15 +304,8 @@ def _paged_attention_split(heads, kv_heads, head_dim, page_size, scale, n, group
     def page_of(page_tables, t, layer, p):
         return page_tables[t, layer, p] if batched else page_tables[layer, p]
 
-    @T.prim_func
-    def paged_attention(var_q: T.handle, var_pool: T.handle, var_pt: T.handle, var_lens: T.handle,
-                        layer: T.int64, var_out: T.handle):
-        T.func_attr({"tirx.noalias": True, "op_pattern": 8})
-        q = T.match_buffer(var_q, (B, heads, head_dim), "float32")
-        pool = T.match_buffer(var_pool, (pages, 2, kv_heads, page_size, head_dim), kv_dtype)
-        page_tables = T.match_buffer(var_pt, tables_shape, "int32")
-        kv_lens = T.match_buffer(var_lens, lens_shape, "int32")
-        out = T.match_buffer(var_out, (B, heads, head_dim), "float32")
+    @T.macro
+    def attend(rows, q, page_tables, kv_lens, layer, out):
         part = T.decl_buffer((B * kv_heads * SP * group, head_dim), "float32")
         part_stats = T.decl_buffer((B * kv_heads * SP * group, 2), "float32")
         for task in T.parallel(B * kv_heads * SP):
@@ -332,11 +328,11 @@ def _paged_attention_split(heads, kv_heads, head_dim, page_size, scale, n, group
             for p in range(first + count * sp // SP, first + count * (sp + 1) // SP):
                 page = T.meta_var(T.Cast("int64", page_of(page_tables, t, layer, p)))
                 for ip in range(group // QP):
-                    page_scores(score, ip * QP, sacc, q, t, kvh * group + ip * QP, pool, page, kvh, p * page_size,
+                    page_scores(score, ip * QP, sacc, q, t, kvh * group + ip * QP, rows, page, kvh, p * page_size,
                                 total, window, page_size, QP, OS, DC, LANES, scale)
                     for qq in range(QP):
                         online_softmax_page(stats, score, ip * QP + qq, p * page_size, total, window, page_size)
-                    add_page_values(part, task * group + ip * QP, vacc, score, stats, ip * QP, pool, page, kvh,
+                    add_page_values(part, task * group + ip * QP, vacc, score, stats, ip * QP, rows, page, kvh,
                                     T.min(T.Cast("int64", page_size), total - p * page_size), head_dim, QP, VC,
                                     LANES)
             for g in T.unroll(group):
@@ -360,6 +356,17 @@ def _paged_attention_split(heads, kv_heads, head_dim, page_size, scale, n, group
                     out[t, h, d] = out[t, h, d] + part[part_row(t, h, sp), d] * (
                         T.exp(part_stats[part_row(t, h, sp), 0] - m[0]) / m[1])
 
+    @T.prim_func
+    def paged_attention(var_q: T.handle, var_pool: T.handle, var_pt: T.handle, var_lens: T.handle,
+                        layer: T.int64, var_out: T.handle):
+        T.func_attr({"tirx.noalias": True, "op_pattern": 8})
+        q = T.match_buffer(var_q, (B, heads, head_dim), "float32")
+        pool = T.match_buffer(var_pool, fmt.pool_shape(pages), fmt.pool_dtype)
+        page_tables = T.match_buffer(var_pt, tables_shape, "int32")
+        kv_lens = T.match_buffer(var_lens, lens_shape, "int32")
+        out = T.match_buffer(var_out, (B, heads, head_dim), "float32")
+        with_pool_rows(pool, fmt, attend, q, page_tables, kv_lens, layer, out)
+
     return paged_attention
 
 
@@ -370,16 +377,20 @@ def make_paged_attention_batch(heads: int, kv_heads: int, head_dim: int, page_si
     does for one sequence."""
     n = token_count(None)
     group = heads // kv_heads
+    fmt = KVFormat.of(kv_dtype, kv_heads, page_size, head_dim)
     if head_dim % LANES:
-        return _paged_attention_scalar(heads, kv_heads, head_dim, page_size, scale, n, group, kv_dtype, window,
+        return _paged_attention_scalar(heads, kv_heads, head_dim, page_size, scale, n, group, fmt, window,
                                        batched=True)
-    return _paged_attention_split(heads, kv_heads, head_dim, page_size, scale, n, group, LANES, kv_dtype, window)
+    return _paged_attention_split(heads, kv_heads, head_dim, page_size, scale, n, group, LANES, fmt, window)
 
 
-def _paged_attention_scalar(heads, kv_heads, head_dim, page_size, scale, n, group, kv_dtype, window,
+def _paged_attention_scalar(heads, kv_heads, head_dim, page_size, scale, n, group, fmt, window,
                             batched: bool = False):
     """One task per (token, query head), one slot at a time: for head sizes the vector kernels cannot tile.
-    batched: token t is sequence t's (page_tables [n, L, MP], kv_lens [n, L]); else all are one sequence's."""
+    batched: token t is sequence t's (page_tables [n, L, MP], kv_lens [n, L]); else all are one sequence's. (The
+    plain float layout only: quantized KV types need head_dim a multiple of 32, which the vector kernels take.)"""
+    assert not fmt.packed, fmt
+    kv_dtype = fmt.k
     pages, layers, max_pages = T.int64(), T.int64(), T.int64()
     table_shape = (n, layers, max_pages) if batched else (layers, max_pages)
     lens_shape = (n, layers) if batched else (layers,)

@@ -22,35 +22,32 @@ from tvm.script import tirx as T
 
 from ...common.ops import (P_BUDGET, P_KERNEL, P_POOLING, P_RECENCY, P_SHARED, P_SINKS, P_TOTAL, POOL_AVG,
                            POOL_MAX, SELECT_PARAMS)
+from ...common.kv_format import KVFormat
 from .common import LANES, NEG_INF, score_reduce, score_width, token_count
-from .paged_attention import f32, fast_exp
+from .kv_rows import with_pool_rows
+from .paged_attention import fast_exp
 
 
 def make_snapkv_score(heads: int, kv_heads: int, head_dim: int, page_size: int, max_pages: int, scale: float,
-                      kv_dtype: str = "float32"):
-    """PrimFunc (q [n, H, D], pool, page_table, kv_lens, layer, window [1] int32, out [KVH, max_pages*page]).
+                      kv_dtype="float32"):
+    """PrimFunc (q [n, H, D], pool, page_table, kv_lens, layer, window [1] int32, out [KVH, max_pages*page]);
+    kv_dtype: the pool's element type or a KVFormat.
 
     One task per query head: for each window query, its logits over the visible slots go to a row buffer
     (q . k eight lanes at a time), then one max, one vectorized exp pass and one sum (each logit computed once: a
     scored prefill is otherwise dominated by these dots). Per-head rows are summed into the KV head's row at the end, in head order, so the result does not depend on threads."""
+    fmt = KVFormat.of(kv_dtype, kv_heads, page_size, head_dim)
     if head_dim % LANES:
-        return _snapkv_score_scalar(heads, kv_heads, head_dim, page_size, max_pages, scale, kv_dtype)
+        assert not fmt.packed, fmt     # quantized KV types need head_dim % 32 == 0
+        return _snapkv_score_scalar(heads, kv_heads, head_dim, page_size, max_pages, scale, fmt.k)
     n = token_count(None)
     pages, layers = T.int64(), T.int64()
     group = heads // kv_heads
     slots = max_pages * page_size
     DC = head_dim // LANES
 
-    @T.prim_func
-    def snapkv_score(var_q: T.handle, var_pool: T.handle, var_pt: T.handle, var_lens: T.handle, layer: T.int64,
-                     var_window: T.handle, var_out: T.handle):
-        T.func_attr({"tirx.noalias": True, "op_pattern": 8})
-        q = T.match_buffer(var_q, (n, heads, head_dim), "float32")
-        pool = T.match_buffer(var_pool, (pages, 2, kv_heads, page_size, head_dim), kv_dtype)
-        page_table = T.match_buffer(var_pt, (layers, max_pages), "int32")
-        kv_lens = T.match_buffer(var_lens, (layers,), "int32")
-        window = T.match_buffer(var_window, (1,), "int32")
-        out = T.match_buffer(var_out, (kv_heads, slots), "float32")
+    @T.macro
+    def score(rows, q, page_table, kv_lens, layer, window, out):
         part = T.decl_buffer((heads, slots), "float32", scope="global")
         for h in T.parallel(heads):
             kvh = T.meta_var(h // group)
@@ -66,11 +63,11 @@ def make_snapkv_score(heads: int, kv_heads: int, head_dim: int, page_size: int, 
                 for s in range(total):
                     page = T.meta_var(T.Cast("int64", page_table[layer, s // page_size]))
                     for l in T.vectorized(LANES):
-                        dv[l] = q[t, h, l] * f32(pool[page, 0, kvh, s % page_size, l])
+                        dv[l] = q[t, h, l] * rows.load(0, page, kvh, s % page_size, l)
                     for dc in T.unroll(DC - 1):
                         for l in T.vectorized(LANES):
                             dv[l] = dv[l] + q[t, h, (dc + 1) * LANES + l] \
-                                * f32(pool[page, 0, kvh, s % page_size, (dc + 1) * LANES + l])
+                                * rows.load(0, page, kvh, s % page_size, (dc + 1) * LANES + l)
                     row[s] = (((dv[0] + dv[1]) + (dv[2] + dv[3])) + ((dv[4] + dv[5]) + (dv[6] + dv[7]))) \
                         * T.float32(scale)
                     st[0] = T.max(st[0], row[s])
@@ -90,6 +87,18 @@ def make_snapkv_score(heads: int, kv_heads: int, head_dim: int, page_size: int, 
                     out[kvh, s] = score_reduce(window, out[kvh, s], part[kvh * group + g, s])
             for s in range(slots):
                 out[kvh, s] = T.if_then_else(window[0] < 0, out[kvh, s], out[kvh, s] / T.float32(group))
+
+    @T.prim_func
+    def snapkv_score(var_q: T.handle, var_pool: T.handle, var_pt: T.handle, var_lens: T.handle, layer: T.int64,
+                     var_window: T.handle, var_out: T.handle):
+        T.func_attr({"tirx.noalias": True, "op_pattern": 8})
+        q = T.match_buffer(var_q, (n, heads, head_dim), "float32")
+        pool = T.match_buffer(var_pool, fmt.pool_shape(pages), fmt.pool_dtype)
+        page_table = T.match_buffer(var_pt, (layers, max_pages), "int32")
+        kv_lens = T.match_buffer(var_lens, (layers,), "int32")
+        window = T.match_buffer(var_window, (1,), "int32")
+        out = T.match_buffer(var_out, (kv_heads, slots), "float32")
+        with_pool_rows(pool, fmt, score, q, page_table, kv_lens, layer, window, out)
 
     return snapkv_score
 
@@ -227,23 +236,26 @@ def make_snapkv_select(layers: int, kv_heads: int, slots: int):
 
 
 def make_kv_compact(layers: int, kv_heads: int, head_dim: int, page_size: int, max_pages: int,
-                    kv_dtype: str = "float32"):
+                    kv_dtype="float32"):
     """PrimFunc (pool, page_table, keep [L, KVH, S] int32, count [L] int32) gathering kept slots, in place:
-    slot keep[l, h, i] -> slot i for i < count[l] (a layer with count 0 is left alone)."""
+    slot keep[l, h, i] -> slot i for i < count[l] (a layer with count 0 is left alone). A slot moves whole: its
+    key and value rows (the packed layout: its one row of bytes, quants and block scales together)."""
     pages = T.int64()
     slots = max_pages * page_size
+    fmt = KVFormat.of(kv_dtype, kv_heads, page_size, head_dim)
+    _, parts, _, _, width = fmt.pool_shape(pages)
 
     @T.prim_func
     def kv_compact(var_pool: T.handle, page_table: T.Buffer((layers, max_pages), "int32"),
                    keep: T.Buffer((layers, kv_heads, slots), "int32"), count: T.Buffer((layers,), "int32")):
         T.func_attr({"tirx.noalias": True, "op_pattern": 8})
-        pool = T.match_buffer(var_pool, (pages, 2, kv_heads, page_size, head_dim), kv_dtype)
+        pool = T.match_buffer(var_pool, fmt.pool_shape(pages), fmt.pool_dtype)
         for lh in T.parallel(layers * kv_heads):
             l = T.meta_var(lh // kv_heads)
             h = T.meta_var(lh % kv_heads)
             for i in range(count[l]):
-                for kv in range(2):
-                    for d in T.vectorized(head_dim):
+                for kv in range(parts):
+                    for d in T.vectorized(width):
                         pool[T.Cast("int64", page_table[l, i // page_size]), kv, h, i % page_size, d] = pool[
                             T.Cast("int64", page_table[l, keep[l, h, i] // page_size]), kv, h,
                             keep[l, h, i] % page_size, d]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import tvm
 
-from ...common.compile_options import CompileOptions
+from ...common.compile_options import CompileOptions, resolved_kv_types
 from ...common.config import ModelConfig
 from ...common.errors import CompileError, ConfigError
 from ...common.manifest import LIBRARY
@@ -164,7 +164,7 @@ class CUDATarget:
         if options.arch is not None:
             check_arch(options.arch)
         nvcc_path()                            # no nvcc: say so before any work
-        return replace(options, arch=options.arch or DEFAULT_ARCH, kv_dtype=options.kv_dtype or "float16")
+        return replace(options, arch=options.arch or DEFAULT_ARCH, **resolved_kv_types(options, "float16"))
 
     def describe(self, options: CompileOptions) -> dict:
         return {"kind": self.spec.name, "arch": options.arch, "images": [], "cuda_graph": options.cuda_graph}

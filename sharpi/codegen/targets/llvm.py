@@ -10,7 +10,7 @@ from pathlib import Path
 import tvm
 from tvm import relax
 
-from ...common.compile_options import CompileOptions
+from ...common.compile_options import CompileOptions, resolved_kv_types
 from ...common.config import ModelConfig
 from ...common.errors import ConfigError
 from ...common.manifest import LIBRARY
@@ -73,11 +73,13 @@ def int8_dot_available(target: tvm.target.Target) -> bool:
     return int8_dot_isa(target) is not None
 
 
-def lower(mod: tvm.IRModule, cfg: ModelConfig, target: tvm.target.Target, int8_isa: str | None = None) -> tvm.IRModule:
+def lower(mod: tvm.IRModule, cfg: ModelConfig, target: tvm.target.Target, int8_isa: str | None = None,
+          kv_types: tuple[str, str] | None = None) -> tvm.IRModule:
     """int8_isa: the quantized matmuls multiply int8-quantized activations with this instruction set's integer
-    dots (int8_dot_isa); None: the float kernels."""
+    dots (int8_dot_isa); None: the float kernels. kv_types: the KV cache's (keys', values') types (None: the
+    pool's element type for both)."""
     with target:
-        mod = attach_kernels(mod, cfg, int8_isa=int8_isa)
+        mod = attach_kernels(mod, cfg, int8_isa=int8_isa, kv_types=kv_types)
         mod = relax.transform.LegalizeOps(fast_math_legalizations())(mod)
         mod = relax.transform.AnnotateTIROpPattern()(mod)
         mod = relax.transform.FuseOps()(mod)
@@ -110,8 +112,8 @@ class LLVMTarget:
         # llama.cpp's arithmetic is int8 activations and an f16 KV cache: half the cache's memory, and decode and
         # prefill after 4096 tokens ~9% faster (their K/V reads are bound by memory bandwidth); --matmuls float
         # keeps the exact float32 path, KV included
-        kv_dtype = options.kv_dtype or ("float16" if matmuls == "int8" else "float32")
-        return replace(options, mcpu=options.mcpu or host_cpu(), matmuls=matmuls, kv_dtype=kv_dtype)
+        kv_types = resolved_kv_types(options, "float16" if matmuls == "int8" else "float32")
+        return replace(options, mcpu=options.mcpu or host_cpu(), matmuls=matmuls, **kv_types)
 
     def describe(self, options: CompileOptions) -> dict:
         target = make_target(options.mcpu)
@@ -124,7 +126,8 @@ class LLVMTarget:
     def build(self, mod, cfg: ModelConfig, options: CompileOptions, staging: Path, progress, contract: str):
         target = make_target(options.mcpu)
         progress.set_postfix_str("attach kernels, legalize, fuse")
-        lowered = lower(mod, cfg, target, int8_isa=int8_dot_isa(target) if options.matmuls == "int8" else None)
+        lowered = lower(mod, cfg, target, int8_isa=int8_dot_isa(target) if options.matmuls == "int8" else None,
+                        kv_types=options.kv_types)
         progress.update(1)
         progress.set_postfix_str("LLVM codegen")
         kernels = kernel_names(lowered)

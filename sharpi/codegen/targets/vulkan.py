@@ -17,7 +17,7 @@ from pathlib import Path
 import tvm
 from tvm import ir, relax, tirx
 
-from ...common.compile_options import CompileOptions
+from ...common.compile_options import CompileOptions, resolved_kv_types
 from ...common.config import ModelConfig
 from ...common.manifest import PLAN
 from ...common.plan import Plan
@@ -279,7 +279,7 @@ class VulkanTarget:
     code_files = (PLAN,)
 
     def resolve(self, options: CompileOptions) -> CompileOptions:
-        return replace(options, kv_dtype=options.kv_dtype or "float32")   # f16 on Vulkan: not yet measured
+        return replace(options, **resolved_kv_types(options, "float32"))   # f16 on Vulkan: not yet measured
 
     def describe(self, options: CompileOptions) -> dict:
         return {"kind": self.spec.name, "shader": "wgsl", "activations": "float32"}

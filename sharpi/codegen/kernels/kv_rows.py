@@ -1,0 +1,120 @@
+"""How the CPU kernels read and write the KV pool's slots, for every KVFormat (sharpi.common.kv_format).
+
+A kernel wraps its body in `with_pool_rows(pool, fmt, body, *args)`: that declares four typed views of the pool's
+memory (the key's and the value's quants, and their f16 block scales) and calls `body(rows, *args)`, where `rows`
+is a SlotRows; the body reads elements as float32 with rows.load(which, page, head, slot, d) (which: 0 keys, 1
+values) and writes a token's key or value with store_slot. For the plain float layout the quants views are the
+pool's [:, 0] and [:, 1] and the scale views are never read.
+"""
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+from ...common.kv_format import FLOAT_KV, KV_BLOCK, KVFormat
+
+_QUANT_DTYPE = {"q8_0": "int8", "q4_0": "uint8"}
+
+
+def _itemsize(dtype: str) -> int:
+    return FLOAT_KV.get(dtype, 1)
+
+
+def view_spec(fmt: KVFormat, pages, which: int, scales: bool) -> dict:
+    """decl_buffer's arguments (but `data`) for a view [pages, kv_heads, page_size, width] of one part."""
+    H, P = fmt.kv_heads, fmt.page_size
+    if not fmt.packed:
+        if scales:    # no scales: a one-element placeholder, never read
+            return {"shape": (1,), "dtype": "float16", "elem_offset": 0}
+        D = fmt.head_dim
+        return {"shape": (pages, H, P, D), "dtype": fmt.k, "strides": (2 * H * P * D, P * D, D, 1),
+                "elem_offset": which * H * P * D}
+    part = fmt.part(which)
+    quantized = part.dtype in _QUANT_DTYPE
+    if scales and not quantized:
+        return {"shape": (1,), "dtype": "float16", "elem_offset": 0}
+    dtype = "float16" if scales else _QUANT_DTYPE.get(part.dtype, part.dtype)
+    size = _itemsize(dtype)
+    row = fmt.row_bytes // size
+    width = fmt.head_dim // KV_BLOCK if scales else (fmt.part(which).scale_offset - part.offset) // size \
+        if quantized else fmt.head_dim
+    offset = (part.scale_offset if scales else part.offset) // size
+    return {"shape": (pages, H, P, width), "dtype": dtype, "strides": (H * P * row, P * row, row, 1),
+            "elem_offset": offset}
+
+
+class SlotRows:
+    """The views of one kernel's pool, and element reads through them."""
+
+    def __init__(self, fmt: KVFormat, kq, ks, vq, vs):
+        self.fmt = fmt
+        self.quants, self.scales = (kq, vq), (ks, vs)
+
+    def dtype(self, which: int) -> str:
+        return (self.fmt.k, self.fmt.v)[which]
+
+    def load(self, which: int, page, h, slot, d):
+        """Element d of the key (0) or value (1) in a slot, as float32."""
+        dtype, q = self.dtype(which), self.quants[which]
+        if dtype == "q8_0":
+            return T.Cast("float32", q[page, h, slot, d]) * self._scale(which, page, h, slot, d)
+        if dtype == "q4_0":
+            j = d % KV_BLOCK
+            byte = q[page, h, slot, d // KV_BLOCK * (KV_BLOCK // 2) + j % (KV_BLOCK // 2)]
+            nibble = (byte >> T.Cast("uint8", j // (KV_BLOCK // 2) * 4)) & T.uint8(15)
+            return (T.Cast("float32", nibble) - T.float32(8)) * self._scale(which, page, h, slot, d)
+        return T.Cast("float32", q[page, h, slot, d])
+
+    def _scale(self, which, page, h, slot, d):
+        return T.Cast("float32", self.scales[which][page, h, slot, d // KV_BLOCK])
+
+
+@T.macro
+def with_pool_rows(pool, fmt, body, *args):
+    """body(SlotRows, *args) with the pool's views declared."""
+    pages = T.meta_var(pool.shape[0])
+    kq = T.decl_buffer(**view_spec(fmt, pages, 0, False), data=pool.data)
+    ks = T.decl_buffer(**view_spec(fmt, pages, 0, True), data=pool.data)
+    vq = T.decl_buffer(**view_spec(fmt, pages, 1, False), data=pool.data)
+    vs = T.decl_buffer(**view_spec(fmt, pages, 1, True), data=pool.data)
+    body(SlotRows(fmt, kq, ks, vq, vs), *args)
+
+
+def _nibble(scaled):
+    """q4_0's quant of x / d: min(15, round(x / d) + 8) as uint8 (x / d lies in [-8, 8])."""
+    return T.Cast("uint8", T.min(T.round(scaled) + T.float32(8), T.float32(15)))
+
+
+@T.macro
+def store_slot(rows, which, page, h, slot, x, t):
+    """Row x[t, h, :] (f32 [n, kv_heads, head_dim]) into a slot's key (0) or value (1), quantized per block of 32
+    by kv_format's rule (the block's scale first; the numpy emulation is kv_format.encode_rows)."""
+    dtype = T.meta_var(rows.dtype(which))
+    q = T.meta_var(rows.quants[which])
+    s = T.meta_var(rows.scales[which])
+    D = T.meta_var(rows.fmt.head_dim)
+    if dtype == "q8_0" or dtype == "q4_0":
+        stats = T.decl_buffer((3,), "float32", scope="global")    # block max, block min, 1 / scale
+        for b in range(D // KV_BLOCK):
+            stats[0] = x[t, h, b * KV_BLOCK]
+            stats[1] = x[t, h, b * KV_BLOCK]
+            for e in range(1, KV_BLOCK):
+                stats[0] = T.max(stats[0], x[t, h, b * KV_BLOCK + e])
+                stats[1] = T.min(stats[1], x[t, h, b * KV_BLOCK + e])
+            if dtype == "q8_0":
+                # d = max|x| / 127
+                stats[2] = T.max(stats[0], T.float32(0) - stats[1]) / T.float32(127)
+                s[page, h, slot, b] = T.Cast("float16", stats[2])
+                stats[2] = T.Select(stats[2] > T.float32(0), T.float32(1) / stats[2], T.float32(0))
+                for e in T.vectorized(KV_BLOCK):
+                    q[page, h, slot, b * KV_BLOCK + e] = T.Cast("int8", T.round(x[t, h, b * KV_BLOCK + e] * stats[2]))
+            else:
+                # d = (the value of largest magnitude) / -8
+                stats[2] = T.Select(stats[0] >= T.float32(0) - stats[1], stats[0], stats[1]) / T.float32(-8)
+                s[page, h, slot, b] = T.Cast("float16", stats[2])
+                stats[2] = T.Select(stats[2] != T.float32(0), T.float32(1) / stats[2], T.float32(0))
+                for j in T.vectorized(KV_BLOCK // 2):
+                    q[page, h, slot, b * (KV_BLOCK // 2) + j] = _nibble(x[t, h, b * KV_BLOCK + j] * stats[2]) | (
+                        _nibble(x[t, h, b * KV_BLOCK + KV_BLOCK // 2 + j] * stats[2]) << T.uint8(4))
+    else:
+        for d in T.vectorized(D):
+            q[page, h, slot, d] = T.Cast(dtype, x[t, h, d])
