@@ -28,6 +28,7 @@ from pathlib import Path
 
 import sharpi
 from sharpi.cli.bench import artifact_tokenizer, find_gguf, prompt_ids, rounds
+from sharpi.common.config import ModelConfig
 from sharpi.common.settings import resolve_threads
 
 
@@ -62,12 +63,11 @@ def read_bandwidth(threads: int) -> float:
     return float(done.stdout.split()[-1])
 
 
-def decode_bytes(manifest, context: int, budget: int = 0, gguf: Path | None = None) -> int:
+def decode_bytes(manifest, context: int, budget: int = 0, gguf: Path | None = None, cache: str = "f16") -> int:
     """Bytes one decode step reads at `context` tokens: the weights (the embedding table's only one row unless it
     is also the output matrix) and the KV slots of every layer (a window's at most; SnapKV's budget at most).
     With `gguf`, llama.cpp's: the GGUF's tensors (sharpi's layouts hold f32 scales, ~1.2-1.3x the K-quants'
-    bytes) and an f16 cache."""
-    import numpy as np
+    bytes) and its cache of `cache` types."""
     from sharpi.common.config import ModelConfig
     from sharpi.frontend.gguf_file import GGUFFile
 
@@ -79,35 +79,62 @@ def decode_bytes(manifest, context: int, budget: int = 0, gguf: Path | None = No
     else:
         sizes = {name: t.span[1] for name, t in GGUFFile(gguf).tensors.items()}
     weights = sum(sizes.values()) - (0 if cfg.tied_embeddings else sizes["token_embd.weight"])
-    item = 2 if gguf is not None else np.dtype(manifest.kv_dtype).itemsize
+    return weights + held_slots(cfg, context, budget) * slot_bytes(manifest, cfg, None if gguf is None else cache)
+
+
+def held_slots(cfg, context: int, budget: int = 0) -> int:
+    """Slots every layer together holds at `context` tokens (a window's at most; SnapKV's budget at most)."""
     slots = 0
     for layer in range(cfg.n_layers):
         held = min(context, cfg.sliding_window) if cfg.sliding_window and cfg.is_local(layer) else context
         slots += min(held, budget) if budget else held
-    return weights + slots * 2 * cfg.n_kv_heads * cfg.head_dim * item
+    return slots
+
+
+def slot_bytes(manifest, cfg, llama_cache: str | None = None) -> int:
+    """One layer's slot, keys and values of every KV head: sharpi's (its format's rows) or, with llama_cache
+    ("f16", "q8_0", "K/V"), llama.cpp's (ggml's blocks: q8_0 34 bytes a 32, q4_0 18)."""
+    from sharpi.common.kv_format import KVFormat
+    if llama_cache is None:
+        return KVFormat(*manifest.kv_types, cfg.n_kv_heads, manifest.page_size, cfg.head_dim).row_bytes * cfg.n_kv_heads
+    per_element = {"f16": 2, "q8_0": 34 / 32, "q4_0": 18 / 32}
+    k, _, v = llama_cache.partition("/")
+    return int(cfg.n_kv_heads * cfg.head_dim * (per_element[k] + per_element[v or k]))
 
 
 def rows_for(name: str, prompts: list[int], gen: int, repeats: int, budget: int, matmuls: list[str],
-             threads: int, bandwidth: float) -> list[dict]:
+             threads: int, bandwidth: float, kv_types: list[str], llama_caches: list[str]) -> list[dict]:
     label_of = Path(name).stem if name.endswith(".gguf") else name
     artifacts = {}
     for variant in matmuls:       # "int8", "float", or one for another CPU: "int8@znver3" (AVX2 only)
         m, _, mcpu = variant.partition("@")
-        artifacts[variant] = sharpi.compile(name, target="llvm", matmuls=m, mcpu=mcpu or None,
-                                            output=f"/tmp/sharpi-cpu-bench-{label_of}-{m}{'-' + mcpu if mcpu else ''}")
-    tokenizer, manifest = artifact_tokenizer(artifacts[matmuls[0]])
+        for kv in kv_types:       # "default" (the target's), or f16, q8_0, "q8_0/q4_0" (keys/values)
+            k, _, v = kv.partition("/")
+            types = {} if kv == "default" else {"kv_dtype_k": k, "kv_dtype_v": v or k}
+            suffix = "" if kv == "default" else "-" + kv.replace("/", "-")
+            artifacts[variant, kv] = sharpi.compile(
+                name, target="llvm", matmuls=m, mcpu=mcpu or None, **types,
+                output=f"/tmp/sharpi-cpu-bench-{label_of}-{m}{'-' + mcpu if mcpu else ''}{suffix}")
+    first = next(iter(artifacts.values()))
+    tokenizer, manifest = artifact_tokenizer(first)
+    cfg = ModelConfig.from_dict(manifest.config)
     gguf = find_gguf(manifest, name if Path(name).is_file() else None)
     rows = []
     for n in prompts:
         print(f"{name}: {n}-token prompt", file=sys.stderr, flush=True)
         tokens = prompt_ids(tokenizer, n)
         common = {"tokens": tokens, "gen": gen, "threads": threads}
-        specs = {"llama.cpp": {"engine": "llama.cpp", "gguf": str(gguf), **common}}
-        for variant, path in artifacts.items():
+        specs = {}
+        for cache in llama_caches:
+            label = "llama.cpp" if cache == "default" else f"llama.cpp, {cache} KV, -fa"
+            specs[label] = {"engine": "llama.cpp", "gguf": str(gguf), **common,
+                            **({} if cache == "default" else {"cache": cache})}
+        for (variant, kv), path in artifacts.items():
             m, _, mcpu = variant.partition("@")
             label = "sharpi" if m == "float" else f"sharpi, {m} matmuls"
-            if artifact_tokenizer(path)[1].kv_dtype == "float16":     # the int8 default's KV cache, as llama.cpp's
-                label += ", f16 KV"
+            types = artifact_tokenizer(path)[1].kv_types
+            if types != ("float32", "float32"):
+                label += f", {'/'.join(t.replace('float', 'f') for t in dict.fromkeys(types))} KV"
             if mcpu:
                 label += f", --mcpu {mcpu}"
             sharpi_spec = {"engine": "sharpi", "artifact": str(path), **common}
@@ -115,26 +142,35 @@ def rows_for(name: str, prompts: list[int], gen: int, repeats: int, budget: int,
             if budget and n > budget:
                 specs[f"{label}, SnapKV {budget}"] = {**sharpi_spec, "snapkv": {"snapkv_budget": budget}}
         medians = rounds(specs, repeats)
-        theirs = medians.pop("llama.cpp")
+        for label, spec in specs.items():     # llama.cpp's cache: its slots times ggml's bytes for them
+            if spec["engine"] == "llama.cpp":
+                medians[label]["kv_bytes"] = held_slots(cfg, n + gen) * slot_bytes(manifest, cfg,
+                                                                                   spec.get("cache", "f16"))
+        baseline = next(label for label in specs if label.startswith("llama.cpp"))
+        theirs = medians[baseline]
         for label, m in medians.items():
-            kept = budget if "SnapKV" in label else 0
-            floor = bandwidth / decode_bytes(artifact_tokenizer(specs[label]["artifact"])[1], n + gen // 2, kept)
-            rows.append({"model": label_of, "prompt": n, "engine": label, **m, "vs": theirs, "floor": floor})
-        floor = bandwidth / decode_bytes(manifest, n + gen // 2, gguf=gguf)
-        rows.append({"model": label_of, "prompt": n, "engine": "llama.cpp", **theirs, "vs": theirs, "floor": floor})
+            spec = specs[label]
+            if spec["engine"] == "llama.cpp":
+                floor = bandwidth / decode_bytes(manifest, n + gen // 2, gguf=gguf, cache=spec.get("cache", "f16"))
+            else:
+                kept = budget if "SnapKV" in label else 0
+                floor = bandwidth / decode_bytes(artifact_tokenizer(spec["artifact"])[1], n + gen // 2, kept)
+            rows.append({"model": label_of, "prompt": n, "engine": label, **m, "vs": theirs, "floor": floor,
+                         "baseline": label == baseline})
     return rows
 
 
 def table(rows: list[dict]) -> str:
     lines = ["| model | prompt | engine | prefill tok/s | decode tok/s | prefill ratio | decode ratio | "
-             "decode floor tok/s | floor % |",
-             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "decode floor tok/s | floor % | KV MB | KV / llama.cpp's |",
+             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
-        ratio = ("", "") if r["engine"] == "llama.cpp" else (f"{r['prefill_tok_s'] / r['vs']['prefill_tok_s']:.2f}x",
-                                                             f"{r['decode_tok_s'] / r['vs']['decode_tok_s']:.2f}x")
+        ratio = ("", "", "") if r["baseline"] else (f"{r['prefill_tok_s'] / r['vs']['prefill_tok_s']:.2f}x",
+                                                    f"{r['decode_tok_s'] / r['vs']['decode_tok_s']:.2f}x",
+                                                    f"1/{r['vs']['kv_bytes'] / r['kv_bytes']:.1f}")
         lines.append(f"| {r['model']} | {r['prompt']} | {r['engine']} | {r['prefill_tok_s']:.1f} | "
                      f"{r['decode_tok_s']:.1f} | {ratio[0]} | {ratio[1]} | {r['floor']:.1f} | "
-                     f"{100 * r['decode_tok_s'] / r['floor']:.0f}% |")
+                     f"{100 * r['decode_tok_s'] / r['floor']:.0f}% | {r['kv_bytes'] / 2**20:.1f} | {ratio[2]} |")
     return "\n".join(lines)
 
 
@@ -143,7 +179,7 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ours = [r for r in rows if r["engine"] != "llama.cpp"]
+    ours = [r for r in rows if not r["baseline"]]
     labels = [f"{r['model']} {r['prompt']}\n{r['engine'].replace('sharpi, ', '')}" for r in ours]
     fig, axes = plt.subplots(1, 2, figsize=(max(8, 0.9 * len(ours)), 5), sharey=True)
     for ax, key, title in zip(axes, ("prefill_tok_s", "decode_tok_s"), ("prefill", "decode")):
@@ -169,6 +205,12 @@ def main(argv=None) -> int:
     p.add_argument("--matmuls", default="float,int8",
                    help="sharpi artifacts to time: float, int8, and either for another CPU (int8@znver3: its AVX2 "
                         "kernels on this one)")
+    p.add_argument("--kv", default="default",
+                   help="sharpi's KV cache types, an artifact each: default (the target's), f16, q8_0, q4_0, or K/V "
+                        "(e.g. q8_0/q4_0)")
+    p.add_argument("--llama-caches", default="default",
+                   help="llama.cpp's cache types, a run each: default (f16, llama.cpp's defaults), or f16, q8_0, K/V "
+                        "(-ctk/-ctv with -fa on); the first is the ratios' baseline")
     p.add_argument("--threads", type=int, default=None, help="both engines (default: all this process may use)")
     p.add_argument("--out", default=None)
     p.add_argument("--plot", default=None, help="a PNG of the ratios")
@@ -179,7 +221,8 @@ def main(argv=None) -> int:
     for name in args.models.split(","):
         bandwidths.append(read_bandwidth(threads))    # again for each model: a shared machine's varies by the hour
         rows += rows_for(name, [int(n) for n in args.prompts.split(",")], args.gen, args.repeats, args.budget,
-                         args.matmuls.split(","), threads, bandwidths[-1])
+                         args.matmuls.split(","), threads, bandwidths[-1], args.kv.split(","),
+                         args.llama_caches.split(","))
     measured = ", ".join(f"{b / 1e9:.1f}" for b in bandwidths)
     text = (f"# sharpi vs llama.cpp on the CPU, {started}\n\n{about}; {llama_cpp_info()}.\n\nSame GGUF, prompt and "
             f"{threads} threads for both; decode of {args.gen} tokens after the prompt; every engine in a process of "

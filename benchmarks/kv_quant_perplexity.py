@@ -69,7 +69,7 @@ def texts_for(model: str, long: int) -> dict[str, list[int]]:
     golden = json.loads((DATA / GOLDEN[model]).read_text())["teacher_forced"]["ids"]
     tokenizer = sharpi.load(sharpi.compile(model)).tokenizer
     alice = resources.files("sharpi.eval").joinpath("data/alice.txt").read_text(encoding="utf-8")
-    ids = tokenizer.encode(alice)[:long]
+    ids = tokenizer.tokenize(alice)[:long]
     return {"golden": golden, f"alice {long}": ids}
 
 

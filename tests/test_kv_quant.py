@@ -81,9 +81,10 @@ def test_append_stores_the_emulated_bytes(pair, held, new, rng):
     assert not stored[last, :, :, (held + new) % PAGE or PAGE:].any()
 
 
-@pytest.mark.parametrize("pair", FORMATS, ids=_ids)
+@pytest.mark.parametrize("pair,heads,kv_heads,d", [(pair, 4, 2, 64) for pair in FORMATS]
+                         + [(("q8_0", "q8_0"), 4, 1, 32), (("q4_0", "q4_0"), 4, 1, 32)],
+                         ids=lambda v: _ids(v) if isinstance(v, tuple) else str(v))
 @pytest.mark.parametrize("held,new,window", [(0, 23, 0), (30, 1, 0), (20, 17, 19), (40, 1, 19)])
-@pytest.mark.parametrize("heads,kv_heads,d", [(4, 2, 64), (4, 1, 32)])
 def test_attention_reads_the_dequantized_cache(pair, held, new, window, heads, kv_heads, d, rng):
     """Prefill's tiled kernel and decode's split one over a quantized pool give numpy's attention over the
     dequantized keys and values."""

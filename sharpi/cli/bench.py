@@ -51,16 +51,29 @@ def bench_sharpi(model, tokens: list[int], n_gen: int, repeats: int, snapkv: dic
             for _ in range(n_gen):
                 token = int(np.argmax(s.decode(token)))
             t2 = time.perf_counter()
+            kv_bytes = s.kv_bytes
         prefill.append(len(tokens) / (t1 - t0))
         decode.append(n_gen / (t2 - t1) if n_gen else 0.0)
-    return {"prefill_tok_s": statistics.median(prefill), "decode_tok_s": statistics.median(decode)}
+    return {"prefill_tok_s": statistics.median(prefill), "decode_tok_s": statistics.median(decode),
+            "kv_bytes": kv_bytes}
 
 
-def bench_llama_cpp(gguf: Path, tokens: list[int], n_gen: int, threads: int, repeats: int) -> dict:
+# llama.cpp's cache types (ggml's type ids), for -ctk / -ctv
+LLAMA_CACHE_TYPES = {"f16": 1, "q4_0": 2, "q8_0": 8}
+
+
+def bench_llama_cpp(gguf: Path, tokens: list[int], n_gen: int, threads: int, repeats: int,
+                    cache: str | None = None) -> dict:
+    """cache: "f16", "q8_0", ... or "K/V" (llama.cpp's -ctk/-ctv, with flash attention on, which its quantized
+    V cache needs); None: llama.cpp's defaults (an f16 cache)."""
     from llama_cpp import Llama
 
+    kv = {}
+    if cache is not None:
+        k, _, v = cache.partition("/")
+        kv = {"type_k": LLAMA_CACHE_TYPES[k], "type_v": LLAMA_CACHE_TYPES[v or k], "flash_attn": True}
     llm = Llama(model_path=str(gguf), n_ctx=max(2048, len(tokens) + n_gen + 16), n_threads=threads,
-                n_threads_batch=threads, n_batch=512, verbose=False, logits_all=False)
+                n_threads_batch=threads, n_batch=512, verbose=False, logits_all=False, **kv)
     prefill, decode = [], []
     for _ in range(repeats):
         llm.reset()
@@ -100,7 +113,7 @@ def _child() -> int:
     try:
         if spec["engine"] == "llama.cpp":
             result = bench_llama_cpp(Path(spec["gguf"]), spec["tokens"], spec["gen"], spec["threads"],
-                                     spec["repeats"])
+                                     spec["repeats"], spec.get("cache"))
         else:
             model = Model(spec["artifact"], threads=spec["threads"], pool_sequences=1)
             result = bench_sharpi(model, spec["tokens"], spec["gen"], spec["repeats"], spec.get("snapkv"))

@@ -13,6 +13,7 @@ from tvm.script import tirx as T
 from ...common.kv_format import FLOAT_KV, KV_BLOCK, KVFormat
 
 _QUANT_DTYPE = {"q8_0": "int8", "q4_0": "uint8"}
+_NO_SCALES = {"shape": (1,), "dtype": "float16", "elem_offset": 0}    # a float part's scale view: never read
 
 
 def _itemsize(dtype: str) -> int:
@@ -23,20 +24,24 @@ def view_spec(fmt: KVFormat, pages, which: int, scales: bool) -> dict:
     """decl_buffer's arguments (but `data`) for a view [pages, kv_heads, page_size, width] of one part."""
     H, P = fmt.kv_heads, fmt.page_size
     if not fmt.packed:
-        if scales:    # no scales: a one-element placeholder, never read
-            return {"shape": (1,), "dtype": "float16", "elem_offset": 0}
+        if scales:
+            return _NO_SCALES
         D = fmt.head_dim
         return {"shape": (pages, H, P, D), "dtype": fmt.k, "strides": (2 * H * P * D, P * D, D, 1),
                 "elem_offset": which * H * P * D}
     part = fmt.part(which)
     quantized = part.dtype in _QUANT_DTYPE
     if scales and not quantized:
-        return {"shape": (1,), "dtype": "float16", "elem_offset": 0}
+        return _NO_SCALES
     dtype = "float16" if scales else _QUANT_DTYPE.get(part.dtype, part.dtype)
     size = _itemsize(dtype)
     row = fmt.row_bytes // size
-    width = fmt.head_dim // KV_BLOCK if scales else (fmt.part(which).scale_offset - part.offset) // size \
-        if quantized else fmt.head_dim
+    if scales:
+        width = fmt.head_dim // KV_BLOCK
+    elif quantized:
+        width = (part.scale_offset - part.offset) // size     # the quants' bytes
+    else:
+        width = fmt.head_dim
     offset = (part.scale_offset if scales else part.offset) // size
     return {"shape": (pages, H, P, width), "dtype": dtype, "strides": (H * P * row, P * row, row, 1),
             "elem_offset": offset}
