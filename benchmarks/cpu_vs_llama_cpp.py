@@ -157,6 +157,7 @@ def rows_for(name: str, prompts: list[int], gen: int, repeats: int, budget: int,
                 floor = bandwidth / decode_bytes(artifact_tokenizer(spec["artifact"])[1], n + gen // 2, kept)
             rows.append({"model": label_of, "prompt": n, "engine": label, **m, "vs": theirs, "floor": floor,
                          "baseline": label == baseline})
+        print(table([r for r in rows if r["prompt"] == n]), file=sys.stderr, flush=True)   # kept if cut short
     return rows
 
 

@@ -280,3 +280,27 @@ def test_kv_types_are_refused_where_no_kernel_reads_them(tiny_path, tmp_path):
     write_tiny_llama(odd, head_dim=16)
     with pytest.raises(ConfigError, match="head_dim a multiple of 32"):
         sharpi.compile(str(odd), kv_dtype="q4_0", output=tmp_path / "odd")
+
+
+@pytest.mark.parametrize("pair", [("q8_0", "q8_0"), ("q8_0", "q4_0")], ids=_ids)
+def test_conformance_suite_passes_on_a_quantized_cache(pair, tiny_path, tiny_artifacts):
+    """Every check of the suite (kv_bytes from the format's rows, decode after compaction, ...) on a quantized
+    cache, under its tolerance."""
+    from sharpi.testing import conformance
+    suite = conformance.Suite(tiny_artifacts(*pair).path, gguf=str(tiny_path))
+    try:
+        results = suite.run_all()
+    finally:
+        suite.close()
+    assert [r.status for r in results] == ["PASS"] * len(results), conformance.format_table(results)
+    assert "KV" in conformance.tolerance_for(suite.model.manifest).label
+
+
+def test_cli_kv_flags_refuse_in_one_line(tiny_path, tmp_path, capsys):
+    from sharpi.cli import compile as compile_cli
+    from test_errors import _assert_clean_failure, _cli
+    _assert_clean_failure(*_cli(compile_cli, [str(tiny_path), "--kv-dtype-k", "q3_k", "-o", str(tmp_path / "a")],
+                                capsys), "--kv-dtype must be one of f32, f16, bf16, q8_0, q4_0")
+    _assert_clean_failure(*_cli(compile_cli, [str(tiny_path), "--target", "vulkan", "--kv-dtype-v", "q4_0", "-o",
+                                              str(tmp_path / "b")], capsys), "--kv-dtype-v q4_0 is not available")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

@@ -51,6 +51,7 @@ class CompileOptions:
                 raise ConfigError(f"{flag} applies to the {owners} target only.")
         if self.matmuls is not None and self.matmuls not in MATMULS:
             raise ConfigError(f"--matmuls must be one of {', '.join(MATMULS)}, got {self.matmuls!r}.")
+        # the keys' type comes from --kv-dtype or --kv-dtype-k, the values' from --kv-dtype or --kv-dtype-v
         for flag, value in (("--kv-dtype", self.kv_dtype), ("--kv-dtype-v", self.kv_dtype_v)):
             if value is None:
                 continue

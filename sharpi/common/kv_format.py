@@ -54,6 +54,7 @@ class PartLayout:
 
 @dataclass(frozen=True)
 class KVFormat:
+    """The pool of one artifact: keys' and values' types (KV_TYPES) and the sizes that shape a page."""
     k: str
     v: str
     kv_heads: int
