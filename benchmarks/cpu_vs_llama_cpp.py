@@ -94,9 +94,8 @@ def held_slots(cfg, context: int, budget: int = 0) -> int:
 def slot_bytes(manifest, cfg, llama_cache: str | None = None) -> int:
     """One layer's slot, keys and values of every KV head: sharpi's (its format's rows) or, with llama_cache
     ("f16", "q8_0", "K/V"), llama.cpp's (ggml's blocks: q8_0 34 bytes a 32, q4_0 18)."""
-    from sharpi.common.kv_format import KVFormat
     if llama_cache is None:
-        return KVFormat(*manifest.kv_types, cfg.n_kv_heads, manifest.page_size, cfg.head_dim).row_bytes * cfg.n_kv_heads
+        return manifest.kv_format(cfg).row_bytes * cfg.n_kv_heads
     per_element = {"f16": 2, "q8_0": 34 / 32, "q4_0": 18 / 32}
     k, _, v = llama_cache.partition("/")
     return int(cfg.n_kv_heads * cfg.head_dim * (per_element[k] + per_element[v or k]))

@@ -19,7 +19,7 @@ from pathlib import Path
 from . import schema
 from .config import MAX_SIZE, ModelConfig
 from .errors import ArtifactError, ConfigError
-from .kv_format import KV_TYPES
+from .kv_format import KV_TYPES, KVFormat
 from .output_dir import MAX_MANIFEST_BYTES, OutputKind, plain_file_name
 from .plan import PLAN_FILE
 from .snapkv_settings import CHOICES as SNAPKV_CHOICES, KNOBS as SNAPKV_KNOBS
@@ -87,6 +87,10 @@ class Manifest:
     def kv_types(self) -> tuple[str, str]:
         """(keys' type, values' type)."""
         return self.kv_dtype, self.kv_dtype_v or self.kv_dtype
+
+    def kv_format(self, config: ModelConfig) -> KVFormat:
+        """The pool's layout (sharpi.common.kv_format) for this artifact's model config."""
+        return KVFormat(*self.kv_types, config.n_kv_heads, self.page_size, config.head_dim)
 
     def kernel_contract(self) -> dict:
         """What the compiled kernels were built for; compiled into them and compared at load."""

@@ -12,7 +12,6 @@ import numpy as np
 
 from ..common.config import ModelConfig
 from ..common.errors import ArtifactError, ConfigError, NonFiniteLogitsError
-from ..common.kv_format import KVFormat
 from ..common.manifest import Manifest
 from ..common.ops import SELECT_PARAMS, SELECT_PARAMS_BEFORE_SINKS
 from ..common.snapkv_settings import SnapKVSettings, auto_budget, check_against, settings_from
@@ -33,7 +32,7 @@ class Engine:
         every layer when given (a server's pool: llama.cpp's -c), or as many pages as the backend can hold in one
         buffer (Vulkan's storage-binding limit) if that is less."""
         cfg, m = self.config, self.manifest
-        fmt = kv_format(m, cfg)
+        fmt = m.kv_format(cfg)
         pages_per_layer = -(-tokens // m.page_size) if tokens else sequences * m.max_pages
         pages = self.backend.allocate_pool(fmt.pool_shape(cfg.n_layers * pages_per_layer), fmt.pool_dtype)
         return PagePool(self.backend, pages, m.page_size, fmt.page_bytes, fmt)
@@ -128,14 +127,9 @@ class Engine:
         return settings, budget
 
 
-def kv_format(manifest: Manifest, config: ModelConfig) -> KVFormat:
-    """The pool's layout (sharpi.common.kv_format) of an artifact."""
-    return KVFormat(*manifest.kv_types, config.n_kv_heads, manifest.page_size, config.head_dim)
-
-
 def kv_slot_bytes(manifest: Manifest, config: ModelConfig) -> int:
     """The KV cache's bytes for one token in every layer (keys and values, block scales included)."""
-    return kv_format(manifest, config).row_bytes * config.n_kv_heads * config.n_layers
+    return manifest.kv_format(config).row_bytes * config.n_kv_heads * config.n_layers
 
 
 def _check_finite(logits: np.ndarray, positions: np.ndarray) -> None:

@@ -45,7 +45,6 @@ from pathlib import Path
 
 import numpy as np
 
-from ..common.kv_format import KVFormat
 from ..common.targets import DEFAULT_TARGET, target_spec
 from .backends import NEAR_TIE
 from .reference import log_softmax
@@ -493,7 +492,7 @@ def expected_kv_bytes(model, kv_length, kept_positions=None) -> int:
     """The pages the held slots need times the page's bytes (from the manifest): ceil(length / page_size) per
     layer; a sliding-window layer's slots start at its first held position's offset in its first page."""
     m, cfg = model.manifest, model.config
-    page_bytes = KVFormat(*m.kv_types, cfg.n_kv_heads, m.page_size, cfg.head_dim).page_bytes
+    page_bytes = m.kv_format(cfg).page_bytes
     pages = 0
     for layer, length in enumerate(kv_length):
         offset = 0
