@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import socket
 import sys
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 from ..common.config import ModelConfig
@@ -38,6 +41,20 @@ def add_serve_parser(sub) -> None:
                    help="require 'Authorization: Bearer KEY' on every route but /health (default: SHARPI_API_KEY)")
     s.add_argument("--drain-seconds", type=float, default=10.0,
                    help="on SIGINT/SIGTERM, how long in-flight requests may finish before they are cancelled (10)")
+    ray = s.add_argument_group("replicas on Ray Serve (pip install \"sharpi[ray]\")")
+    ray.add_argument("--ray", action="store_true",
+                     help="serve from engine replicas on a Ray cluster (one model load each) behind Ray Serve's "
+                          "HTTP proxy, a conversation's requests kept on the replica that holds its pages")
+    count = ray.add_mutually_exclusive_group()
+    count.add_argument("--replicas", type=int, default=None, metavar="N", help="engine replicas (default 1)")
+    count.add_argument("--min-replicas", type=int, default=None, metavar="A",
+                       help="autoscale between A and --max-replicas B by requests in flight")
+    ray.add_argument("--max-replicas", type=int, default=None, metavar="B")
+    ray.add_argument("--address", default=None,
+                     help="the Ray cluster to join: 'auto' (one started with `ray start` on this machine) or "
+                          "ray://HOST:10001; default: a cluster of this machine alone, on loopback")
+    ray.add_argument("--gpus-per-replica", type=float, default=None,
+                     help="GPUs each replica reserves (default: 1 for a cuda or vulkan artifact, else 0)")
     add_snapkv_flags(s)
     add_device_flags(s)
 
@@ -64,6 +81,12 @@ def cmd_serve(args) -> int:
     manifest = Manifest.read(Path(args.artifact), verify_digest=False)       # a bad directory fails here, fast
     name = args.model_name or Path(manifest.source.get("name", Path(args.artifact).name)).stem
     pool_tokens = _pool_tokens(args, manifest)
+    if args.ray:
+        return _serve_on_ray(args, manifest, name, api_key, parallel, pool_tokens)
+    if args.replicas is not None or args.min_replicas is not None or args.max_replicas is not None \
+            or args.address is not None or args.gpus_per_replica is not None:
+        raise ConfigError("--replicas, --min-replicas, --max-replicas, --address and --gpus-per-replica go with "
+                          "--ray.")
     sock = bind(args.host, args.port)
     state = ServerState(name, api_key=api_key, snapkv_knobs=snapkv_knobs(args))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -77,10 +100,68 @@ def cmd_serve(args) -> int:
     finally:
         loader.join(timeout=60)
         if state.engine is not None:
-            state.engine.shutdown(cancel=True, timeout=30)
-            pool = state.engine.pool_summary()
+            engine = state.engine.engine
+            engine.shutdown(cancel=True, timeout=30)
+            pool = engine.pool_summary()
             print(f"sharpi serve: stopped; {pool['used']} of {pool['pages']} KV pages still held", flush=True)
     return 0 if state.load_error is None else 2
+
+
+def _serve_on_ray(args, manifest: Manifest, name: str, api_key: str | None, parallel: int,
+                  pool_tokens: int | None) -> int:
+    """Deploy on Ray Serve, then wait for SIGINT/SIGTERM and take the deployment down (a cluster this command
+    started goes with it)."""
+    try:
+        from ..serve import ray as on_ray
+    except ImportError as error:
+        raise ConfigError(f"sharpi serve --ray needs the Ray extra ({error.name} is missing): "
+                          f"pip install \"sharpi[ray]\".") from None
+    from ..serve.engine import ServeSettings
+    gpu = manifest.target.get("kind") in ("cuda", "vulkan")
+    deployment = on_ray.RayDeployment(
+        replicas=args.replicas if args.replicas is not None else 1, min_replicas=args.min_replicas,
+        max_replicas=args.max_replicas, host=args.host, port=args.port or _free_port(args.host),
+        gpus_per_replica=args.gpus_per_replica if args.gpus_per_replica is not None else float(gpu),
+        model_name=name, api_key=api_key)
+    deployment.validate()
+    # each replica's kernels get their share of this machine's cores unless --threads says otherwise
+    threads = args.threads or max(1, (os.cpu_count() or 1) // deployment.most_replicas)
+    deployment = replace(deployment, cpus_per_replica=threads)
+    options = on_ray.ReplicaOptions(
+        str(Path(args.artifact).resolve()), threads=threads, pool_tokens=pool_tokens, adapter=args.adapter,
+        expect_sha256=args.expect_sha256, snapkv_knobs=snapkv_knobs(args),
+        serve=ServeSettings(parallel=parallel, max_queue=args.max_queue, prefill_budget=args.prefill_budget,
+                            prefix_cache=not args.no_prefix_cache))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    stop = threading.Event()
+    try:
+        # a cluster of this machine alone gets room for every replica (Ray's CPUs are logical: past this
+        # machine's count, replicas share cores)
+        cpus = max(os.cpu_count() or 1, deployment.most_replicas * threads) if args.address is None else None
+        url = on_ray.deploy(options, deployment, manifest.page_size, address=args.address, num_cpus=cpus)
+        # after ray.init, which installs handlers of its own: ours take the deployment down in order
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        print(f"sharpi serve: {url}/v1 serves '{name}' from Ray Serve ({_replicas_text(deployment)} of "
+              f"{args.artifact})", flush=True)
+        stop.wait()
+    finally:
+        on_ray.shutdown()
+    print("sharpi serve: the Ray deployment is down", flush=True)
+    return 0
+
+
+def _free_port(host: str) -> int:
+    """A port free on `host` now (Ray Serve's proxy takes a number, not 0)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+def _replicas_text(deployment) -> str:
+    if deployment.min_replicas is None:
+        return f"{deployment.replicas} replica{'s' if deployment.replicas != 1 else ''}"
+    return f"{deployment.min_replicas} to {deployment.max_replicas} replicas"
 
 
 def _pool_tokens(args, manifest: Manifest) -> int | None:
@@ -100,6 +181,7 @@ def _pool_tokens(args, manifest: Manifest) -> int | None:
 def _load(state, args, parallel: int, pool_tokens: int | None) -> None:
     """Load the model and start the engine (the server answers /health with 503 meanwhile)."""
     import sharpi
+    from ..serve.client import LocalEngine
     from ..serve.engine import ServeEngine, ServeSettings
     try:
         model = sharpi.load(args.artifact, threads=args.threads, adapter=args.adapter,
@@ -113,7 +195,7 @@ def _load(state, args, parallel: int, pool_tokens: int | None) -> None:
         print(f"error: {error}", file=sys.stderr, flush=True)
         _stop_server()
         return
-    state.model, state.engine = model, engine
+    state.model, state.engine = model, LocalEngine(engine)
     pool = engine.pool_summary()
     slots = pool["pages"] // model.config.n_layers * model.manifest.page_size
     print(f"sharpi serve: ready on {model.backend}; KV pool {slots} tokens a layer "

@@ -45,7 +45,7 @@ class Engine:
     @property
     def select_params(self) -> int:
         """The length of the artifact's snapkv_select params (6 in artifacts compiled before sinks)."""
-        return int((self.manifest.snapkv or {}).get("select_params", SELECT_PARAMS_BEFORE_SINKS))
+        return select_params(self.manifest)
 
     def has(self, function: str) -> bool:
         return function in self.backend.functions
@@ -108,23 +108,34 @@ class Engine:
 
     # -- SnapKV settings --------------------------------------------------------------------------------------
     def resolve_snapkv(self, **knobs) -> tuple[SnapKVSettings, int]:
-        """The SnapKV settings for these knobs (argument > SHARPI_SNAPKV_* env > the artifact's defaults) and
-        the effective budget (0: no eviction; auto resolved for this artifact), checked against what the artifact
-        was compiled with."""
-        info = self.manifest.snapkv or {}
-        settings = settings_from(info.get("defaults"), **knobs)
-        budget = settings.budget
-        if budget is None:
-            full = self.pool.page_bytes * self.config.n_layers * self.manifest.max_pages   # one full sequence
-            budget = auto_budget(self.manifest.max_context, full, self.manifest.target.get("kind"))
-        if budget and not info.get("enabled"):
-            raise ConfigError("This artifact was compiled with --snapkv off; recompile with --snapkv on to evict.")
-        check_against(settings, budget, info.get("max_window", settings.window))
-        if budget and settings.sinks and self.select_params < SELECT_PARAMS:
-            raise ArtifactError(f"This artifact was compiled before SnapKV sinks existed (its snapkv_select takes "
-                                f"{self.select_params} parameters); compile it again with this sharpi to use "
-                                f"sinks {settings.sinks}.")
-        return settings, budget
+        return resolve_snapkv(self.manifest, self.config, **knobs)
+
+
+def select_params(manifest: Manifest) -> int:
+    """The length of the artifact's snapkv_select params (6 in artifacts compiled before sinks)."""
+    return int((manifest.snapkv or {}).get("select_params", SELECT_PARAMS_BEFORE_SINKS))
+
+
+def resolve_snapkv(manifest: Manifest, config: ModelConfig, **knobs) -> tuple[SnapKVSettings, int]:
+    """The SnapKV settings for these knobs (argument > SHARPI_SNAPKV_* env > the artifact's defaults) and the
+    effective budget (0: no eviction; auto resolved for this artifact), checked against what the artifact was
+    compiled with. The manifest alone decides, so a server's HTTP front checks a request's knobs as its engine
+    would, without loading the model."""
+    info = manifest.snapkv or {}
+    settings = settings_from(info.get("defaults"), **knobs)
+    budget = settings.budget
+    if budget is None:
+        full = manifest.kv_format(config).page_bytes * config.n_layers * manifest.max_pages   # one full sequence
+        budget = auto_budget(manifest.max_context, full, manifest.target.get("kind"))
+    if budget and not info.get("enabled"):
+        raise ConfigError("This artifact was compiled with --snapkv off; recompile with --snapkv on to evict.")
+    check_against(settings, budget, info.get("max_window", settings.window))
+    params = select_params(manifest)
+    if budget and settings.sinks and params < SELECT_PARAMS:
+        raise ArtifactError(f"This artifact was compiled before SnapKV sinks existed (its snapkv_select takes "
+                            f"{params} parameters); compile it again with this sharpi to use sinks "
+                            f"{settings.sinks}.")
+    return settings, budget
 
 
 def kv_slot_bytes(manifest: Manifest, config: ModelConfig) -> int:

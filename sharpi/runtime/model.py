@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,15 +9,15 @@ from pathlib import Path
 import numpy as np
 
 from ..common.chat import render_chat
-from ..common.config import ModelConfig
-from ..common.errors import ArtifactError, ConfigError, ContextLengthError
+from ..common.errors import ConfigError, ContextLengthError
 from ..common.manifest import Manifest
 from ..common.settings import MAX_COUNT, parse_int, parse_positive_int, resolve_threads
 from ..common.snapkv_settings import PREFIX, SnapKVSettings, knobs_from_keywords
 from ..common.targets import target_spec
-from ..common.tokenizer import Tokenizer, TokenizerInfo, token_ids
+from ..common.tokenizer import token_ids
 from .backend import Backend
 from .engine import Engine
+from .model_info import ModelInfo
 from .sampling import Sampler, SamplingParams
 from .scorers import (ANCHOR, CONTINUE_PROMPT, PROBE_PROMPT, REPEAT_PROMPT, SCORERS, ContextScorer,
                       HybridScorer, KeyDiffScorer, KVzipScorer, ProbeScorer)
@@ -61,14 +60,9 @@ class Model:
             pool_tokens = parse_positive_int(pool_tokens, "pool_tokens", highest=MAX_POOL_TOKENS)
         manifest = Manifest.read(self.path, verify_digest=verify, expect_sha256=expect_sha256)
         backend = open_backend(self.path, manifest, threads=self.threads, verify=verify, adapter=adapter)
-        self.config = ModelConfig.from_dict(manifest.config)
-        self.tokenizer = Tokenizer.load(self.path, TokenizerInfo.from_dict(manifest.tokenizer))
-        if self.tokenizer.vocab_size > self.config.vocab_size:
-            raise ArtifactError(f"{self.path}/tokenizer.json has {self.tokenizer.vocab_size} tokens, more than the "
-                                f"model's {self.config.vocab_size}; compile it again.")
+        self.info = ModelInfo(self.path, manifest)
+        self.config, self.tokenizer = self.info.config, self.info.tokenizer
         self.engine = Engine(backend, manifest, self.config, pool_sequences, pool_tokens)
-        # Tokenizing without special tokens flips a flag on the shared tokenizer for the call.
-        self._tokenizer_lock = threading.Lock()
 
     @property
     def backend(self) -> str:
@@ -85,11 +79,10 @@ class Model:
         return self.engine.manifest
 
     def tokenize(self, text: str, add_bos: bool | None = None, special: bool = False) -> list[int]:
-        with self._tokenizer_lock:
-            return self.tokenizer.tokenize(text, add_bos=add_bos, special=special)
+        return self.info.tokenize(text, add_bos=add_bos, special=special)
 
     def detokenize(self, ids, special: bool = True) -> str:
-        return self.tokenizer.detokenize(ids, special=special)
+        return self.info.detokenize(ids, special=special)
 
     def session(self, *, snapkv: SnapKVSettings | None = None, compress: str | None = None,
                 **snapkv_knobs) -> Session:

@@ -25,9 +25,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..common.chat import render_chat
 from ..common.errors import ConfigError, ContextLengthError, ServerBusyError, SharpiError
 from ..common.tokenizer import token_ids
-from ..runtime.model import Model
 from ..runtime.sampling import SamplingParams
-from .engine import ServeEngine
+from .client import EngineClient, EventStream, ModelFront
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                        _Generation)
 from .request import Event, GenerationRequest, TokenLogprob
@@ -49,16 +48,17 @@ class ApiError(Exception):
 
 @dataclass
 class ServerState:
-    """What the routes see: the model and its engine once loaded (None while loading), the model's id, the API
-    key, and the server's SnapKV knobs (the defaults of a request's own)."""
+    """What the routes see: the model (its front: tokenizer, settings) and the engine client once loaded (None
+    while loading), the model's id, the API key, and the server's SnapKV knobs (the defaults of a request's
+    own)."""
     model_name: str
     api_key: str | None = None
     snapkv_knobs: dict = field(default_factory=dict)
-    model: Model | None = None
-    engine: ServeEngine | None = None
+    model: ModelFront | None = None
+    engine: EngineClient | None = None
     load_error: str | None = None
 
-    def ready(self) -> tuple[Model, ServeEngine]:
+    def ready(self) -> tuple[ModelFront, EngineClient]:
         if self.engine is None:
             detail = f": {self.load_error}" if self.load_error else "; try again shortly"
             raise ApiError(503, f"The model is not loaded{detail}.", "server_error", code="loading")
@@ -76,7 +76,7 @@ def create_app(state: ServerState) -> FastAPI:
     async def health():
         if state.engine is None:
             return JSONResponse({"status": "error" if state.load_error else "loading"}, status_code=503)
-        if state.engine.fatal is not None:
+        if state.engine.health() is not None:
             return JSONResponse({"status": "error"}, status_code=503)
         return {"status": "ok"}
 
@@ -92,8 +92,7 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/metrics", dependencies=auth)
     async def metrics():
         _, engine = state.ready()
-        engine._update_gauges()
-        return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4")
+        return Response(engine.metrics(), media_type="text/plain; version=0.0.4")
 
     @app.post("/tokenize", dependencies=auth)
     async def tokenize(request: Request):
@@ -163,7 +162,7 @@ def _model_card(state: ServerState) -> dict:
     return card
 
 
-def _check_ids(model: Model, ids, name: str) -> list[int]:
+def _check_ids(model: ModelFront, ids, name: str) -> list[int]:
     try:
         ids = token_ids(ids, name)
     except ConfigError as error:
@@ -174,7 +173,7 @@ def _check_ids(model: Model, ids, name: str) -> list[int]:
     return ids
 
 
-def _chat_prompt(model: Model, body: ChatCompletionRequest, last: int | None = None,
+def _chat_prompt(model: ModelFront, body: ChatCompletionRequest, last: int | None = None,
                  generation_prompt: bool = True) -> list[int]:
     info = model.tokenizer.info
     messages = [{"role": m.role, "content": m.text()} for m in body.messages[:last]]
@@ -186,7 +185,7 @@ def _chat_prompt(model: Model, body: ChatCompletionRequest, last: int | None = N
     return model.tokenize(prompt, special=True)
 
 
-def _chat_prefix(model: Model, body: ChatCompletionRequest, ids: list[int]) -> int:
+def _chat_prefix(model: ModelFront, body: ChatCompletionRequest, ids: list[int]) -> int:
     """The tokens of every message but the last: the prefix `compress` compresses."""
     if body.compress.prefix_tokens is not None:
         return body.compress.prefix_tokens
@@ -208,7 +207,7 @@ def _completion_prefix(body: CompletionRequest, ids: list[int]) -> int | None:
     return body.compress.prefix_tokens
 
 
-def _generation_request(state: ServerState, model: Model, body: _Generation, ids: list[int],
+def _generation_request(state: ServerState, model: ModelFront, body: _Generation, ids: list[int],
                         max_tokens: int | None, logprobs: int | None, prefix: int | None = None) -> GenerationRequest:
     room = model.max_context - len(ids)
     if room <= 0:
@@ -260,73 +259,55 @@ class _Reply:
     first_token_s: float | None = None
 
 
-async def _respond(request: Request, engine: ServeEngine, model: Model, state: ServerState,
+async def _respond(request: Request, engine: EngineClient, model: ModelFront, state: ServerState,
                    generation: GenerationRequest, body: _Generation, chat: bool):
     reply = _Reply(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], int(time.time()), state.model_name)
     request.scope["sharpi_reply"] = reply           # for the request's log line
     start = time.monotonic()
     if generation.max_tokens == 0:                  # nothing to generate: the prompt is not even computed
-        events = _no_tokens(generation)
+        events = EventStream.finished(Event("finish", finish_reason="length", usage={
+            "prompt_tokens": len(generation.prompt_ids), "completion_tokens": 0, "cached_tokens": 0}))
     else:
-        events = _EventSource(engine, generation)
+        events = await _open(engine, generation)
+    headers = {"x-sharpi-replica": events.replica} if events.replica else {}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_sse(engine, model, events, reply, start, chat, include_usage),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    async for event in _events_until_disconnect(engine, request, events):
+        return StreamingResponse(_sse(model, events, reply, start, chat, include_usage),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers})
+    async for event in _events_until_disconnect(request, events):
         _take(reply, event, start)
     if reply.finish_reason is None:                 # the client went away: nothing to answer
         return Response(status_code=499)
     _raise_if_failed(reply)
-    return _full_response(model, reply, chat)
+    return JSONResponse(_full_response(model, reply, chat), headers=headers)
 
 
-class _EventSource:
-    """The engine's events of one request, as an asyncio queue filled from the scheduler thread."""
-
-    def __init__(self, engine: ServeEngine | None, generation: GenerationRequest):
-        loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue[Event] = asyncio.Queue()
-        self.engine, self.handle = engine, None
-        if engine is not None:
-            try:
-                self.handle = engine.submit(generation, lambda e: loop.call_soon_threadsafe(self.queue.put_nowait, e))
-            except ServerBusyError as error:
-                raise ApiError(503, str(error), "server_error", code="overloaded") from None
-            except ContextLengthError as error:
-                raise ApiError(400, str(error), param="prompt", code="context_length_exceeded") from None
-            except ConfigError as error:
-                raise ApiError(400, str(error)) from None
-
-    def cancel(self) -> None:
-        if self.handle is not None:
-            self.handle.cancel()
-            self.engine.wake()
+async def _open(engine: EngineClient, generation: GenerationRequest) -> EventStream:
+    try:
+        return await engine.open(generation)
+    except ServerBusyError as error:
+        raise ApiError(503, str(error), "server_error", code="overloaded") from None
+    except ContextLengthError as error:
+        raise ApiError(400, str(error), param="prompt", code="context_length_exceeded") from None
+    except ConfigError as error:
+        raise ApiError(400, str(error)) from None
 
 
-def _no_tokens(generation: GenerationRequest) -> _EventSource:
-    source = _EventSource(None, generation)
-    source.queue.put_nowait(Event("finish", finish_reason="length", usage={
-        "prompt_tokens": len(generation.prompt_ids), "completion_tokens": 0, "cached_tokens": 0}))
-    return source
-
-
-async def _events_until_disconnect(engine: ServeEngine, request: Request, source: _EventSource):
+async def _events_until_disconnect(request: Request, events: EventStream):
     """The request's events until its finish; a client that disconnects cancels it (its pages freed)."""
     try:
         while True:
             try:
-                event = await asyncio.wait_for(source.queue.get(), timeout=0.25)
+                event = await asyncio.wait_for(events.next(), timeout=0.25)
             except asyncio.TimeoutError:
                 if await request.is_disconnected():
                     return
                 continue
             yield event
             if event.kind == "finish":
-                source.handle = None
                 return
     finally:
-        source.cancel()
+        events.cancel()
 
 
 def _take(reply: _Reply, event: Event, start: float) -> None:
@@ -352,7 +333,7 @@ def _usage(usage: dict) -> dict:
             "prompt_tokens_details": {"cached_tokens": usage["cached_tokens"]}}
 
 
-def _full_response(model: Model, reply: _Reply, chat: bool) -> dict:
+def _full_response(model: ModelFront, reply: _Reply, chat: bool) -> dict:
     if chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": reply.text},
                   "logprobs": _chat_logprobs(model, reply.logprobs) if reply.logprobs else None,
@@ -365,7 +346,7 @@ def _full_response(model: Model, reply: _Reply, chat: bool) -> dict:
             "model": reply.model, "choices": [choice], "usage": _usage(reply.usage)}
 
 
-async def _sse(engine, model: Model, source: _EventSource, reply: _Reply, start: float, chat: bool,
+async def _sse(model: ModelFront, events: EventStream, reply: _Reply, start: float, chat: bool,
                include_usage: bool):
     """Server-sent events: a chunk per piece of text, the finish reason, the usage if asked, then [DONE]. The
     stream's consumer going away (a disconnect) closes this generator, which cancels the request."""
@@ -394,13 +375,12 @@ async def _sse(engine, model: Model, source: _EventSource, reply: _Reply, start:
             yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None}])
         while True:
-            event = await source.queue.get()
+            event = await events.next()
             _take(reply, event, start)
             if event.kind == "text":
                 if event.text or event.logprobs:
                     yield chunk([choice(event.text, event.logprobs, None)])
                 continue
-            source.handle = None
             if event.finish_reason in ("error", "cancelled"):
                 message = event.message or "The request was cancelled: the server is shutting down."
                 yield f"data: {json.dumps({'error': {'message': message, 'type': 'server_error'}})}\n\n"
@@ -413,14 +393,14 @@ async def _sse(engine, model: Model, source: _EventSource, reply: _Reply, start:
             yield "data: [DONE]\n\n"
             return
     finally:
-        source.cancel()
+        events.cancel()
 
 
-def _token_text(model: Model, token: int) -> str:
+def _token_text(model: ModelFront, token: int) -> str:
     return model.detokenize([token])
 
 
-def _chat_logprobs(model: Model, logprobs: list[TokenLogprob]) -> dict:
+def _chat_logprobs(model: ModelFront, logprobs: list[TokenLogprob]) -> dict:
     def entry(token: int, logprob: float) -> dict:
         text = _token_text(model, token)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
@@ -428,7 +408,7 @@ def _chat_logprobs(model: Model, logprobs: list[TokenLogprob]) -> dict:
                         for lp in logprobs]}
 
 
-def _completion_logprobs(model: Model, logprobs: list[TokenLogprob], offset: int) -> dict:
+def _completion_logprobs(model: ModelFront, logprobs: list[TokenLogprob], offset: int) -> dict:
     tokens = [_token_text(model, lp.token) for lp in logprobs]
     offsets = []
     for text in tokens:

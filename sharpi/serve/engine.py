@@ -512,6 +512,11 @@ class ServeEngine:
         self.metrics.requests.labels({"stop": "finished", "length": "finished"}.get(reason, reason)).inc()
         seq.handle.emit(Event("finish", text=piece, finish_reason=reason, usage=usage, message=message))
 
+    def render_metrics(self) -> bytes:
+        """The Prometheus exposition of this engine's metrics, its gauges read now."""
+        self._update_gauges()
+        return self.metrics.render()
+
     def _update_gauges(self) -> None:
         m = self.metrics
         m.queue_depth.set(len(self._waiting) + len(self._inbox))
