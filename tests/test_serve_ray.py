@@ -3,6 +3,7 @@ loopback only, against the unmodified `openai` client. The cluster is the CLI's 
 SIGTERM at the end, killed if it does not stop); every wait is bounded."""
 from __future__ import annotations
 
+import asyncio
 import os
 import queue
 import re
@@ -294,3 +295,80 @@ def test_the_cli_refuses_bad_replica_flags_and_says_how_to_get_ray(smollm2_artif
     # and the package without the extra does not pull Ray
     plain = [r for r in requires("sharpi") if "extra ==" not in r]
     assert not any(r.lower().startswith("ray") for r in plain), plain
+
+
+class _FakeStream:
+    """A replica's stream as the deployment handle gives it: events, then possibly the replica's death."""
+
+    def __init__(self, items):
+        self.items, self.cancelled = list(items), False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if not self.items:
+            raise StopAsyncIteration
+        item = self.items.pop(0)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class _FakeHandle:
+    """A deployment handle whose successive calls return the given streams."""
+
+    def __init__(self, *streams):
+        self.streams, self.sent = list(streams), 0
+        self.generate = self
+
+    def options(self, **_):
+        return self
+
+    def remote(self, generation):
+        self.sent += 1
+        return _FakeStream(self.streams.pop(0))
+
+
+def _events(engine, generation):
+    async def collect():
+        stream = await engine.open(generation)
+        out = []
+        while not out or out[-1].kind != "finish":
+            out.append(await asyncio.wait_for(stream.next(), 5))
+        return stream, out
+    return asyncio.run(collect())
+
+
+def test_a_request_whose_replica_dies_before_streaming_is_sent_again_and_after_it_ends_clearly():
+    from ray.exceptions import ActorDiedError
+    from sharpi.common.errors import ServerBusyError
+    from sharpi.serve.ray import RayEngine
+    from sharpi.serve.request import Event, GenerationRequest
+
+    generation = GenerationRequest([1, 2, 3], max_tokens=2)
+    done = Event("finish", finish_reason="length", usage={"prompt_tokens": 3, "completion_tokens": 2,
+                                                          "cached_tokens": 0})
+    # dies before accepting; accepted elsewhere, dies after an empty event; sent again, answers
+    handle = _FakeHandle([ActorDiedError()],
+                         [Event("accepted", message="r1@h:1"), Event("text"), ActorDiedError()],
+                         [Event("accepted", message="r2@h:2"), Event("text", text="a", token_ids=[5]), done])
+    engine = RayEngine(handle)
+    stream, out = _events(engine, generation)
+    assert handle.sent == 3 and stream.replica == "r2@h:2"
+    assert [e.kind for e in out] == ["text", "text", "finish"] and out[-1].finish_reason == "length"
+    assert b"sharpi_replica_resent_total 2.0" in engine.metrics()
+    # dies after streaming text: the client's stream ends with an error naming the replica
+    handle = _FakeHandle([Event("accepted", message="r3@h:3"), Event("text", text="b", token_ids=[6]),
+                          ActorDiedError()])
+    engine = RayEngine(handle)
+    _, out = _events(engine, generation)
+    assert handle.sent == 1 and out[-1].finish_reason == "error" and "r3@h:3" in out[-1].message
+    assert b"sharpi_replica_lost_total 1.0" in engine.metrics()
+    # a replica's refusal is sharpi's error, for the HTTP layer's 503
+    engine = RayEngine(_FakeHandle([Event("refused", finish_reason="busy", message="The queue is full.")]))
+    with pytest.raises(ServerBusyError, match="queue is full"):
+        _events(engine, generation)

@@ -35,7 +35,7 @@ from ray.serve.request_router import FIFOMixin, LocalityMixin, MultiplexMixin, R
 from ..common.errors import ConfigError, ContextLengthError, ServerBusyError, SharpiError
 from ..runtime.model_info import ModelInfo
 from .app import ServerState, create_app
-from .client import EventStream, open_local
+from .client import EventStream, LocalEngine, open_local
 from .engine import ServeEngine, ServeSettings
 from .request import Event, GenerationRequest
 from .routing import AffinitySettings, PrefixIndex
@@ -112,6 +112,7 @@ class EngineReplica:
                             expect_sha256=options.expect_sha256, pool_tokens=options.pool_tokens)
         model.snapkv_settings(**options.snapkv_knobs)
         self.engine = ServeEngine(model, options.serve).start()
+        self.local = LocalEngine(self.engine)          # health as `sharpi serve` reports it
         replica_id = serve.get_replica_context().replica_id.unique_id
         # the process's id too: an operator (or a test) can find the process that serves a request
         self.name = f"{replica_id}@{socket.gethostname()}:{os.getpid()}"
@@ -137,12 +138,10 @@ class EngineReplica:
             stream.cancel()            # the caller went away (its generator was cancelled): free the pages
 
     def check_health(self) -> None:
-        """Ray's health check: a replica whose engine thread failed is restarted."""
-        if self.engine.fatal is not None:
-            raise RuntimeError(f"the engine failed: {self.engine.fatal}")
-
-    def metrics(self) -> bytes:
-        return self.engine.render_metrics()
+        """Ray's health check, /health's answer in `sharpi serve`: a replica whose engine failed is restarted."""
+        reason = self.local.health()
+        if reason is not None:
+            raise RuntimeError(reason)
 
     def __del__(self):
         engine = getattr(self, "engine", None)
@@ -164,9 +163,8 @@ class RayEngine:
         self.resent = Counter("sharpi_replica_resent", "Requests sent again after their replica died before "
                               "streaming anything", registry=r)
         self.lost = Counter("sharpi_replica_lost", "Requests ended by their replica's death", registry=r)
-        # the relays' tasks: the event loop holds only weak references to tasks, and a relay whose client has
-        # its answer would otherwise be collected before its replica's stream ends, which Ray would then count
-        # as a request in flight for ever
+        # the relays' tasks: the event loop keeps only weak references to tasks, and a relay whose client has
+        # its answer could be collected before it reads its replica's stream to the end
         self.relays: set[asyncio.Task] = set()
 
     async def open(self, generation: GenerationRequest) -> EventStream:

@@ -36,7 +36,9 @@ class TokenLogprob:
 @dataclass
 class Event:
     """kind "text": text (possibly empty), the ids it came from and their logprobs; kind "finish": the
-    finish_reason ("stop", "length", "cancelled" or "error" with a message) and the usage counts."""
+    finish_reason ("stop", "length", "cancelled" or "error" with a message) and the usage counts. Between a Ray
+    replica and its ingress (sharpi.serve.ray), a stream opens with kind "accepted" (message: the replica's name)
+    or "refused" (finish_reason: busy, context or config; message: the sentence)."""
     kind: str
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
