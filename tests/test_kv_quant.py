@@ -268,18 +268,20 @@ def test_quantized_cache_memory_and_what_the_host_reads(tiny_artifacts):
 
 
 def test_kv_types_are_refused_where_no_kernel_reads_them(tiny_path, tmp_path):
+    """What stays refused: bf16 on Vulkan (WGSL has no bfloat16), unknown types, and on every target head
+    dimensions that are not whole blocks."""
     import sharpi
     from sharpi.common.errors import ConfigError
-    for target in ("cuda", "vulkan"):
-        with pytest.raises(ConfigError, match=f"q8_0 is not available on the {target} target .*llvm target only"):
-            sharpi.compile(str(tiny_path), target=target, kv_dtype="q8_0", output=tmp_path / target)
+    with pytest.raises(ConfigError, match="bf16 is not available on the vulkan target .WGSL has no bfloat16."):
+        sharpi.compile(str(tiny_path), target="vulkan", kv_dtype_v="bf16", output=tmp_path / "vulkan")
     with pytest.raises(ConfigError, match="--kv-dtype-v must be one of"):
         sharpi.compile(str(tiny_path), kv_dtype_v="q5_0", output=tmp_path / "x")
     odd = tmp_path / "odd.gguf"
     from tiny_gguf import write_tiny_llama
     write_tiny_llama(odd, head_dim=16)
-    with pytest.raises(ConfigError, match="head_dim a multiple of 32"):
-        sharpi.compile(str(odd), kv_dtype="q4_0", output=tmp_path / "odd")
+    for target in ("llvm", "vulkan"):
+        with pytest.raises(ConfigError, match="head_dim a multiple of 32"):
+            sharpi.compile(str(odd), target=target, kv_dtype="q4_0", output=tmp_path / f"odd-{target}")
 
 
 @pytest.mark.parametrize("pair", [("q8_0", "q8_0"), ("q8_0", "q4_0")], ids=_ids)
@@ -301,6 +303,6 @@ def test_cli_kv_flags_refuse_in_one_line(tiny_path, tmp_path, capsys):
     from test_errors import _assert_clean_failure, _cli
     _assert_clean_failure(*_cli(compile_cli, [str(tiny_path), "--kv-dtype-k", "q3_k", "-o", str(tmp_path / "a")],
                                 capsys), "--kv-dtype must be one of f32, f16, bf16, q8_0, q4_0")
-    _assert_clean_failure(*_cli(compile_cli, [str(tiny_path), "--target", "vulkan", "--kv-dtype-v", "q4_0", "-o",
-                                              str(tmp_path / "b")], capsys), "--kv-dtype-v q4_0 is not available")
+    _assert_clean_failure(*_cli(compile_cli, [str(tiny_path), "--target", "vulkan", "--kv-dtype-v", "bf16", "-o",
+                                              str(tmp_path / "b")], capsys), "--kv-dtype-v bf16 is not available")
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
