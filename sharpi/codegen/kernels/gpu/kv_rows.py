@@ -40,16 +40,19 @@ def _shift(amount):
 
 # -- f16 and bf16 bits ------------------------------------------------------------------------------------------
 def half_to_float(bits):
-    """The f32 value of an IEEE half whose bits are the low 16 of a uint32 expression: normals by moving the
-    exponent and significand into place and rebiasing (15 -> 127), subnormals (and zero) as significand * 2^-24
-    (exact in f32), infinities and NaNs with exponent 255."""
+    """The f32 value of an IEEE half whose bits are the low 16 of a uint32 expression, built as f32 bits: normals
+    by moving exponent and significand into place and rebiasing (15 -> 127); subnormals as the significand
+    converted to f32 (exact) with 24 taken off its exponent (no float constant: TVM's WGSL prints floats with 7
+    digits, and 2^-24 is not one of them); infinities and NaNs with exponent 255."""
     exponent = T.bitwise_and(T.shift_right(bits, _u32(10)), _u32(31))
     significand = T.bitwise_and(bits, _u32(0x3FF))
-    normal = T.reinterpret("float32", T.shift_left(T.bitwise_and(bits, _u32(0x7FFF)), _u32(13)) + _u32(0x38000000))
-    special = T.reinterpret("float32", T.bitwise_or(_u32(0x7F800000), T.shift_left(significand, _u32(13))))
-    magnitude = T.Select(exponent == _u32(0), T.Cast("float32", significand) * T.float32(2.0 ** -24),
-                         T.Select(exponent == _u32(31), special, normal))
-    return T.Select(T.bitwise_and(bits, _u32(0x8000)) != _u32(0), T.float32(0) - magnitude, magnitude)
+    normal = T.shift_left(T.bitwise_and(bits, _u32(0x7FFF)), _u32(13)) + _u32(0x38000000)
+    subnormal = T.Select(significand == _u32(0), _u32(0),
+                         T.reinterpret("uint32", T.Cast("float32", significand)) - _u32(24 << 23))
+    special = T.bitwise_or(_u32(0x7F800000), T.shift_left(significand, _u32(13)))
+    magnitude = T.Select(exponent == _u32(0), subnormal, T.Select(exponent == _u32(31), special, normal))
+    sign = T.shift_left(T.bitwise_and(bits, _u32(0x8000)), _u32(16))
+    return T.reinterpret("float32", T.bitwise_or(sign, magnitude))
 
 
 def float_to_half(x):
