@@ -153,9 +153,11 @@ def make_gpu_paged_attention(heads: int, kv_heads: int, head_dim: int, page_size
                         page_sh[tx] = page_of(page_table, layer, t, (tile * TX + tx) // page_size)
                     if visible(tile * TX + tx, total, window):
                         dot[0] = T.float32(0)
-                        for d in range(head_dim):
-                            dot[0] = dot[0] + q_sh[d] * rows.load(pool, 0, T.Cast("int64", page_sh[tx]), kvh,
-                                                                  (tile * TX + tx) % page_size, d)
+                        for d in range(head_dim // rows.dot_step):
+                            for e in T.unroll(rows.dot_step):
+                                dot[0] = dot[0] + q_sh[d * rows.dot_step + e] * rows.load(
+                                    pool, 0, T.Cast("int64", page_sh[tx]), kvh, (tile * TX + tx) % page_size,
+                                    d * rows.dot_step + e)
                         score[tx] = dot[0]
                     else:
                         score[tx] = T.float32(NEG_INF)

@@ -130,6 +130,13 @@ class GpuRows:
     def dtype(self, which: int) -> str:
         return (self.fmt.k, self.fmt.v)[which]
 
+    @property
+    def dot_step(self) -> int:
+        """Elements a dot product over a key takes per (unrolled) step: a packed row's 4 that share a word (a
+        q8_0 or q4_0 word's 4 quants, two f16 words), so that the compiler loads the word and its block's scale
+        once for them; 1 for the plain layout."""
+        return 4 if self.fmt.packed and self.fmt.head_dim % 4 == 0 else 1
+
     # -- reads ------------------------------------------------------------------------------------------------
     def load(self, pool, which: int, page, h, slot, d):
         """Element d of the key (0) or value (1) in a slot, as float32."""

@@ -117,9 +117,11 @@ def make_gpu_snapkv_row_stats(heads: int, kv_heads: int, head_dim: int, page_siz
                         if i * THREADS + tx < seen:
                             s = T.meta_var(i * THREADS + tx)
                             st[3] = T.float32(0)
-                            for d in range(head_dim):
-                                st[3] = st[3] + q[t, h, d] * rows.load(pool, 0, T.Cast("int64", page_table[layer, s // page_size]),
-                                                                       h // group, s % page_size, d)
+                            for d in range(head_dim // rows.dot_step):
+                                for e in T.unroll(rows.dot_step):
+                                    st[3] = st[3] + q[t, h, d * rows.dot_step + e] * rows.load(
+                                        pool, 0, T.Cast("int64", page_table[layer, s // page_size]), h // group,
+                                        s % page_size, d * rows.dot_step + e)
                             st[2] = st[3] * T.float32(scale)
                             st[1] = st[1] * T.exp(st[0] - T.max(st[0], st[2])) + T.exp(st[2] - T.max(st[0], st[2]))
                             st[0] = T.max(st[0], st[2])
@@ -175,10 +177,11 @@ def make_gpu_snapkv_score(heads: int, kv_heads: int, head_dim: int, page_size: i
                         if T.Cast("int64", s) <= T.Cast("int64", kv_lens[layer]) + t:
                             for g in range(group):
                                 acc[1] = T.float32(0)
-                                for d in range(head_dim):
-                                    acc[1] = acc[1] + q[t, kvh * group + g, d] * rows.load(
-                                        pool, 0, T.Cast("int64", page_table[layer, s // page_size]), kvh,
-                                        s % page_size, d)
+                                for d in range(head_dim // rows.dot_step):
+                                    for e in T.unroll(rows.dot_step):
+                                        acc[1] = acc[1] + q[t, kvh * group + g, d * rows.dot_step + e] * rows.load(
+                                            pool, 0, T.Cast("int64", page_table[layer, s // page_size]), kvh,
+                                            s % page_size, d * rows.dot_step + e)
                                 p = T.meta_var(T.exp(acc[1] * T.float32(scale) - stats[t, kvh * group + g, 0])
                                                / stats[t, kvh * group + g, 1])
                                 acc[0] = T.if_then_else(window[0] < 0, T.max(acc[0], p),
