@@ -85,12 +85,17 @@ def _module() -> tvm.IRModule:
         def var(name, shape, dtype="float32"):
             return relax.Var(name, _tensor(shape, dtype))
 
+        def tables(per_sequence):
+            """The page table and kv_lens: one sequence's, or (batched) one per token's sequence."""
+            return [var("table", (*per_sequence, LAYERS, MAX_PAGES), "int32"),
+                    var("lens", (*per_sequence, LAYERS), "int32")]
+
         for batched in (False, True) if pair in READ_FORMATS else (False,):
             kind = "append_batch" if batched else "append"
             per_sequence = (n,) if batched else ()
             gv = _add_kernel(bb, make_gpu_kv_append(KV_HEADS, D, PAGE, kv_dtype=fmt, batched=batched), _name(kind, fmt))
             args = [relax.Var("pool", pool_ty), var("k", (n, KV_HEADS, D)), var("v", (n, KV_HEADS, D)),
-                    var("table", (*per_sequence, LAYERS, MAX_PAGES), "int32"), var("lens", (*per_sequence, LAYERS), "int32")]
+                    *tables(per_sequence)]
             with bb.function(_name(kind, fmt), args, pure=False):
                 bb.emit_func_output(bb.emit(relax.call_tir_inplace(gv, [*args, _layer()], [0], pool_ty)))
             if pair not in READ_FORMATS:
@@ -98,8 +103,7 @@ def _module() -> tvm.IRModule:
             kind = "attend_batch" if batched else "attend"
             gv = _add_kernel(bb, make_gpu_paged_attention(HEADS, KV_HEADS, D, PAGE, SCALE, kv_dtype=fmt,
                                                           batched=batched), _name(kind, fmt))
-            args = [var("q", (n, HEADS, D)), relax.Var("pool", pool_ty),
-                    var("table", (*per_sequence, LAYERS, MAX_PAGES), "int32"), var("lens", (*per_sequence, LAYERS), "int32")]
+            args = [var("q", (n, HEADS, D)), relax.Var("pool", pool_ty), *tables(per_sequence)]
             with bb.function(_name(kind, fmt), args):
                 bb.emit_func_output(bb.emit(relax.call_tir(gv, [*args, _layer()], _tensor((n, HEADS, D)))))
         if pair not in READ_FORMATS:
@@ -107,8 +111,7 @@ def _module() -> tvm.IRModule:
         shape = (HEADS, KV_HEADS, D, PAGE, MAX_PAGES, SCALE)
         stats_gv = _add_kernel(bb, make_gpu_snapkv_row_stats(*shape, kv_dtype=fmt), _name("row_stats", fmt))
         score_gv = _add_kernel(bb, make_gpu_snapkv_score(*shape, kv_dtype=fmt), _name("score", fmt))
-        args = [var("q", (n, HEADS, D)), relax.Var("pool", pool_ty), var("table", (LAYERS, MAX_PAGES), "int32"),
-                var("lens", (LAYERS,), "int32"), var("window", (1,), "int32")]
+        args = [var("q", (n, HEADS, D)), relax.Var("pool", pool_ty), *tables(()), var("window", (1,), "int32")]
         with bb.function(_name("score", fmt), args):
             common = [*args[:4], _layer(), args[4]]
             stats = bb.emit(relax.call_tir(stats_gv, common, _tensor((n, HEADS, 2))))
@@ -185,8 +188,9 @@ def test_half_conversions_equal_numpys_cast(vk, rng):
     np.testing.assert_array_equal(to_half[~nan], expected[~nan].view(np.uint16))
     assert (to_half[nan] & 0x7FFF == 0x7E00).all()
     values = halves.astype(np.float32)
-    np.testing.assert_array_equal(np.isnan(to_float), np.isnan(values))
-    np.testing.assert_array_equal(to_float[~np.isnan(values)].view(np.uint32), values[~np.isnan(values)].view(np.uint32))
+    numbers = ~np.isnan(values)
+    np.testing.assert_array_equal(np.isnan(to_float), ~numbers)
+    np.testing.assert_array_equal(to_float[numbers].view(np.uint32), values[numbers].view(np.uint32))
 
 
 @pytest.mark.parametrize("pair", STORE_FORMATS, ids=_ids)

@@ -209,6 +209,11 @@ class GpuRows:
         return T.bitwise_or(float_to_half(scales[2 * i]), T.shift_left(upper, _u32(16)))
 
 
+def _even(blocks: int) -> int:
+    """A per-block array's size: the block count rounded up to even, at least 2."""
+    return max(2, blocks + blocks % 2)
+
+
 def _or_bytes(values):
     """One word from four byte values (uint32 < 256), the first in the low byte."""
     word = values[0]
@@ -277,12 +282,13 @@ def store_row(rows, pool, k, v, t, h, page, slot, tx, threads):
         kb = T.meta_var(rows.blocks(0))
         vb = T.meta_var(rows.blocks(1))
         if kb + vb > 0:
-            # the blocks' d (f32, rounded to f16 when stored) and 1 / d, keys' then values'; even sizes, so that
-            # scale_word's read of block 2i + 1 stays inside its array
-            k_scales = T.alloc_buffer((kb + kb % 2 + 2,), "float32", scope="shared")
-            k_inverse = T.alloc_buffer((kb + 2,), "float32", scope="shared")
-            v_scales = T.alloc_buffer((vb + vb % 2 + 2,), "float32", scope="shared")
-            v_inverse = T.alloc_buffer((vb + 2,), "float32", scope="shared")
+            # the blocks' d (f32, rounded to f16 when stored) and 1 / d, keys' then values'; scales in an even
+            # count, so that scale_word's read of block 2i + 1 stays inside its array (and none of size 0). One
+            # invocation a block: head_dim / 16 blocks in all, fewer than the workgroup's min(head_dim, 256)
+            k_scales = T.alloc_buffer((_even(kb),), "float32", scope="shared")
+            k_inverse = T.alloc_buffer((_even(kb),), "float32", scope="shared")
+            v_scales = T.alloc_buffer((_even(vb),), "float32", scope="shared")
+            v_inverse = T.alloc_buffer((_even(vb),), "float32", scope="shared")
             stats = T.alloc_buffer((3,), "float32", scope="local")       # block max, block min, d
             if tx < kb:
                 _block_scale(rows, 0, k, t, h, tx, k_scales, k_inverse, stats)
