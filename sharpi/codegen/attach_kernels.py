@@ -79,12 +79,12 @@ class KernelAttacher(relax.PyExprMutator):
         """A KV kernel's call with the pool (args[index]) as its kernels take it; an in-place call's result (the
         written pool) is given back in the frontend's type."""
         pool = args[index]
-        if not self.gpu or not fmt.packed:
-            return (relax.call_tir_inplace(gv, args, [index], ty) if in_place else relax.call_tir(gv, args, ty))
-        words = self._gpu_pool(pool, fmt)
+        words = self._gpu_pool(pool, fmt) if self.gpu else pool
         args = [words if i == index else a for i, a in enumerate(args)]
         if not in_place:
             return relax.call_tir(gv, args, ty)
+        if words is pool:
+            return relax.call_tir_inplace(gv, args, [index], ty)
         written = self.builder_.emit(relax.call_tir_inplace(gv, args, [index], words.ty))
         return relax.op.memory.view(written, shape=pool.ty.shape, dtype=pool.ty.dtype)
 
