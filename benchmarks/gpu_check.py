@@ -6,10 +6,13 @@ script here first, e.g. under a Python 3.12 venv with numpy, tokenizers and jinj
 
     python benchmarks/gpu_check.py prepare [--model smollm2-135m] [--arch sm_90] [--dir .gpu]
 
-compiles the model for cuda three times (plain, with --cuda-graph, and with a bf16 KV cache instead of f16; the
-weights are the same), and the speed model (gemma3-270m) twice, whose weights do not travel (the machine fills
-random ones of the same shapes: its run measures speed only); computes the reference figures (the float32 numpy reference's top-1 over the golden text; the CPU artifact's greedy tokens and SnapKV keep
-sets), packs TVM's runtime without its compiler (libtvm_compiler.so is 250 MB; the runtime a few MB) with a cp312
+compiles the model for cuda four times (plain, with --cuda-graph, with a bf16 KV cache instead of f16, and with a
+q8_0 one; the weights are the same), and the speed model (gemma3-270m) twice, whose weights do not travel (the
+machine fills random ones of the same shapes: its run measures speed only); computes the reference figures (the
+float32 numpy reference's top-1 over the golden text; the CPU artifact's greedy tokens and SnapKV keep sets; for
+the q8_0 variant the same figures with the cache rounded as q8_0 stores it: the numpy reference with
+NumpyReference.kv_types, a CPU artifact with a q8_0 cache), packs TVM's runtime without its compiler
+(libtvm_compiler.so is 250 MB; the runtime a few MB) with a cp312
 build of apache-tvm-ffi, and splits it all into parts of at most --part-mib, one per device call. It prints the
 calls: each carries one part (`carry: [".gpu/pN"]`); earlier parts stay on the warm machine, so the calls must
 follow each other within its idle time (30 s). The last call runs
@@ -17,9 +20,10 @@ follow each other within its idle time (30 s). The last call runs
     python3 benchmarks/gpu_check.py run --dir .gpu --out $OUT
 
 which assembles the artifacts, runs TVM's runtime alone (TVM_USE_RUNTIME_LIB=1: never tvm.relax), and checks:
-teacher-forced top-1 agreement with the float32 reference >= 99% (f16 or bf16 KV); greedy 32 tokens equal to the
-exact (float32) CPU artifact's under the near-tie rule; SnapKV keep sets overlapping the CPU's on >= 99% of slots;
-and decode speed, for each variant; and the speed model's decode speed. It prints a table and writes
+teacher-forced top-1 agreement with the float32 reference >= 99% (f16 or bf16 KV; q8_0 >= 98% against the
+reference that rounds its cache so: BARS); greedy 32 tokens equal to the CPU artifact's (float32; for q8_0 with a
+q8_0 cache) under the near-tie rule; SnapKV keep sets overlapping the CPU's on >= 99% of slots (q8_0: 98%); and
+decode speed, for each variant; and the speed model's decode speed. It prints a table and writes
 $OUT/gpu_check.json; exit status 0 when every check passed.
 The earlier calls run `receive`, which reports the parts present and, once the runtime part is there, whether the
 runtime imports and sees the GPU (the first, cheapest check of this plan's assumptions).
@@ -39,7 +43,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "data" / "smollm2-135m-instruct-q4_1.json"
-VARIANTS = ("plain", "graph", "bf16")       # the cuda artifact; with --cuda-graph; with --kv-dtype bf16
+VARIANTS = ("plain", "graph", "bf16", "q8_0")   # the cuda artifact; with --cuda-graph; with --kv-dtype bf16, q8_0
+VARIANT_KV = {"bf16": "bf16", "q8_0": "q8_0"}   # a variant's --kv-dtype (the others: the target's default, f16)
+ROUNDED_REFERENCES = ("q8_0",)              # KV types checked against references that round the cache as they do
+# the teacher-forced top-1 agreement and the SnapKV keep-set overlap a variant must reach. A rounded cache's are
+# lower: one quant rounded the other way in one layer moves every layer after it, so even the CPU's q8_0 artifact
+# agrees with the numpy forward that rounds its cache as q8_0 on 0.987 of SmolLM2's golden text; measured on Vulkan
+# (lavapipe, the GPU kernels' arithmetic): top-1 0.997 against that forward, 0.991 against the CPU's q8_0 artifact,
+# keep sets (budget 128) 0.992 of the CPU's
+BARS = {"top1": 0.99, "overlap": 0.99}
+ROUNDED_BARS = {"top1": 0.98, "overlap": 0.98}
 SPEED_VARIANTS = ("speed-plain", "speed-graph")   # the speed model's, weights generated on the GPU machine
 WORK = Path("/tmp/sharpi-gpu-check")        # where `run` assembles things on the GPU machine
 NEAR_TIE = 1e-3                             # as sharpi.testing.backends.NEAR_TIE (not importable before setup)
@@ -52,8 +65,6 @@ SPEED_PROMPT, SPEED_TOKENS, SPEED_REPEATS = 512, 256, 3
 
 # -- here: prepare ----------------------------------------------------------------------------------------------
 def prepare(args) -> int:
-    import numpy as np
-
     import sharpi
     from sharpi.cli.bench import prompt_ids
     from sharpi.frontend.fetch import fetch
@@ -69,7 +80,7 @@ def prepare(args) -> int:
     for variant in VARIANTS:
         print(f"compiling {args.model} for {target} ({variant})", flush=True)
         art = sharpi.compile(args.model, **target, cuda_graph=variant == "graph" and not args.cpu,
-                             kv_dtype="bf16" if variant == "bf16" else None, output=stage / variant)
+                             kv_dtype=VARIANT_KV.get(variant), output=stage / variant)
         assert (art / "weights.bin").read_bytes() == (stage / "plain" / "weights.bin").read_bytes()
     for variant in SPEED_VARIANTS:
         print(f"compiling {args.speed_model} for {target} ({variant})", flush=True)
@@ -78,13 +89,33 @@ def prepare(args) -> int:
     golden = json.loads(GOLDEN.read_text())
     # the exact path (float32 matmuls and KV): the CPU's default int8 matmuls would be a reference of other arithmetic
     cpu = sharpi.load(sharpi.compile(args.model, target="llvm", matmuls="float", output=stage / "cpu"))
+    prompt = prompt_ids(cpu, SNAPKV_PROMPT)
+    numpy_reference = NumpyReference(fetch(args.model, show_progress=False))
     reference = {"model": args.model, "speed_model": args.speed_model, "arch": args.arch,
-                 "cpu_backend": cpu.backend}
+                 "cpu_backend": cpu.backend, **_references(cpu, numpy_reference, golden, prompt),
+                 "speed_prompt_ids": prompt_ids(cpu, SPEED_PROMPT), "rounded": {}}
+    for kv in ROUNDED_REFERENCES:
+        print(f"references with a {kv} cache", flush=True)
+        rounded = sharpi.load(sharpi.compile(args.model, target="llvm", matmuls="float", kv_dtype=kv,
+                                             output=stage / f"cpu-{kv}"))
+        numpy_reference.kv_types = rounded.manifest.kv_types
+        reference["rounded"][kv] = _references(rounded, numpy_reference, golden, prompt)
+        shutil.rmtree(stage / f"cpu-{kv}")
+    (stage / "reference.json").write_text(json.dumps(reference))
+    shutil.rmtree(stage / "cpu")
+    _pack(bundle, stage, args)
+    shutil.rmtree(stage)
+    return 0
 
+
+def _references(cpu, numpy_reference, golden, prompt) -> dict:
+    """The figures a variant is checked against: the numpy forward's top-1 over the golden text (and its margins),
+    the CPU artifact's greedy tokens, SnapKV keep sets and the query-agnostic scorers' keep sets."""
+    import numpy as np
     print("reference: float32 numpy forward over the golden text", flush=True)
     ids = golden["teacher_forced"]["ids"]
-    logits = NumpyReference(fetch(args.model, show_progress=False)).forward(ids)
-    reference["teacher_forced"] = {"ids": ids, "top1": logits.argmax(-1).tolist(), "margin": _margins(logits)}
+    logits = numpy_reference.forward(ids)
+    reference = {"teacher_forced": {"ids": ids, "top1": logits.argmax(-1).tolist(), "margin": _margins(logits)}}
     print("reference: CPU greedy generation", flush=True)
     reference["greedy"] = []
     for g in golden["greedy"]:
@@ -93,7 +124,6 @@ def prepare(args) -> int:
         reference["greedy"].append({"prompt_ids": g["prompt_ids"], "tokens": gen.token_ids,
                                     "margin": _margins(scored[:len(gen.token_ids)])})
     print("reference: CPU SnapKV keep sets", flush=True)
-    prompt = prompt_ids(cpu, SNAPKV_PROMPT)
     with cpu.session(snapkv_budget=SNAPKV_BUDGET) as s:
         last = s.prefill(prompt)
         kept = [p.tolist() for p in s.kept_positions]
@@ -107,12 +137,7 @@ def prepare(args) -> int:
     print("reference: CPU keep sets of the query-agnostic scorers and the pyramid allocation", flush=True)
     reference["scorers"] = {name: _compressed_keep_sets(cpu, prompt, name, allocation)
                             for name, allocation in SCORER_CHECKS}
-    reference["speed_prompt_ids"] = prompt_ids(cpu, SPEED_PROMPT)
-    (stage / "reference.json").write_text(json.dumps(reference))
-    shutil.rmtree(stage / "cpu")
-    _pack(bundle, stage, args)
-    shutil.rmtree(stage)
-    return 0
+    return reference
 
 
 def _margins(logits) -> list[float]:
@@ -293,6 +318,9 @@ def run(args) -> int:
                "cpu_reference": reference["cpu_backend"], "variants": {}}
     for variant in VARIANTS:
         row = results["variants"][variant] = {}
+        # a variant whose cache rounds is held to figures computed with the same rounding
+        rounded = reference.get("rounded", {}).get(VARIANT_KV.get(variant))
+        checked_against = {**reference, **(rounded or {}), "bars": ROUNDED_BARS if rounded else BARS}
         for name, check in (("load", None), ("teacher_forced", _teacher_forced), ("greedy", _greedy),
                             ("snapkv", _snapkv), ("scorers", _scorers), ("speed", _speed)):
             t = time.perf_counter()
@@ -301,7 +329,7 @@ def run(args) -> int:
                     model = sharpi.load(WORK / variant)
                     row["load"] = {"backend": model.backend}
                 else:
-                    row[name] = check(model, reference, np)
+                    row[name] = check(model, checked_against, np)
             except Exception as exc:        # noqa: BLE001 - record it and go on: one call must report everything
                 row[name] = {"error": f"{type(exc).__name__}: {exc}"}
                 if check is None:
@@ -337,7 +365,7 @@ def _teacher_forced(model, reference, np) -> dict:
     clear = margin >= NEAR_TIE
     return {"tokens": len(tf["ids"]), "top1_agreement": float((got == ref).mean()),
             "top1_agreement_clear_margin": float((got[clear] == ref[clear]).mean()),
-            "passed": bool((got == ref).mean() >= 0.99)}
+            "bar": reference["bars"]["top1"], "passed": bool((got == ref).mean() >= reference["bars"]["top1"])}
 
 
 def _agrees(got: list[int], ref: list[int], margins: list[float]) -> tuple[bool, int]:
@@ -377,7 +405,8 @@ def _snapkv(model, reference, np) -> dict:
         overlap = same / max(total, 1)
         return {"kv_length": kv_length, "logical_length": logical_length, "overlap": overlap,
                 "decode_agrees": agrees, "steps_compared": compared,
-                "passed": bool(overlap >= 0.99 and agrees and kv_length == snap["budget"])}
+                "bar": reference["bars"]["overlap"],
+                "passed": bool(overlap >= reference["bars"]["overlap"] and agrees and kv_length == snap["budget"])}
 
 
 def _compressed_keep_sets(model, prompt: list[int], scorer: str, allocation: str) -> list[list]:

@@ -91,13 +91,18 @@ def test_cuda_logits_match_cpu(smollm2_cuda_artifact, smollm2, golden):
 
 
 
-def test_bf16_kv_cache_builds_for_cuda(tmp_path):
-    """--kv-dtype bf16 on the cuda target: nvcc builds the attention, append, compaction and SnapKV kernels for a
-    bf16 pool (run only on a GPU machine, with the rest of the CUDA checks)."""
+@pytest.mark.parametrize("kv_dtype,kernel_part", [("bf16", "kvbf16"), ("q8_0", "kvq8_0"), ("q4_0", "kvq4_0")])
+def test_kv_cache_types_build_for_cuda(kv_dtype, kernel_part, tmp_path):
+    """--kv-dtype bf16, q8_0 and q4_0 on the cuda target: nvcc builds the attention (prefill, decode, batched),
+    append, compaction and SnapKV kernels for the pool (a quantized one read and written as 32-bit words, the same
+    TIR the Vulkan tests run on lavapipe); run only on a GPU machine, with the rest of the CUDA checks."""
     from sharpi.common.manifest import Manifest
-    path = write_tiny_llama(tmp_path / "tiny.gguf")
-    artifact = sharpi.compile(str(path), target="cuda", kv_dtype="bf16", output=tmp_path / "bf16")
+    path = write_tiny_llama(tmp_path / "tiny.gguf", head_dim=32)
+    artifact = sharpi.compile(str(path), target="cuda", kv_dtype=kv_dtype, output=tmp_path / kv_dtype)
     m = Manifest.read(artifact)
-    assert m.kv_dtype == "bfloat16"
-    assert {"paged_attention_kvbf16", "kv_append_kvbf16", "kv_compact_kvbf16"} <= set(m.kernels), m.kernels
+    assert m.kv_dtype == {"bf16": "bfloat16"}.get(kv_dtype, kv_dtype)
+    kernels = {f"{name}_{kernel_part}" for name in ("paged_attention", "paged_attention_1", "paged_attention_batch",
+                                                    "kv_append", "kv_append_batch", "kv_compact", "snapkv_row_stats",
+                                                    "snapkv_score")}
+    assert kernels <= set(m.kernels), m.kernels
     assert set(fatbin_entries((artifact / "model.so").read_bytes())) == {("elf", 80), ("ptx", 80)}

@@ -225,11 +225,16 @@ def test_compact_gathers_kept_slots_in_place(tmp_path, total, count, rng):
         for h in range(COMPACT_KV_HEADS):
             keep[l, h, :count] = np.sort(rng.choice(total, count, replace=False))
     got = runner.run("compact", pool, table, keep, counts)
+    np.testing.assert_array_equal(got, compacted(pool, table, keep, counts))
+
+
+def compacted(pool, table, keep, counts):
+    """numpy's snapkv_compact: slot keep[l, h, i] -> slot i of layer l for i < counts[l], a slot's whole row (both
+    planes of the plain layout, the one row of bytes of the packed one)."""
     expected = pool.copy()
-    for l in range(LAYERS):
-        n = counts[l]
-        for h in range(COMPACT_KV_HEADS):
+    for l, n in enumerate(counts):
+        for h in range(pool.shape[2]):
             src = keep[l, h, :n]
             expected[table[l, np.arange(n) // PAGE], :, h, np.arange(n) % PAGE] = \
                 pool[table[l, src // PAGE], :, h, src % PAGE]
-    np.testing.assert_array_equal(got, expected)
+    return expected

@@ -1,6 +1,8 @@
 """Quantized KV pools (q8_0, q4_0, and keys and values of different types): the CPU kernels against the numpy
 emulation in sharpi.common.kv_format. Stores are bit-exact; attention and SnapKV scores read the dequantized values
 within float tolerance of numpy on the same dequantized values."""
+import functools
+
 import numpy as np
 import pytest
 
@@ -17,6 +19,13 @@ FORMATS = [("q8_0", "q8_0"), ("q4_0", "q4_0"), ("q8_0", "q4_0"), ("float16", "q8
 
 def _ids(pair):
     return "-".join(pair)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(make, *args, **kwargs):
+    """A built CPU kernel, once per maker and arguments: the tests share kernels, and LLVM builds are most of
+    their time."""
+    return _build(make(*args, **kwargs))
 
 
 def _stored_rows(fmt, pool, table_row, count):
@@ -37,7 +46,7 @@ def _append_all(fmt, k_all, v_all, held, table, layer):
     d = fmt.head_dim
     pool = _t(np.zeros(fmt.pool_shape(int(table.max()) + 2), fmt.pool_dtype))
     lens = np.zeros(table.shape[0], np.int32)
-    append = _build(make_kv_append(fmt.kv_heads, d, PAGE, kv_dtype=fmt))
+    append = _kernel(make_kv_append, fmt.kv_heads, d, PAGE, kv_dtype=fmt)
     if held:
         append(pool, _t(k_all[:held]), _t(v_all[:held]), _t(table), _t(lens), layer)
     lens[layer] = held
@@ -81,13 +90,26 @@ def test_append_stores_the_emulated_bytes(pair, held, new, rng):
     assert not stored[last, :, :, (held + new) % PAGE or PAGE:].any()
 
 
-@pytest.mark.parametrize("pair,heads,kv_heads,d", [(pair, 4, 2, 64) for pair in FORMATS]
-                         + [(("q8_0", "q8_0"), 4, 1, 32), (("q4_0", "q4_0"), 4, 1, 32)],
-                         ids=lambda v: _ids(v) if isinstance(v, tuple) else str(v))
-@pytest.mark.parametrize("held,new,window", [(0, 23, 0), (30, 1, 0), (20, 17, 19), (40, 1, 19)])
-def test_attention_reads_the_dequantized_cache(pair, held, new, window, heads, kv_heads, d, rng):
+# (held, new, window): a prefill from empty, a decode, a windowed prefill after held slots, a windowed decode; each
+# format takes a prefill and a decode (the kernels' code per format is the same for every case), each case
+# several formats
+_PREFILL, _DECODE, _WINDOWED_PREFILL, _WINDOWED_DECODE = (0, 23, 0), (30, 1, 0), (20, 17, 19), (40, 1, 19)
+ATTENTION_CASES = [
+    (FORMATS[0], 4, 2, 64, _PREFILL), (FORMATS[0], 4, 2, 64, _WINDOWED_DECODE),
+    (FORMATS[1], 4, 2, 64, _WINDOWED_PREFILL), (FORMATS[1], 4, 2, 64, _DECODE),
+    (FORMATS[2], 4, 2, 64, _WINDOWED_PREFILL), (FORMATS[2], 4, 2, 64, _WINDOWED_DECODE),
+    (FORMATS[3], 4, 2, 64, _PREFILL), (FORMATS[3], 4, 2, 64, _DECODE),
+    (FORMATS[4], 4, 2, 64, _WINDOWED_PREFILL), (FORMATS[4], 4, 2, 64, _DECODE),
+    (("q8_0", "q8_0"), 4, 1, 32, _WINDOWED_PREFILL), (("q4_0", "q4_0"), 4, 1, 32, _WINDOWED_DECODE)]
+
+
+@pytest.mark.parametrize("pair,heads,kv_heads,d,case", ATTENTION_CASES,
+                         ids=[f"{_ids(c[0])}-d{c[3]}-kvh{c[2]}-held{c[4][0]}-new{c[4][1]}-w{c[4][2]}"
+                              for c in ATTENTION_CASES])
+def test_attention_reads_the_dequantized_cache(pair, heads, kv_heads, d, case, rng):
     """Prefill's tiled kernel and decode's split one over a quantized pool give numpy's attention over the
     dequantized keys and values."""
+    held, new, window = case
     fmt = KVFormat(*pair, kv_heads, PAGE, d)
     layer = 0
     pages = (held + new + PAGE - 1) // PAGE
@@ -97,8 +119,8 @@ def test_attention_reads_the_dequantized_cache(pair, held, new, window, heads, k
     pool, lens = _append_all(fmt, k_all, v_all, held, table, layer)
     q = rng.standard_normal((new, heads, d)).astype(np.float32)
     out = _t(np.zeros((new, heads, d), np.float32))
-    _build(make_paged_attention(heads, kv_heads, d, PAGE, d ** -0.5, 1 if new == 1 else None, kv_dtype=fmt,
-                                window=window))(_t(q), pool, _t(table), _t(lens), layer, out)
+    _kernel(make_paged_attention, heads, kv_heads, d, PAGE, d ** -0.5, 1 if new == 1 else None, kv_dtype=fmt,
+            window=window)(_t(q), pool, _t(table), _t(lens), layer, out)
     k_seen, v_seen = _decoded(fmt, k_all, v_all)
     np.testing.assert_allclose(out.numpy(), _attention_reference(q, k_seen, v_seen, held, window), rtol=1e-4,
                                atol=1e-5)
@@ -114,7 +136,7 @@ def test_batched_append_and_attention(pair, rng):
     tables = np.zeros((3, layers, max_pages), np.int32)
     pool = _t(np.zeros(fmt.pool_shape(14), fmt.pool_dtype))
     ks, vs = [], []
-    append = _build(make_kv_append(kv_heads, d, PAGE, kv_dtype=fmt))
+    append = _kernel(make_kv_append, kv_heads, d, PAGE, kv_dtype=fmt)
     for b, h in enumerate(held):
         tables[b, layer] = [1 + b * 4 + i for i in range(max_pages)]
         ks.append(rng.standard_normal((h + 1, kv_heads, d)).astype(np.float32))
@@ -151,7 +173,7 @@ def test_snapkv_scores_read_the_dequantized_keys(pair, reduce, rng):
     q = rng.standard_normal((new, heads, d)).astype(np.float32)
     out = _t(np.zeros((kv_heads, max_pages * PAGE), np.float32))
     signed = window if reduce == "sum" else -window
-    _build(make_snapkv_score(heads, kv_heads, d, PAGE, max_pages, d ** -0.5, kv_dtype=fmt))(
+    _kernel(make_snapkv_score, heads, kv_heads, d, PAGE, max_pages, d ** -0.5, kv_dtype=fmt)(
         _t(q), pool, _t(table), _t(lens), 0, _t(np.array([signed], np.int32)), out)
     k_seen, _ = _decoded(fmt, keys, values)
     np.testing.assert_allclose(out.numpy()[:, :held + new], score_reference(q[-window:], k_seen, held, d ** -0.5,
@@ -223,16 +245,16 @@ def tiny_artifacts(tiny_path, tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("pair", [("q8_0", "q8_0"), ("q4_0", "q4_0"), ("q8_0", "q4_0"), ("f16", "q8_0")], ids=_ids)
-def test_tiny_model_matches_the_reference_with_the_same_cache_rounding(pair, tiny_path, tiny_artifacts):
-    """Logits of prefill, decode and decode after SnapKV compaction equal the float32 numpy forward whose keys and
-    values are rounded as the cache stores them (testing.reference.kv_roundtrip), within the float32 tolerance."""
+def check_against_the_reference(model, gguf, pair):
+    """Logits of prefill, decode, a batched decode of two forks, and decode after SnapKV compaction equal the
+    float32 numpy forward whose keys and values are rounded as the cache stores them (testing.reference.
+    kv_roundtrip), within the float32 tolerance; a fork decodes as its parent (forks copy whole pages of rows)."""
     from sharpi.common.compile_options import kv_dtype_of
+    from sharpi.runtime.session import decode_batch
     from sharpi.testing.reference import NumpyReference
-    model = tiny_artifacts(*pair)
     types = tuple(kv_dtype_of(t) for t in pair)
     assert model.manifest.kv_types == types
-    ref = NumpyReference(tiny_path)
+    ref = NumpyReference(gguf)
     ref.kv_types = types
     ids = list(np.random.default_rng(3).integers(0, model.config.vocab_size, 40))
     expected = ref.forward(ids)
@@ -241,23 +263,32 @@ def test_tiny_model_matches_the_reference_with_the_same_cache_rounding(pair, tin
         np.testing.assert_allclose(s.prefill(ids[:30]), expected[29], rtol=1e-3, atol=1e-3)
         for i in range(30, 33):
             np.testing.assert_allclose(s.decode(ids[i]), expected[i], rtol=1e-3, atol=1e-3)
+        with s.fork() as a, s.fork() as b:
+            np.testing.assert_allclose(decode_batch([a, b], [ids[33]] * 2), expected[[33, 33]], rtol=1e-3, atol=1e-3)
     with model.session(snapkv_budget=24, snapkv_window=8, snapkv_recency=4) as s:
         s.prefill(ids[:36])
         assert s.kv_length == [24, 24]
         kept = s.kept_positions
         np.testing.assert_allclose(s.decode(ids[36]), ref.decode_after_compaction(ids[:36], kept, ids[36]),
                                    rtol=1e-3, atol=1e-3)
-        with s.fork() as f:              # forks copy whole pages of rows
+        with s.fork() as f:
             np.testing.assert_array_equal(f.decode(ids[37]), s.decode(ids[37]))
+
+
+@pytest.mark.parametrize("pair", [("q8_0", "q8_0"), ("q4_0", "q4_0"), ("q8_0", "q4_0"), ("f16", "q8_0")], ids=_ids)
+def test_tiny_model_matches_the_reference_with_the_same_cache_rounding(pair, tiny_path, tiny_artifacts):
+    check_against_the_reference(tiny_artifacts(*pair), tiny_path, pair)
 
 
 def test_quantized_cache_memory_and_what_the_host_reads(tiny_artifacts):
     """A q8_0 pool's pages are 36/64 of f16's (head_dim 32: a block and its scale, 34 bytes, padded to 4-byte
     rows), q4_0's 20/64 (18 padded); the host's view of the keys (KeyDiff's input) is the dequantized cache."""
     from sharpi.common.kv_format import dequantize_kv, quantize_kv
-    f16, q8, q4 = (tiny_artifacts(t, t) for t in ("f16", "q8_0", "q4_0"))
-    assert q8.engine.pool.page_bytes * 64 == f16.engine.pool.page_bytes * 36
-    assert q4.engine.pool.page_bytes * 64 == f16.engine.pool.page_bytes * 20
+    q8, q4 = (tiny_artifacts(t, t) for t in ("q8_0", "q4_0"))
+    cfg = q8.config
+    f16_page_bytes = cfg.n_kv_heads * q8.manifest.page_size * 2 * cfg.head_dim * 2     # keys and values, 2 bytes each
+    assert q8.engine.pool.page_bytes * 64 == f16_page_bytes * 36
+    assert q4.engine.pool.page_bytes * 64 == f16_page_bytes * 20
     ids = list(range(5, 45))
     with tiny_artifacts("f32", "f32").session() as a, q8.session() as b:
         a.prefill(ids), b.prefill(ids)
@@ -268,18 +299,20 @@ def test_quantized_cache_memory_and_what_the_host_reads(tiny_artifacts):
 
 
 def test_kv_types_are_refused_where_no_kernel_reads_them(tiny_path, tmp_path):
+    """What stays refused: bf16 on Vulkan (WGSL has no bfloat16), unknown types, and on every target head
+    dimensions that are not whole blocks."""
     import sharpi
     from sharpi.common.errors import ConfigError
-    for target in ("cuda", "vulkan"):
-        with pytest.raises(ConfigError, match=f"q8_0 is not available on the {target} target .*llvm target only"):
-            sharpi.compile(str(tiny_path), target=target, kv_dtype="q8_0", output=tmp_path / target)
+    with pytest.raises(ConfigError, match="bf16 is not available on the vulkan target .WGSL has no bfloat16."):
+        sharpi.compile(str(tiny_path), target="vulkan", kv_dtype_v="bf16", output=tmp_path / "vulkan")
     with pytest.raises(ConfigError, match="--kv-dtype-v must be one of"):
         sharpi.compile(str(tiny_path), kv_dtype_v="q5_0", output=tmp_path / "x")
     odd = tmp_path / "odd.gguf"
     from tiny_gguf import write_tiny_llama
     write_tiny_llama(odd, head_dim=16)
-    with pytest.raises(ConfigError, match="head_dim a multiple of 32"):
-        sharpi.compile(str(odd), kv_dtype="q4_0", output=tmp_path / "odd")
+    for target in ("llvm", "vulkan"):
+        with pytest.raises(ConfigError, match="head_dim a multiple of 32"):
+            sharpi.compile(str(odd), target=target, kv_dtype="q4_0", output=tmp_path / f"odd-{target}")
 
 
 @pytest.mark.parametrize("pair", [("q8_0", "q8_0"), ("q8_0", "q4_0")], ids=_ids)
@@ -301,6 +334,6 @@ def test_cli_kv_flags_refuse_in_one_line(tiny_path, tmp_path, capsys):
     from test_errors import _assert_clean_failure, _cli
     _assert_clean_failure(*_cli(compile_cli, [str(tiny_path), "--kv-dtype-k", "q3_k", "-o", str(tmp_path / "a")],
                                 capsys), "--kv-dtype must be one of f32, f16, bf16, q8_0, q4_0")
-    _assert_clean_failure(*_cli(compile_cli, [str(tiny_path), "--target", "vulkan", "--kv-dtype-v", "q4_0", "-o",
-                                              str(tmp_path / "b")], capsys), "--kv-dtype-v q4_0 is not available")
+    _assert_clean_failure(*_cli(compile_cli, [str(tiny_path), "--target", "vulkan", "--kv-dtype-v", "bf16", "-o",
+                                              str(tmp_path / "b")], capsys), "--kv-dtype-v bf16 is not available")
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

@@ -29,7 +29,7 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--max-context", type=int, default=None, help="context length (default: the GGUF's)")
     p.add_argument("--kv-dtype", default=None, help="the KV cache's type: f32, f16 (half the memory), bf16 (half "
                                                      "the memory, f32's range), q8_0 or q4_0 (blocks of 32 with an "
-                                                     "f16 scale, as ggml's: 0.53x and 0.28x f16's memory; llvm only); "
+                                                     "f16 scale, as ggml's: 0.53x and 0.28x f16's memory); "
                                                      "default f16 for GPUs and for int8 matmuls, else f32")
     p.add_argument("--kv-dtype-k", default=None, help="the keys' type alone (over --kv-dtype), as llama.cpp's -ctk")
     p.add_argument("--kv-dtype-v", default=None, help="the values' type alone (over --kv-dtype), as llama.cpp's -ctv")

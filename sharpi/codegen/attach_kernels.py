@@ -32,6 +32,7 @@ from .kernels.rope import make_rope
 from .kernels.snapkv import make_kv_compact, make_snapkv_score, make_snapkv_select
 from .kernels.gpu import attention as gpu_attention
 from .kernels.gpu import elementwise as gpu_elementwise
+from .kernels.gpu import kv_rows as gpu_kv_rows
 from .kernels.gpu import snapkv as gpu_snapkv
 from .kernels.gpu.quant_matmul import GPU_LAYOUTS, make_gpu_matmul
 
@@ -60,14 +61,32 @@ class KernelAttacher(relax.PyExprMutator):
                 self.builder_.update_func(gv, self.visit_expr(func))
         return self.builder_.get()
 
-    def _kv(self, pool):
-        """What the KV kernels take for this pool: its element type (GPU kernels: the plain layout only), or on
-        the CPU its KVFormat."""
-        dtype = str(pool.ty.dtype)
-        if self.gpu:
-            return dtype
+    def _kv(self, pool) -> KVFormat:
+        """The pool's format: the KV kernels take it (a packed pool's uint8 elements do not say its types)."""
         cfg = self.cfg
-        return KVFormat.of(self.kv_types or dtype, cfg.n_kv_heads, ops.PAGE_SIZE, cfg.head_dim)
+        return KVFormat.of(self.kv_types or str(pool.ty.dtype), cfg.n_kv_heads, ops.PAGE_SIZE, cfg.head_dim)
+
+    def _gpu_pool(self, pool, fmt: KVFormat):
+        """The pool as the GPU kernels take it: a packed pool as a zero-copy uint32 view (gpu.kv_rows reads and
+        writes its rows as words; WGSL has no 8-bit integers), the plain one as it is."""
+        if not fmt.packed:
+            return pool
+        rows = gpu_kv_rows.GpuRows(fmt)
+        return self.builder_.emit(relax.op.memory.view(pool, shape=rows.pool_shape(pool.ty.shape[0]),
+                                                       dtype=rows.pool_dtype))
+
+    def _kv_call(self, gv, fmt: KVFormat, args: list, index: int, ty, in_place: bool):
+        """A KV kernel's call with the pool (args[index]) as its kernels take it; an in-place call's result (the
+        written pool) is given back in the frontend's type."""
+        pool = args[index]
+        words = self._gpu_pool(pool, fmt) if self.gpu else pool
+        args = [words if i == index else a for i, a in enumerate(args)]
+        if not in_place:
+            return relax.call_tir(gv, args, ty)
+        if words is pool:
+            return relax.call_tir_inplace(gv, args, [index], ty)
+        written = self.builder_.emit(relax.call_tir_inplace(gv, args, [index], words.ty))
+        return relax.op.memory.view(written, shape=pool.ty.shape, dtype=pool.ty.dtype)
 
     def kernel(self, key: tuple, make) -> tvm.ir.GlobalVar:
         if key not in self.kernels:
@@ -228,7 +247,7 @@ class KernelAttacher(relax.PyExprMutator):
             def make():
                 return make_kv_append(cfg.n_kv_heads, cfg.head_dim, ops.PAGE_SIZE, tokens, kv_dtype=kv)
         gv = self.kernel(("kv_append_batch" if batched else "kv_append", tokens, _kv_key(kv)), make)
-        return relax.call_tir_inplace(gv, [pool, k, v, page_table, kv_lens, layer], [0], ty)
+        return self._kv_call(gv, kv, [pool, k, v, page_table, kv_lens, layer], 0, ty, in_place=True)
 
     def _attention(self, args, ty, batched: bool = False):
         q, pool, page_table, kv_lens, layer, scale, window = args
@@ -250,7 +269,7 @@ class KernelAttacher(relax.PyExprMutator):
                 return make_paged_attention(*shape, tokens, kv_dtype=kv, window=window)
         gv = self.kernel(("paged_attention_batch" if batched else "paged_attention", tokens, _kv_key(kv),
                           f"w{window}" if window else None), make)
-        return relax.call_tir(gv, [q, pool, page_table, kv_lens, layer], ty)
+        return self._kv_call(gv, kv, [q, pool, page_table, kv_lens, layer], 1, ty, in_place=False)
 
 
     def _snapkv_score(self, args, ty):
@@ -264,11 +283,12 @@ class KernelAttacher(relax.PyExprMutator):
             stats_gv = self.kernel(("snapkv_row_stats", _kv_key(kv)),
                                    lambda: gpu_snapkv.make_gpu_snapkv_row_stats(*shape, kv_dtype=kv))
             stats_ty = relax.TensorType((q.ty.shape[0], cfg.n_heads, 2), "float32")
-            stats = self.builder_.emit(relax.call_tir(stats_gv, [q, pool, page_table, kv_lens, layer, window],
+            words = self._gpu_pool(pool, kv)
+            stats = self.builder_.emit(relax.call_tir(stats_gv, [q, words, page_table, kv_lens, layer, window],
                                                       stats_ty))
             gv = self.kernel(("snapkv_score", _kv_key(kv)),
                              lambda: gpu_snapkv.make_gpu_snapkv_score(*shape, kv_dtype=kv))
-            return relax.call_tir(gv, [q, pool, page_table, kv_lens, layer, window, stats], ty)
+            return relax.call_tir(gv, [q, words, page_table, kv_lens, layer, window, stats], ty)
         gv = self.kernel(("snapkv_score", _kv_key(kv)), lambda: make_snapkv_score(*shape, kv_dtype=kv))
         return relax.call_tir(gv, [q, pool, page_table, kv_lens, layer, window], ty)
 
@@ -289,14 +309,12 @@ class KernelAttacher(relax.PyExprMutator):
         kv = self._kv(pool)
         gv = self.kernel(("kv_compact", _kv_key(kv)),
                          lambda: make(layers, cfg.n_kv_heads, cfg.head_dim, ops.PAGE_SIZE, max_pages, kv_dtype=kv))
-        return relax.call_tir_inplace(gv, [pool, page_table, keep, count], [0], ty)
+        return self._kv_call(gv, kv, [pool, page_table, keep, count], 0, ty, in_place=True)
 
 
-def _kv_key(kv) -> str | None:
-    """Kernel-name part for the KV types (an element type or a KVFormat): none for float32, so f32 kernel names
-    stay as they were."""
-    name = kv.name if isinstance(kv, KVFormat) else kv.replace("float", "f")
-    return None if name == "f32" else "kv" + name
+def _kv_key(kv: KVFormat) -> str | None:
+    """Kernel-name part for the KV types: none for float32, so f32 kernel names stay as they were."""
+    return None if kv.name == "f32" else "kv" + kv.name
 
 
 def _with_root_block(prim: tvm.tirx.PrimFunc) -> tvm.tirx.PrimFunc:

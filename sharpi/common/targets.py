@@ -44,15 +44,13 @@ TARGETS = {spec.name: spec for spec in (
                                      optional_keys=("int8_isa",))),
     TargetSpec(
         name="cuda", about="NVIDIA GPUs; needs nvcc", device="gpu", runtime="tvm-vm", tvm_device="cuda",
-        options=("arch", "cuda_graph"), kv_dtypes=("float32", "float16", "bfloat16"),
-        kv_dtype_note="the quantized KV types run on the llvm target only so far",
+        options=("arch", "cuda_graph"), kv_dtypes=("float32", "float16", "bfloat16", "q8_0", "q4_0"), kv_dtype_note="",
         manifest_entry=schema.record({"kind": schema.one_of("cuda"), "arch": schema.text(8, r"sm_[0-9]{2,3}a?"),
                                       "images": schema.array(schema.text(32, r"[a-z]+:[0-9]+"), 64),
                                       "cuda_graph": schema.boolean})),
     TargetSpec(
         name="vulkan", about="WGSL run through wgpu", device="gpu", runtime="wgpu-plan", tvm_device=None,
-        options=(), kv_dtypes=("float32", "float16"),
-        kv_dtype_note="WGSL has no bfloat16; the quantized KV types run on the llvm target only so far",
+        options=(), kv_dtypes=("float32", "float16", "q8_0", "q4_0"), kv_dtype_note="WGSL has no bfloat16",
         manifest_entry=schema.record({"kind": schema.one_of("vulkan"), "shader": schema.one_of("wgsl"),
                                       "activations": schema.one_of("float32")})),
 )}

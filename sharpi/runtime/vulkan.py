@@ -45,8 +45,9 @@ class VulkanBackend:
 
     # -- the KV page pool -------------------------------------------------------------------------------------
     def allocate_pool(self, shape: tuple, dtype: str = "float32") -> int:
-        """One buffer [pages, 2, kv_heads, page_size, head_dim], capped at the adapter's storage-binding limit
-        (128 MiB on lavapipe); returns the page count it holds."""
+        """One buffer of the pool's shape (kv_format: [pages, 2, kv_heads, page_size, head_dim], or the packed
+        [pages, 1, kv_heads, page_size, row_bytes] uint8, which the kernels view as words), capped at the adapter's
+        storage-binding limit (128 MiB on lavapipe); returns the page count it holds."""
         page_bytes = np.dtype(dtype).itemsize * int(np.prod(shape[1:]))
         pages = max(1, min(int(shape[0]), self.runner.max_binding_size // page_bytes))
         shape = (pages, *shape[1:])

@@ -119,8 +119,9 @@ def fatbin_entries(blob: bytes) -> list[tuple[str, int]]:
     return entries
 
 
-def lower(mod: tvm.IRModule, cfg: ModelConfig, cuda_graph: bool = False) -> tvm.IRModule:
-    mod = attach_kernels(mod, cfg, gpu=True)
+def lower(mod: tvm.IRModule, cfg: ModelConfig, cuda_graph: bool = False,
+          kv_types: tuple[str, str] | None = None) -> tvm.IRModule:
+    mod = attach_kernels(mod, cfg, gpu=True, kv_types=kv_types)
     if cuda_graph:
         mod = mark_decode_inputs_static(mod)
     return mod
@@ -172,7 +173,7 @@ class CUDATarget:
     def build(self, mod, cfg: ModelConfig, options: CompileOptions, staging: Path, progress, contract: str):
         target = make_target(options.arch)
         progress.set_postfix_str("attach GPU kernels")
-        lowered = lower(mod, cfg, cuda_graph=options.cuda_graph)
+        lowered = lower(mod, cfg, cuda_graph=options.cuda_graph, kv_types=options.kv_types)
         progress.update(1)
         progress.set_postfix_str("dlight schedules, CUDA codegen, nvcc")
         kernels = kernel_names(lowered)

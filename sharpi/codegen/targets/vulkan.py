@@ -286,7 +286,7 @@ class VulkanTarget:
 
     def build(self, mod, cfg: ModelConfig, options: CompileOptions, staging: Path, progress, contract: str):
         progress.set_postfix_str("attach GPU kernels")
-        mod = attach_kernels(mod, cfg, gpu=True)
+        mod = attach_kernels(mod, cfg, gpu=True, kv_types=options.kv_types)
         progress.update(1)
         progress.set_postfix_str("dlight schedules, WGSL codegen, plan")
         plan = build_plan(mod)

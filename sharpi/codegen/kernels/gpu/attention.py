@@ -3,7 +3,8 @@
 kernel in ..paged_attention, with the same parameters and buffer shapes, so codegen can pick per target.
 
 kv_append: pool[page_table[l, s // P], {0, 1}, h, s % P, :] = k/v[t, h, :] for slot s = kv_lens[l] + t; the
-    pool is written in place. One workgroup per (token, KV head), one invocation per element of the head.
+    pool is written in place. One workgroup per (token, KV head), one invocation per element of the head (a
+    packed pool, quantized or of mixed types: per word of the slot's row, after the blocks' scales; kv_rows).
 paged_attention: out[t, h] = softmax(q[t, h] . K[s] * scale) V over the slots s <= kv_lens[l] + t of KV head
     h // (H / KVH) (the CPU kernel's causal rule and GQA mapping). One workgroup per (token, query head) with
     TX = min(head_dim, 256) invocations; the visible slots are walked in tiles of TX:
@@ -28,6 +29,7 @@ from tvm.script import tirx as T
 from ..paged_attention import visible
 from ..common import GPU_KERNEL_ATTRS as ATTRS
 from ..common import NEG_INF, token_count
+from .kv_rows import GpuRows, store_row
 
 MAX_THREADS = 256           # WebGPU's maxComputeInvocationsPerWorkgroup default
 
@@ -67,19 +69,21 @@ def _tables(batched: bool, n, layers, max_pages):
 
 
 def make_gpu_kv_append(kv_heads: int, head_dim: int, page_size: int, tokens: int | None = None,
-                       kv_dtype: str = "float32", batched: bool = False) -> tirx.PrimFunc:
+                       kv_dtype="float32", batched: bool = False) -> tirx.PrimFunc:
     """PrimFunc (pool, k [n, KVH, D], v [n, KVH, D], page_table, kv_lens, layer) writing the pool in place;
-    batched: token t is sequence t's, written at its slot kv_lens[t, layer] (page_tables [n, L, MP])."""
+    batched: token t is sequence t's, written at its slot kv_lens[t, layer] (page_tables [n, L, MP]). kv_dtype:
+    a KV type, a (key, value) pair of types or a KVFormat (a packed pool is taken as words: kv_rows)."""
     n = token_count(tokens)
+    rows = GpuRows.of(kv_dtype, kv_heads, page_size, head_dim)
     pages, layers, max_pages = _pool_vars()
-    TX, DPT = _threads(head_dim)
+    TX, _ = _threads(head_dim)
     table_shape, lens_shape, slot_of, page_of = _tables(batched, n, layers, max_pages)
 
     @T.prim_func
     def gpu_kv_append(var_pool: T.handle, var_k: T.handle, var_v: T.handle, var_pt: T.handle, var_lens: T.handle,
                       layer: T.int64):
         T.func_attr(ATTRS)
-        pool = T.match_buffer(var_pool, (pages, 2, kv_heads, page_size, head_dim), kv_dtype)
+        pool = T.match_buffer(var_pool, rows.pool_shape(pages), rows.pool_dtype)
         k = T.match_buffer(var_k, (n, kv_heads, head_dim), "float32")
         v = T.match_buffer(var_v, (n, kv_heads, head_dim), "float32")
         page_table = T.match_buffer(var_pt, table_shape, "int32")
@@ -90,23 +94,21 @@ def make_gpu_kv_append(kv_heads: int, head_dim: int, page_size: int, tokens: int
                 h = T.meta_var(b % kv_heads)
                 slot = T.meta_var(slot_of(kv_lens, layer, t))
                 page = T.meta_var(T.Cast("int64", page_of(page_table, layer, t, slot // page_size)))
-                for c in T.unroll(DPT):
-                    if c * TX + tx < head_dim:
-                        pool[page, 0, h, slot % page_size, c * TX + tx] = T.Cast(kv_dtype, k[t, h, c * TX + tx])
-                        pool[page, 1, h, slot % page_size, c * TX + tx] = T.Cast(kv_dtype, v[t, h, c * TX + tx])
+                store_row(rows, pool, k, v, t, h, page, slot % page_size, tx, TX)
 
     return _named(gpu_kv_append, f"gpu_kv_append{'_batch' if batched else ''}_{kv_heads}_{head_dim}_{page_size}",
                   tokens)
 
 
 def make_gpu_paged_attention(heads: int, kv_heads: int, head_dim: int, page_size: int, scale: float,
-                             tokens: int | None = None, kv_dtype: str = "float32", window: int = 0,
+                             tokens: int | None = None, kv_dtype="float32", window: int = 0,
                              batched: bool = False) -> tirx.PrimFunc:
     """PrimFunc (q [n, H, D], pool, page_table, kv_lens, layer, out [n, H, D]): causal attention per query head.
     Workgroup memory: (D + 3 * TX) * 4 bytes, at most 4 KiB for D <= 256. With a sliding `window` (> 0) query t
     sees only the last `window` of its slots, and tiles wholly before them are skipped. batched: token t is
-    sequence t's and sees its slots [0, kv_lens[t, layer]] (page_tables [n, L, MP])."""
+    sequence t's and sees its slots [0, kv_lens[t, layer]] (page_tables [n, L, MP]). kv_dtype as kv_append's."""
     n = token_count(tokens)
+    rows = GpuRows.of(kv_dtype, kv_heads, page_size, head_dim)
     pages, layers, max_pages = _pool_vars()
     group = heads // kv_heads
     TX, DPT = _threads(head_dim)
@@ -117,7 +119,7 @@ def make_gpu_paged_attention(heads: int, kv_heads: int, head_dim: int, page_size
                             layer: T.int64, var_out: T.handle):
         T.func_attr(ATTRS)
         q = T.match_buffer(var_q, (n, heads, head_dim), "float32")
-        pool = T.match_buffer(var_pool, (pages, 2, kv_heads, page_size, head_dim), kv_dtype)
+        pool = T.match_buffer(var_pool, rows.pool_shape(pages), rows.pool_dtype)
         page_table = T.match_buffer(var_pt, table_shape, "int32")
         kv_lens = T.match_buffer(var_lens, lens_shape, "int32")
         out = T.match_buffer(var_out, (n, heads, head_dim), "float32")
@@ -151,9 +153,11 @@ def make_gpu_paged_attention(heads: int, kv_heads: int, head_dim: int, page_size
                         page_sh[tx] = page_of(page_table, layer, t, (tile * TX + tx) // page_size)
                     if visible(tile * TX + tx, total, window):
                         dot[0] = T.float32(0)
-                        for d in range(head_dim):
-                            dot[0] = dot[0] + q_sh[d] * T.Cast("float32", pool[T.Cast("int64", page_sh[tx]), 0, kvh,
-                                                              (tile * TX + tx) % page_size, d])
+                        for d in range(head_dim // rows.dot_step):
+                            for e in T.unroll(rows.dot_step):
+                                dot[0] = dot[0] + q_sh[d * rows.dot_step + e] * rows.load(
+                                    pool, 0, T.Cast("int64", page_sh[tx]), kvh, (tile * TX + tx) % page_size,
+                                    d * rows.dot_step + e)
                         score[tx] = dot[0]
                     else:
                         score[tx] = T.float32(NEG_INF)
@@ -174,8 +178,8 @@ def make_gpu_paged_attention(heads: int, kv_heads: int, head_dim: int, page_size
                         st[1] = st[1] + prob[j]
                         for c in T.unroll(DPT):
                             if c * TX + tx < head_dim:
-                                acc[c] = acc[c] + prob[j] * T.Cast("float32", pool[T.Cast("int64", page_sh[j]), 1, kvh,
-                                                                 (tile * TX + j) % page_size, c * TX + tx])
+                                acc[c] = acc[c] + prob[j] * rows.load(pool, 1, T.Cast("int64", page_sh[j]), kvh,
+                                                                      (tile * TX + j) % page_size, c * TX + tx)
                     # the next tile overwrites score, prob and page_sh
                     T.tvm_storage_sync("shared")
                 for c in T.unroll(DPT):

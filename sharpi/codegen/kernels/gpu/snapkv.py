@@ -31,6 +31,7 @@ from ....common.ops import (P_BUDGET, P_KERNEL, P_POOLING, P_RECENCY, P_SHARED, 
                             POOL_MAX, SELECT_PARAMS)
 from ..common import GPU_KERNEL_ATTRS as ATTRS
 from ..common import NEG_INF, score_width, token_count
+from .kv_rows import GpuRows
 
 THREADS = 256                 # invocations per workgroup for the reducing kernels (WebGPU's limit)
 LOG_THREADS = 8
@@ -79,12 +80,14 @@ def _inclusive_scan(a, b, tmp, tx):
 
 # -- score ----------------------------------------------------------------------------------------------------
 def make_gpu_snapkv_row_stats(heads: int, kv_heads: int, head_dim: int, page_size: int, max_pages: int,
-                              scale: float, kv_dtype: str = "float32"):
+                              scale: float, kv_dtype="float32"):
     """PrimFunc (q [n, H, D], pool, page_table, kv_lens, layer, window [1] int32, stats [n, H, 2] f32).
 
     stats[t, h] = (max logit, sum of exp(logit - max)) over the slots query t sees, for the last
-    W = min(window[0], n) queries; the other rows are zero. One workgroup per (query, head)."""
+    W = min(window[0], n) queries; the other rows are zero. One workgroup per (query, head). kv_dtype: a KV type,
+    a (key, value) pair or a KVFormat (gpu.kv_rows)."""
     n = token_count(None)
+    rows = GpuRows.of(kv_dtype, kv_heads, page_size, head_dim)
     pages, layers = T.int64(), T.int64()
     group = heads // kv_heads
 
@@ -93,7 +96,7 @@ def make_gpu_snapkv_row_stats(heads: int, kv_heads: int, head_dim: int, page_siz
                          layer: T.int64, var_window: T.handle, var_stats: T.handle):
         T.func_attr(ATTRS)
         q = T.match_buffer(var_q, (n, heads, head_dim), "float32")
-        pool = T.match_buffer(var_pool, (pages, 2, kv_heads, page_size, head_dim), kv_dtype)
+        pool = T.match_buffer(var_pool, rows.pool_shape(pages), rows.pool_dtype)
         page_table = T.match_buffer(var_pt, (layers, max_pages), "int32")
         kv_lens = T.match_buffer(var_lens, (layers,), "int32")
         window = T.match_buffer(var_window, (1,), "int32")
@@ -114,9 +117,11 @@ def make_gpu_snapkv_row_stats(heads: int, kv_heads: int, head_dim: int, page_siz
                         if i * THREADS + tx < seen:
                             s = T.meta_var(i * THREADS + tx)
                             st[3] = T.float32(0)
-                            for d in range(head_dim):
-                                st[3] = st[3] + q[t, h, d] * T.Cast("float32", pool[T.Cast("int64", page_table[layer, s // page_size]),
-                                                                  0, h // group, s % page_size, d])
+                            for d in range(head_dim // rows.dot_step):
+                                for e in T.unroll(rows.dot_step):
+                                    st[3] = st[3] + q[t, h, d * rows.dot_step + e] * rows.load(
+                                        pool, 0, T.Cast("int64", page_table[layer, s // page_size]), h // group,
+                                        s % page_size, d * rows.dot_step + e)
                             st[2] = st[3] * T.float32(scale)
                             st[1] = st[1] * T.exp(st[0] - T.max(st[0], st[2])) + T.exp(st[2] - T.max(st[0], st[2]))
                             st[0] = T.max(st[0], st[2])
@@ -137,10 +142,11 @@ def make_gpu_snapkv_row_stats(heads: int, kv_heads: int, head_dim: int, page_siz
 
 
 def make_gpu_snapkv_score(heads: int, kv_heads: int, head_dim: int, page_size: int, max_pages: int, scale: float,
-                          kv_dtype: str = "float32"):
+                          kv_dtype="float32"):
     """PrimFunc (q [n, H, D], pool, page_table, kv_lens, layer, window [1] int32, stats [n, H, 2],
     out [KVH, max_pages*page]); stats from make_gpu_snapkv_row_stats. One thread per (KV head, slot)."""
     n = token_count(None)
+    rows = GpuRows.of(kv_dtype, kv_heads, page_size, head_dim)
     pages, layers = T.int64(), T.int64()
     group = heads // kv_heads
     slots = max_pages * page_size
@@ -151,7 +157,7 @@ def make_gpu_snapkv_score(heads: int, kv_heads: int, head_dim: int, page_size: i
                          layer: T.int64, var_window: T.handle, var_stats: T.handle, var_out: T.handle):
         T.func_attr(ATTRS)
         q = T.match_buffer(var_q, (n, heads, head_dim), "float32")
-        pool = T.match_buffer(var_pool, (pages, 2, kv_heads, page_size, head_dim), kv_dtype)
+        pool = T.match_buffer(var_pool, rows.pool_shape(pages), rows.pool_dtype)
         page_table = T.match_buffer(var_pt, (layers, max_pages), "int32")
         kv_lens = T.match_buffer(var_lens, (layers,), "int32")
         window = T.match_buffer(var_window, (1,), "int32")
@@ -171,10 +177,11 @@ def make_gpu_snapkv_score(heads: int, kv_heads: int, head_dim: int, page_size: i
                         if T.Cast("int64", s) <= T.Cast("int64", kv_lens[layer]) + t:
                             for g in range(group):
                                 acc[1] = T.float32(0)
-                                for d in range(head_dim):
-                                    acc[1] = acc[1] + q[t, kvh * group + g, d] * T.Cast("float32", pool[
-                                        T.Cast("int64", page_table[layer, s // page_size]), 0, kvh,
-                                        s % page_size, d])
+                                for d in range(head_dim // rows.dot_step):
+                                    for e in T.unroll(rows.dot_step):
+                                        acc[1] = acc[1] + q[t, kvh * group + g, d * rows.dot_step + e] * rows.load(
+                                            pool, 0, T.Cast("int64", page_table[layer, s // page_size]), kvh,
+                                            s % page_size, d * rows.dot_step + e)
                                 p = T.meta_var(T.exp(acc[1] * T.float32(scale) - stats[t, kvh * group + g, 0])
                                                / stats[t, kvh * group + g, 1])
                                 acc[0] = T.if_then_else(window[0] < 0, T.max(acc[0], p),
@@ -311,26 +318,29 @@ def make_gpu_snapkv_select(layers: int, kv_heads: int, slots: int):
 
 # -- compact --------------------------------------------------------------------------------------------------
 def make_gpu_kv_compact(layers: int, kv_heads: int, head_dim: int, page_size: int, max_pages: int,
-                        kv_dtype: str = "float32"):
+                        kv_dtype="float32"):
     """PrimFunc (pool, page_table [L, max_pages], keep [L, KVH, S] int32, count [L] int32), pool written in place:
-    slot keep[l, h, i] -> slot i for i < count[l]. One thread per (layer, KV head, K/V, d), i in order."""
+    slot keep[l, h, i] -> slot i for i < count[l]. One thread per (layer, KV head, K/V, d) of the plain layout,
+    or per (layer, KV head, word) of a packed one (a row moves whole, quants and scales), i in order."""
     pages = T.int64()
     slots = max_pages * page_size
-    lanes = layers * kv_heads * 2 * head_dim
+    rows = GpuRows.of(kv_dtype, kv_heads, page_size, head_dim)
+    parts, width = rows.row_units
+    lanes = layers * kv_heads * parts * width
     blocks = _ceil_div(lanes, COMPACT_THREADS)
 
     @T.prim_func
     def kv_compact_gpu(var_pool: T.handle, page_table: T.Buffer((layers, max_pages), "int32"),
                        keep: T.Buffer((layers, kv_heads, slots), "int32"), count: T.Buffer((layers,), "int32")):
         T.func_attr(ATTRS)
-        pool = T.match_buffer(var_pool, (pages, 2, kv_heads, page_size, head_dim), kv_dtype)
+        pool = T.match_buffer(var_pool, rows.pool_shape(pages), rows.pool_dtype)
         for b in T.thread_binding(blocks, thread="blockIdx.x"):
             for tx in T.thread_binding(COMPACT_THREADS, thread="threadIdx.x"):
-                lane = T.meta_var(b * COMPACT_THREADS + tx)    # d fastest: neighbouring threads, neighbouring floats
-                d = T.meta_var(lane % head_dim)
-                kv = T.meta_var(lane // head_dim % 2)
-                h = T.meta_var(lane // (2 * head_dim) % kv_heads)
-                l = T.meta_var(lane // (2 * head_dim * kv_heads))
+                lane = T.meta_var(b * COMPACT_THREADS + tx)    # d fastest: neighbouring threads, neighbouring words
+                d = T.meta_var(lane % width)
+                kv = T.meta_var(lane // width % parts)
+                h = T.meta_var(lane // (parts * width) % kv_heads)
+                l = T.meta_var(lane // (parts * width * kv_heads))
                 if lane < lanes:
                     for i in range(count[l]):
                         pool[T.Cast("int64", page_table[l, i // page_size]), kv, h, i % page_size, d] = pool[
