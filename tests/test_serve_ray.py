@@ -354,15 +354,15 @@ def test_a_request_whose_replica_dies_before_streaming_is_sent_again_and_after_i
                                                           "cached_tokens": 0})
     # dies before accepting; accepted elsewhere, dies after an empty event; sent again, answers
     handle = _FakeHandle([ActorDiedError()],
-                         [Event("accepted", message="r1@h:1"), Event("text"), ActorDiedError()],
-                         [Event("accepted", message="r2@h:2"), Event("text", text="a", token_ids=[5]), done])
+                         [Event("accepted", message="r1@h:1"), [Event("text")], ActorDiedError()],
+                         [Event("accepted", message="r2@h:2"), [Event("text", text="a", token_ids=[5]), done]])
     engine = RayEngine(handle)
     stream, out = _events(engine, generation)
     assert handle.sent == 3 and stream.replica == "r2@h:2"
     assert [e.kind for e in out] == ["text", "text", "finish"] and out[-1].finish_reason == "length"
     assert b"sharpi_replica_resent_total 2.0" in engine.metrics()
     # dies after streaming text: the client's stream ends with an error naming the replica
-    handle = _FakeHandle([Event("accepted", message="r3@h:3"), Event("text", text="b", token_ids=[6]),
+    handle = _FakeHandle([Event("accepted", message="r3@h:3"), [Event("text", text="b", token_ids=[6])],
                           ActorDiedError()])
     engine = RayEngine(handle)
     _, out = _events(engine, generation)

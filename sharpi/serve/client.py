@@ -48,6 +48,23 @@ class EventStream:
             self._finished = True
         return event
 
+    async def next_batch(self, linger: float = 0.0) -> list[Event]:
+        """The next event and those that follow it within `linger` seconds (up to the finish): a stream relayed
+        to another process sends them as one message."""
+        loop = asyncio.get_running_loop()
+        batch, deadline = [await self.next()], loop.time() + linger
+        while batch[-1].kind != "finish":
+            try:
+                if self.queue.empty():
+                    batch.append(await asyncio.wait_for(self.queue.get(), deadline - loop.time()))
+                else:
+                    batch.append(self.queue.get_nowait())
+            except asyncio.TimeoutError:
+                break
+        if batch[-1].kind == "finish":
+            self._finished = True
+        return batch
+
     def cancel_with(self, on_cancel: Callable[[], None]) -> None:
         self._on_cancel = on_cancel
 

@@ -45,6 +45,9 @@ APP_NAME = "sharpi"
 ENGINE = "SharpiEngine"
 INGRESS = "SharpiIngress"
 RETRIES = 2                          # sends of a request whose replica died before it streamed anything
+# A replica sends a stream's events in messages of up to 50 ms of them (as Ray Serve LLM batches its streams):
+# each message crosses two processes, and one a token took CPU from the kernels on small machines.
+STREAM_LINGER_S = 0.05
 _REPLICA_GONE = (ActorDiedError, ActorUnavailableError, RayActorError)
 _REFUSALS = {"busy": ServerBusyError, "context": ContextLengthError, "config": ConfigError}
 
@@ -102,9 +105,9 @@ class RayDeployment:
 
 # -- the engine replica ------------------------------------------------------------------------------------------
 class EngineReplica:
-    """One ServeEngine on the artifact, loaded when the replica starts. generate() streams a request's events,
-    led by an "accepted" event naming this replica or by a "refused" one (the engine's queue is full, or the
-    request cannot run here), which the ingress turns back into sharpi's errors."""
+    """One ServeEngine on the artifact, loaded when the replica starts. generate() streams a request's events:
+    first an "accepted" event naming this replica, or a "refused" one (the engine's queue is full, or the
+    request cannot run here) which the ingress turns back into sharpi's errors; then lists of events."""
 
     def __init__(self, options: ReplicaOptions):
         import sharpi
@@ -130,9 +133,9 @@ class EngineReplica:
         yield Event("accepted", message=self.name)
         try:
             while True:
-                event = await stream.next()
-                yield event
-                if event.kind == "finish":
+                events = await stream.next_batch(STREAM_LINGER_S)
+                yield events
+                if events[-1].kind == "finish":
                     return
         finally:
             stream.cancel()            # the caller went away (its generator was cancelled): free the pages
@@ -217,8 +220,9 @@ class _Relay:
     async def _pump(self, resends: int) -> None:
         while True:
             try:
-                async for event in self.response:
-                    self._deliver(event)
+                async for events in self.response:
+                    for event in events:
+                        self._deliver(event)
                 return
             except asyncio.CancelledError:
                 raise
