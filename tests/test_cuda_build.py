@@ -91,16 +91,17 @@ def test_cuda_logits_match_cpu(smollm2_cuda_artifact, smollm2, golden):
 
 
 
-@pytest.mark.parametrize("kv_dtype,kernel_part", [("bf16", "kvbf16"), ("q8_0", "kvq8_0"), ("q4_0", "kvq4_0")])
-def test_kv_cache_types_build_for_cuda(kv_dtype, kernel_part, tmp_path):
-    """--kv-dtype bf16, q8_0 and q4_0 on the cuda target: nvcc builds the attention (prefill, decode, batched),
-    append, compaction and SnapKV kernels for the pool (a quantized one read and written as 32-bit words, the same
-    TIR the Vulkan tests run on lavapipe); run only on a GPU machine, with the rest of the CUDA checks."""
+@pytest.mark.parametrize("kv_k,kv_v,kernel_part", [("bf16", "bf16", "kvbf16"), ("q4_0", "q8_0", "kvq4_0_q8_0")])
+def test_kv_cache_types_build_for_cuda(kv_k, kv_v, kernel_part, tmp_path):
+    """--kv-dtype bf16, and q4_0 keys with q8_0 values (both quantized readers and writers in one build), on the
+    cuda target: nvcc builds the attention (prefill, decode, batched), append, compaction and SnapKV kernels for the
+    pool (a quantized one read and written as 32-bit words, the same TIR the Vulkan tests run on lavapipe with
+    every pairing of types); run only on a GPU machine, with the rest of the CUDA checks."""
     from sharpi.common.manifest import Manifest
     path = write_tiny_llama(tmp_path / "tiny.gguf", head_dim=32)
-    artifact = sharpi.compile(str(path), target="cuda", kv_dtype=kv_dtype, output=tmp_path / kv_dtype)
+    artifact = sharpi.compile(str(path), target="cuda", kv_dtype_k=kv_k, kv_dtype_v=kv_v, output=tmp_path / kv_k)
     m = Manifest.read(artifact)
-    assert m.kv_dtype == {"bf16": "bfloat16"}.get(kv_dtype, kv_dtype)
+    assert m.kv_dtype == {"bf16": "bfloat16"}.get(kv_k, kv_k)
     kernels = {f"{name}_{kernel_part}" for name in ("paged_attention", "paged_attention_1", "paged_attention_batch",
                                                     "kv_append", "kv_append_batch", "kv_compact", "snapkv_row_stats",
                                                     "snapkv_score")}
