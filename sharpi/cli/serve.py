@@ -65,8 +65,9 @@ def cmd_serve(args) -> int:
         from ..serve.app import ServerState
         from ..serve.server import bind, serve
     except ImportError as error:
-        raise ConfigError(f"sharpi serve needs the serving extra ({error.name} is missing): "
-                          f"pip install \"sharpi[serve]\".") from None
+        extra = "ray" if args.ray else "serve"
+        raise ConfigError(f"sharpi serve{' --ray' if args.ray else ''} needs the {extra} extra ({error.name} is "
+                          f"missing): pip install \"sharpi[{extra}]\".") from None
     parallel = parse_positive_int(args.parallel, "--parallel", highest=1024)
     parse_positive_int(args.max_queue, "--max-queue", allow_zero=True, highest=1 << 20)
     if args.prefill_budget is not None:
@@ -114,7 +115,7 @@ def _serve_on_ray(args, manifest: Manifest, name: str, api_key: str | None, para
     try:
         from ..serve import ray as on_ray
     except ImportError as error:
-        raise ConfigError(f"sharpi serve --ray needs the Ray extra ({error.name} is missing): "
+        raise ConfigError(f"sharpi serve --ray needs the ray extra ({error.name} is missing): "
                           f"pip install \"sharpi[ray]\".") from None
     from ..serve.engine import ServeSettings
     gpu = manifest.target.get("kind") in ("cuda", "vulkan")
