@@ -359,15 +359,31 @@ def start_local_cluster(num_cpus: int | None = None, num_gpus: int | None = None
 def deploy(options: ReplicaOptions, deployment: RayDeployment, page_size: int, address: str | None = None,
            num_cpus: int | None = None) -> str:
     """Start (address None) or join (address "auto" or ray://host:port) a Ray cluster, run the application and
-    return its base URL once every replica is up."""
-    if address is None:
-        start_local_cluster(num_cpus=num_cpus)
-    else:
-        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-        ray.init(address=address, log_to_driver=False, configure_logging=False)
-    serve.start(http_options={"host": deployment.host, "port": deployment.port})
-    serve.run(build_application(options, deployment, page_size), name=APP_NAME, route_prefix="/")
+    return its base URL once every replica is up. Ray's failures (a cluster out of reach, replicas that cannot
+    load the artifact) come back as one sentence; Ray's log holds the rest."""
+    try:
+        if address is None:
+            start_local_cluster(num_cpus=num_cpus)
+        else:
+            os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+            ray.init(address=address, log_to_driver=False, configure_logging=False)
+    except Exception as error:         # noqa: BLE001 -- Ray raises ConnectionError, RuntimeError, ValueError...
+        where = f"at {address}" if address else "on this machine"
+        raise SharpiError(f"Could not start or join the Ray cluster {where}: {_first_line(error)}") from None
+    try:
+        serve.start(http_options={"host": deployment.host, "port": deployment.port})
+        serve.run(build_application(options, deployment, page_size), name=APP_NAME, route_prefix="/")
+    except SharpiError:
+        raise
+    except Exception as error:         # noqa: BLE001 -- Serve's deployment failures are RuntimeErrors of many lines
+        shutdown()
+        raise SharpiError(f"The Ray Serve deployment failed: {_first_line(error)} (Ray's log has the rest: "
+                          f"/tmp/ray/session_latest/logs).") from None
     return f"http://{deployment.host}:{deployment.port}"
+
+
+def _first_line(error: Exception) -> str:
+    return next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
 
 
 def shutdown(timeout: float = 30.0) -> None:
