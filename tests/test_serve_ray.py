@@ -4,6 +4,7 @@ SIGTERM at the end, killed if it does not stop); every wait is bounded."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import queue
 import re
@@ -70,11 +71,17 @@ class RayCli:
         raise AssertionError(f"no line matching {pattern!r} within {timeout} s:\n" + "".join(self.log[-40:]))
 
     def stop(self) -> int:
+        """SIGTERM (the CLI takes the deployment and its cluster down); whatever of the process tree is left
+        after 90 s is killed, so that no Ray process outlives the test."""
+        tree = {pid: _start_time(pid) for pid in descendants(self.process.pid)}
         self.process.send_signal(signal.SIGTERM)
         try:
             return self.process.wait(timeout=90)
         finally:
-            self.process.kill()
+            for pid, started in tree.items():
+                if started is not None and _start_time(pid) == started:     # the same process, not a reused id
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
 
 
 def descendants(root: int) -> set[int]:
@@ -94,6 +101,14 @@ def descendants(root: int) -> set[int]:
                 tree.add(pid)
                 grew = True
     return tree
+
+
+def _start_time(pid: int) -> int | None:
+    """When the process started (field 22 of /proc/PID/stat), or None if it is gone."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def listening_addresses(pids: set[int]) -> list[tuple[int, str, int]]:
