@@ -269,17 +269,23 @@ async def _respond(request: Request, engine: EngineClient, model: ModelFront, st
             "prompt_tokens": len(generation.prompt_ids), "completion_tokens": 0, "cached_tokens": 0}))
     else:
         events = await _open(engine, generation)
-    headers = {"x-sharpi-replica": events.replica} if events.replica else {}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(_sse(model, events, reply, start, chat, include_usage),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers})
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", **_replica_header(events)})
     async for event in _events_until_disconnect(request, events):
         _take(reply, event, start)
     if reply.finish_reason is None:                 # the client went away: nothing to answer
         return Response(status_code=499)
     _raise_if_failed(reply)
-    return JSONResponse(_full_response(model, reply, chat), headers=headers)
+    # read at the end: a request sent again after its replica died names the replica that answered
+    return JSONResponse(_full_response(model, reply, chat), headers=_replica_header(events))
+
+
+def _replica_header(events: EventStream) -> dict:
+    """Which engine replica serves the request (Ray Serve deployments; none in a single-engine server)."""
+    return {"x-sharpi-replica": events.replica} if events.replica else {}
 
 
 async def _open(engine: EngineClient, generation: GenerationRequest) -> EventStream:

@@ -30,7 +30,7 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from ray import serve
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.config import RequestRouterConfig
-from ray.serve.request_router import FIFOMixin, LocalityMixin, MultiplexMixin, RequestRouter
+from ray.serve.request_router import FIFOMixin, RequestRouter
 
 from ..common.errors import ConfigError, ContextLengthError, ServerBusyError, SharpiError
 from ..runtime.model_info import ModelInfo
@@ -262,12 +262,13 @@ class _Relay:
 
 
 # -- the router ---------------------------------------------------------------------------------------------------
-class PrefixAffinityRouter(FIFOMixin, LocalityMixin, MultiplexMixin, RequestRouter):
+class PrefixAffinityRouter(FIFOMixin, RequestRouter):
     """Ray Serve's request router for the engine deployment (it runs in the ingress, beside the handle): the
     replica that served the prompt's longest prefix first (sharpi.serve.routing), then the others by requests in
     flight, fewest first. It counts those itself, from routing to the end of each stream: Ray's own queue-length
     cache learns a replica's count only when a request is sent to it and keeps it for 10 s, so after a burst it
-    would hold a replica busy that is long idle."""
+    would hold a replica busy that is long idle. Requests are routed in arrival order (FIFOMixin); Ray's node
+    locality and model multiplexing have no use here."""
 
     def initialize_state(self, **kwargs):
         self.index = PrefixIndex(AffinitySettings(**kwargs))
