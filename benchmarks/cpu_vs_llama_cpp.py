@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 import sharpi
-from sharpi.cli.bench import artifact_tokenizer, find_gguf, prompt_ids, rounds
+from sharpi.cli.bench import artifact_info, find_gguf, prompt_ids, rounds
 from sharpi.common.config import ModelConfig
 from sharpi.common.settings import resolve_threads
 
@@ -115,7 +115,8 @@ def rows_for(name: str, prompts: list[int], gen: int, repeats: int, budget: int,
                 name, target="llvm", matmuls=m, mcpu=mcpu or None, **types,
                 output=f"/tmp/sharpi-cpu-bench-{label_of}-{m}{'-' + mcpu if mcpu else ''}{suffix}")
     first = next(iter(artifacts.values()))
-    tokenizer, manifest = artifact_tokenizer(first)
+    tokenizer = artifact_info(first)
+    manifest = tokenizer.manifest
     cfg = ModelConfig.from_dict(manifest.config)
     gguf = find_gguf(manifest, name if Path(name).is_file() else None)
     rows = []
@@ -131,7 +132,7 @@ def rows_for(name: str, prompts: list[int], gen: int, repeats: int, budget: int,
         for (variant, kv), path in artifacts.items():
             m, _, mcpu = variant.partition("@")
             label = "sharpi" if m == "float" else f"sharpi, {m} matmuls"
-            types = artifact_tokenizer(path)[1].kv_types
+            types = artifact_info(path).manifest.kv_types
             if types != ("float32", "float32"):
                 label += f", {'/'.join(t.replace('float', 'f') for t in dict.fromkeys(types))} KV"
             if mcpu:
@@ -153,7 +154,7 @@ def rows_for(name: str, prompts: list[int], gen: int, repeats: int, budget: int,
                 floor = bandwidth / decode_bytes(manifest, n + gen // 2, gguf=gguf, cache=spec.get("cache", "f16"))
             else:
                 kept = budget if "SnapKV" in label else 0
-                floor = bandwidth / decode_bytes(artifact_tokenizer(spec["artifact"])[1], n + gen // 2, kept)
+                floor = bandwidth / decode_bytes(artifact_info(spec["artifact"]).manifest, n + gen // 2, kept)
             rows.append({"model": label_of, "prompt": n, "engine": label, **m, "vs": theirs, "floor": floor,
                          "baseline": label == baseline})
         print(table([r for r in rows if r["prompt"] == n]), file=sys.stderr, flush=True)   # kept if cut short

@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_throughput import HOST, ServerProcess, make_prompts, machine, percentile, run_clients  # noqa: E402
 
 import sharpi  # noqa: E402
+from sharpi.cli.bench import artifact_info  # noqa: E402
 from sharpi.runtime.model_info import ModelInfo  # noqa: E402
 
 SECTION = "## Replicas on Ray Serve"
@@ -139,7 +140,7 @@ def main() -> None:
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     artifact = Path(sharpi.compile(args.model, target="llvm", output=args.work / "artifact"))
-    info = ModelInfo(artifact)
+    info = artifact_info(artifact)
     results = []
     for round_ in range(args.rounds):
         arms = ["serve", "ray-x1", "ray-x2"]

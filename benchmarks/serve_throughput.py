@@ -37,7 +37,7 @@ from pathlib import Path
 import httpx
 
 import sharpi
-from sharpi.cli.bench import artifact_tokenizer, find_gguf, time_in_process
+from sharpi.cli.bench import artifact_info, find_gguf, time_in_process
 
 HOST = "127.0.0.1"
 SENTENCES = ["The river bends twice before it reaches the old mill.", "A quiet market opens at dawn on Tuesdays.",
@@ -405,7 +405,8 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     artifact = Path(sharpi.compile(args.model, target="llvm", output=f"/tmp/sharpi-serve-bench-{args.model}"))
-    tokenizer, manifest = artifact_tokenizer(artifact)
+    tokenizer = artifact_info(artifact)
+    manifest = tokenizer.manifest
     gguf = find_gguf(manifest, None)
     log_dir = Path("/tmp/sharpi-serve-bench-logs")
     log_dir.mkdir(exist_ok=True)

@@ -19,25 +19,24 @@ import numpy as np
 from ..common.errors import ConfigError, SharpiError
 from ..common.manifest import Manifest
 from ..common.settings import resolve_threads
-from ..common.tokenizer import Tokenizer, TokenizerInfo
 from ..frontend.fetch import models_dir
 from ..runtime.model import Model
+from ..runtime.model_info import ModelInfo
 from .common import load_model, snapkv_keywords, snapkv_knobs
 
 FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ")
 
 
 def prompt_ids(model, n_tokens: int) -> list[int]:
-    """n_tokens of filler text; `model` is anything with tokenize() (a Model, or artifact_tokenizer's)."""
+    """n_tokens of filler text; `model` is anything with tokenize() (a Model, or a runtime.model_info.ModelInfo)."""
     ids = model.tokenize(FILLER * (n_tokens // 10 + 2))
     return ids[:n_tokens]
 
 
-def artifact_tokenizer(directory: Path):
-    """An artifact's tokenizer without loading its kernels (the timing happens in other processes)."""
-
-    manifest = Manifest.read(Path(directory))
-    return Tokenizer.load(Path(directory), TokenizerInfo.from_dict(manifest.tokenizer)), manifest
+def artifact_info(directory: Path) -> ModelInfo:
+    """An artifact's tokenizer and manifest (its digest checked) without loading its kernels: the timing happens
+    in other processes."""
+    return ModelInfo(directory, Manifest.read(Path(directory)))
 
 
 def bench_sharpi(model, tokens: list[int], n_gen: int, repeats: int, snapkv: dict | None = None) -> dict:
@@ -142,7 +141,8 @@ def find_gguf(manifest, explicit: str | None) -> Path | None:
 
 def run_bench(args) -> None:
 
-    tokenizer, manifest = artifact_tokenizer(Path(args.artifact))
+    tokenizer = artifact_info(Path(args.artifact))
+    manifest = tokenizer.manifest
     threads = resolve_threads(args.threads)
     snapkv = snapkv_keywords(args)
     model = load_model(args)        # here only to check the flags against the artifact before any timing

@@ -7,7 +7,7 @@
 
 The ingress tokenizes, so the handle's router sees a request's tokens: PrefixAffinityRouter sends a prompt to the
 replica that served its longest page-aligned prefix (a chat's next turn, another question about one document),
-else to the less busy of two (Ray's power of two choices). Ray restarts a replica whose process dies; a request
+else to the replica with the fewest requests in flight. Ray restarts a replica whose process dies; a request
 on it that had streamed nothing yet is sent again (to a live replica), one that had ends with a clear error. The
 deployment's health check is the engine's own (/health's answer in `sharpi serve`).
 
