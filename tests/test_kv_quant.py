@@ -337,3 +337,39 @@ def test_cli_kv_flags_refuse_in_one_line(tiny_path, tmp_path, capsys):
     _assert_clean_failure(*_cli(compile_cli, [str(tiny_path), "--target", "vulkan", "--kv-dtype-v", "bf16", "-o",
                                               str(tmp_path / "b")], capsys), "--kv-dtype-v bf16 is not available")
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+# -- keys stored minus the key bias (qwen2) -----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_qwen_path(tmp_path_factory):
+    """A tiny qwen2 whose key bias is shaped as Qwen2.5's: a few channels far larger than the keys' spread."""
+    import gguf
+    from tiny_gguf import write_tiny_llama
+    bias = np.random.default_rng(5).normal(0, 0.5, 2 * 32).astype(np.float32)
+    bias[[15, 31, 47, 63]] = [40.0, -35.0, 25.0, -30.0]       # NEOX's lowest frequencies, as Qwen2.5's
+    large = {f"blk.{l}.attn_k.bias": (bias, gguf.GGMLQuantizationType.F32) for l in range(2)}
+    return write_tiny_llama(tmp_path_factory.mktemp("kvq-qwen") / "tiny-qwen2.gguf", arch="qwen2", qkv_bias=True,
+                            matrix_type="Q8_0", layers=2, heads=4, kv_heads=2, head_dim=32, override_raw=large)
+
+
+def test_quantized_keys_are_cached_minus_the_key_bias(tiny_qwen_path, tmp_path_factory):
+    """A quantized key cache of a model with a key bias holds k - bias (the manifest says so; float caches hold k
+    as it is); attention, batched decode and SnapKV still equal the reference that caches keys so; the host's view
+    of the keys adds the bias back, and holds them far closer to the exact keys than the same blocks without the
+    offset would (the bias's large channels no longer set their blocks' scales)."""
+    import sharpi
+    from sharpi.common.kv_format import dequantize_kv, quantize_kv
+    from sharpi.frontend.gguf_file import GGUFFile
+    out = tmp_path_factory.mktemp("kvq-qwen-artifacts")
+    q4, exact = (sharpi.load(sharpi.compile(str(tiny_qwen_path), output=out / kv, matmuls="float", kv_dtype=kv,
+                                            use_cache=False)) for kv in ("q4_0", "f32"))
+    assert q4.manifest.kv_key_offset == "attn_k.bias" and exact.manifest.kv_key_offset is None
+    check_against_the_reference(q4, tiny_qwen_path, ("q4_0", "q4_0"))
+    ids = list(range(5, 45))
+    with exact.session() as a, q4.session() as b:
+        a.prefill(ids), b.prefill(ids)
+        keys, cached = a.cached_keys()[0], b.cached_keys()[0]        # layer 0: the same f32 keys in both
+    c = np.asarray(GGUFFile(tiny_qwen_path).tensor("blk.0.attn_k.bias").data, np.float32).reshape(2, 1, 32)
+    np.testing.assert_allclose(cached, dequantize_kv("q4_0", *quantize_kv("q4_0", keys - c)) + c, atol=1e-5)
+    plain = dequantize_kv("q4_0", *quantize_kv("q4_0", keys))
+    assert np.abs(cached - keys).max() * 4 < np.abs(plain - keys).max()

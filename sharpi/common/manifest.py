@@ -19,7 +19,7 @@ from pathlib import Path
 from . import schema
 from .config import MAX_SIZE, ModelConfig
 from .errors import ArtifactError, ConfigError
-from .kv_format import KV_TYPES, KVFormat
+from .kv_format import KEY_OFFSET, KV_TYPES, KVFormat
 from .output_dir import MAX_MANIFEST_BYTES, OutputKind, plain_file_name
 from .plan import PLAN_FILE
 from .snapkv_settings import CHOICES as SNAPKV_CHOICES, KNOBS as SNAPKV_KNOBS
@@ -72,6 +72,7 @@ class Manifest:
     snapkv: dict = field(default_factory=dict)
     kv_dtype: str = "float32"    # the KV cache's type (kv_format.KV_TYPES): the keys', and the values' unless
     kv_dtype_v: str | None = None    # gives theirs (absent in artifacts compiled before K and V could differ)
+    kv_key_offset: str | None = None     # keys cached minus blk.N.<this> (kv_format.key_offset_for); absent: none
     format: str = FORMAT
     digest: str = ""             # sha256 of the manifest's canonical JSON without this field (set by to_json)
 
@@ -137,7 +138,8 @@ def kernel_contract(content: dict) -> dict:
             "params": [[p["name"], p["dtype"], p["shape"]] for p in content["params"]],
             "snapkv": {k: snapkv.get(k) for k in ("enabled", "max_window", "select_params")},
             # only where set: the contracts compiled into earlier artifacts have no such key
-            **({"kv_dtype_v": content["kv_dtype_v"]} if content.get("kv_dtype_v") else {})}
+            **({"kv_dtype_v": content["kv_dtype_v"]} if content.get("kv_dtype_v") else {}),
+            **({"kv_key_offset": content["kv_key_offset"]} if content.get("kv_key_offset") else {})}
 
 
 def contract_json(contract: dict) -> str:
@@ -283,8 +285,9 @@ _TOP = schema.record({
     "functions": schema.array(schema.one_of(*FUNCTIONS), len(FUNCTIONS), unique=True),
     "kernels": schema.array(schema.text(256), 100_000), "params": schema.array(_PARAM, 1_000_000),
     "files": schema.mapping(_plain_name, schema.sha256_hex, 100_000),
-    "snapkv": _SNAPKV, "kv_dtype": schema.one_of(*KV_TYPES), "kv_dtype_v": schema.optional(schema.one_of(*KV_TYPES))},
-    optional_keys=("kv_dtype_v",))
+    "snapkv": _SNAPKV, "kv_dtype": schema.one_of(*KV_TYPES), "kv_dtype_v": schema.optional(schema.one_of(*KV_TYPES)),
+    "kv_key_offset": schema.optional(schema.one_of(KEY_OFFSET))},
+    optional_keys=("kv_dtype_v", "kv_key_offset"))
 
 
 def check_manifest_dict(raw: dict) -> None:

@@ -27,7 +27,7 @@ from tvm.relax import op as R
 
 from ..common import ops
 from ..common.config import ModelConfig
-from ..common.kv_format import KVFormat
+from ..common.kv_format import KVFormat, key_offset_for
 from .gguf_file import GGUFFile
 from .weights import WeightTable, load_weights
 
@@ -64,6 +64,7 @@ class LlamaBuilder:
                  kv_types: tuple[str, str] = ("float32", "float32")):
         self.cfg, self.weights = cfg, weights
         self.kv_format = KVFormat(*kv_types, cfg.n_kv_heads, page_size, cfg.head_dim)
+        self.key_offset = key_offset_for(kv_types[0], cfg.qkv_bias)
         self.max_pages, self.page_size = max_pages, page_size
         self.bb = relax.BlockBuilder()
 
@@ -175,6 +176,9 @@ class LlamaBuilder:
         layer = relax.prim_value(tvm.tirx.IntImm("int64", l))
         append, attend = ((ops.KV_APPEND_BATCH, ops.PAGED_ATTENTION_BATCH) if self._batched else
                           (ops.KV_APPEND, ops.PAGED_ATTENTION))
+        if self.key_offset:           # cached as k - c (common.kv_format.KEY_OFFSET): attention is unchanged
+            offset = bb.emit(R.reshape(self._vector(f"blk.{l}.{self.key_offset}"), (cfg.n_kv_heads, cfg.head_dim)))
+            k = bb.emit(R.subtract(k, offset))
         pool = bb.emit(relax.call_dps_packed(append, [pool, k, v, page_table, kv_lens, layer], pool.ty))
         scale = relax.prim_value(tvm.tirx.FloatImm("float32", scale or 1.0 / math.sqrt(cfg.head_dim)))
         window = relax.prim_value(tvm.tirx.IntImm("int64", window))

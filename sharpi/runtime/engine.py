@@ -21,8 +21,10 @@ from .kv_cache import PagePool, SequenceCache
 
 class Engine:
     def __init__(self, backend: Backend, manifest: Manifest, config: ModelConfig, pool_sequences: int,
-                 pool_tokens: int | None = None):
+                 pool_tokens: int | None = None, key_offsets: list | None = None):
+        """key_offsets: per layer what its cached keys are stored minus (loader.key_offsets), or None."""
         self.backend, self.manifest, self.config = backend, manifest, config
+        self.key_offsets = key_offsets
         self.pool = self._make_pool(pool_sequences, pool_tokens)
         # Reentrant: eviction (select, compact) runs inside a prefill.
         self.lock = threading.RLock()

@@ -60,6 +60,24 @@ def weight_arrays(directory: Path, manifest: Manifest, mode: str = "r"):
         yield p, mapped[p.offset:p.offset + p.nbytes].view(p.dtype).reshape(p.shape)
 
 
+def key_offsets(directory: Path, manifest: Manifest, n_layers: int, shape: tuple[int, int]) -> list | None:
+    """Per layer the [kv_heads, head_dim] vector its cached keys are stored minus (Manifest.kv_key_offset), as
+    float32 copies; None when the artifact stores keys as they are."""
+    if not manifest.kv_key_offset:
+        return None
+    names = {f"blk.{layer}.{manifest.kv_key_offset}": layer for layer in range(n_layers)}
+    offsets = [None] * n_layers
+    for entry, array in weight_arrays(directory, manifest):
+        tensor = entry.name.partition(":")[0]          # "blk.0.attn_k.bias:w": the GGUF tensor, its part
+        if tensor in names and array.dtype == np.float32 and array.size == shape[0] * shape[1]:
+            offsets[names[tensor]] = np.array(array).reshape(shape)
+    if any(offset is None for offset in offsets):
+        raise ArtifactError(f"{directory}/{MANIFEST_NAME} says its keys are cached minus {manifest.kv_key_offset}, "
+                            f"but not every layer has that vector of {shape[0] * shape[1]} values: compile the "
+                            f"artifact again.")
+    return offsets
+
+
 def load_weights(directory: Path, manifest: Manifest, device) -> list:
     """Weights as TVM tensors on `device`, in parameter order. On the CPU they are views of the mapped file, not
     copies: loading reads nothing until a kernel first touches a page, and resident memory is the weights once

@@ -17,6 +17,7 @@ from ..common.targets import target_spec
 from ..common.tokenizer import token_ids
 from .backend import Backend
 from .engine import Engine
+from .loader import key_offsets
 from .model_info import ModelInfo
 from .sampling import Sampler, SamplingParams
 from .scorers import (ANCHOR, CONTINUE_PROMPT, PROBE_PROMPT, REPEAT_PROMPT, SCORERS, ContextScorer,
@@ -62,7 +63,9 @@ class Model:
         backend = open_backend(self.path, manifest, threads=self.threads, verify=verify, adapter=adapter)
         self.info = ModelInfo(self.path, manifest)
         self.config, self.tokenizer = self.info.config, self.info.tokenizer
-        self.engine = Engine(backend, manifest, self.config, pool_sequences, pool_tokens)
+        self.engine = Engine(backend, manifest, self.config, pool_sequences, pool_tokens,
+                             key_offsets=key_offsets(self.path, manifest, self.config.n_layers,
+                                                     (self.config.n_kv_heads, self.config.head_dim)))
 
     @property
     def backend(self) -> str:

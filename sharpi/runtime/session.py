@@ -167,6 +167,8 @@ class Session:
             data = cache.pool.kv_format.decode(cache.pool.read_pages(cache.pages[layer]), 0)   # [pages, kvh, page, d]
             slots = data.transpose(1, 0, 2, 3).reshape(data.shape[1], -1, data.shape[3])
             keys.append(slots[:, :cache.length[layer]])
+            if self._engine.key_offsets is not None:     # stored minus it (common.kv_format.KEY_OFFSET)
+                keys[-1] = keys[-1] + self._engine.key_offsets[layer][:, None, :]
         return keys
 
     def rescore(self, scorer: ContextScorer, ids) -> None:

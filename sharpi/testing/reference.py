@@ -16,6 +16,7 @@ import numpy as np
 from ..common.config import ModelConfig
 from ..common.errors import GGUFError
 # Gemma 3's layer pattern and local RoPE base are constants llama.cpp hard-codes rather than reads from the GGUF
+from ..common.kv_format import key_offset_for
 from ..frontend.config import GEMMA3_LOCAL_ROPE_BASE, GEMMA3_SWA_PATTERN, config_from_gguf
 from ..frontend.gguf_file import GGUFFile
 
@@ -73,7 +74,7 @@ class NumpyReference:
         masks = {}
         for l in range(cfg.n_layers):
             q, k, v = self._qkv(l, x, pos)
-            k, v = self._as_cached(k, v)
+            k, v = self._as_cached(l, k, v)
             if capture is not None:
                 capture.append((q, k, v))
             local = self.is_local(l)
@@ -103,7 +104,7 @@ class NumpyReference:
         rep = cfg.n_heads // cfg.n_kv_heads
         for l in range(cfg.n_layers):
             q, k, v = self._qkv(l, x, np.array([n]))
-            k, v = self._as_cached(k, v)
+            k, v = self._as_cached(l, k, v)
             _, pk, pv = captured[l]
             out = np.empty((1, cfg.n_heads, cfg.head_dim), np.float32)
             for kvh in range(cfg.n_kv_heads):
@@ -116,11 +117,15 @@ class NumpyReference:
             x = self._finish_layer(l, x, out)
         return self._logits(x)[0]
 
-    def _as_cached(self, k, v):
-        """k, v [T, KVH, D] as the KV cache holds them (kv_types)."""
+    def _as_cached(self, l, k, v):
+        """Layer l's k, v [T, KVH, D] as the KV cache holds them (kv_types): quantized keys rounded as stored,
+        minus the layer's key offset where the model has one (kv_format.key_offset_for), and read back plus it."""
         if self.kv_types is None:
             return k, v
-        return tuple(kv_roundtrip(dtype, x) for dtype, x in zip(self.kv_types, (k, v)))
+        key_type, value_type = self.kv_types
+        offset = key_offset_for(key_type, self.config.qkv_bias)
+        c = self.weights[f"blk.{l}.{offset}"].reshape(k.shape[1:]) if offset else np.float32(0)
+        return kv_roundtrip(key_type, k - c) + c, kv_roundtrip(value_type, v)
 
     # -- the two graphs --------------------------------------------------------------------------------------
 
