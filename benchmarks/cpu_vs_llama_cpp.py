@@ -105,9 +105,10 @@ def rows_for(name: str, prompts: list[int], gen: int, repeats: int, budget: int,
              threads: int, bandwidth: float, kv_types: list[str], llama_caches: list[str]) -> list[dict]:
     label_of = Path(name).stem if name.endswith(".gguf") else name
     artifacts = {}
+    arms = dict(kv_arms(entry) for entry in kv_types)
     for variant in matmuls:       # "int8", "float", or one for another CPU: "int8@znver3" (AVX2 only)
         m, _, mcpu = variant.partition("@")
-        for kv in kv_types:       # "default" (the target's), or f16, q8_0, "q8_0/q4_0" (keys/values)
+        for kv in arms:           # "default" (the target's), or f16, q8_0, "q8_0/q4_0" (keys/values)
             k, _, v = kv.partition("/")
             types = {} if kv == "default" else {"kv_dtype_k": k, "kv_dtype_v": v or k}
             suffix = "" if kv == "default" else "-" + kv.replace("/", "-")
@@ -138,8 +139,9 @@ def rows_for(name: str, prompts: list[int], gen: int, repeats: int, budget: int,
             if mcpu:
                 label += f", --mcpu {mcpu}"
             sharpi_spec = {"engine": "sharpi", "artifact": str(path), **common}
-            specs[label] = {**sharpi_spec, "snapkv": {"snapkv_budget": 0}}
-            if budget and n > budget:
+            if "full" in arms[kv]:
+                specs[label] = {**sharpi_spec, "snapkv": {"snapkv_budget": 0}}
+            if budget and n > budget and "snapkv" in arms[kv]:
                 specs[f"{label}, SnapKV {budget}"] = {**sharpi_spec, "snapkv": {"snapkv_budget": budget}}
         medians = rounds(specs, repeats)
         for label, spec in specs.items():     # llama.cpp's cache: its slots times ggml's bytes for them
@@ -159,6 +161,15 @@ def rows_for(name: str, prompts: list[int], gen: int, repeats: int, budget: int,
                          "baseline": label == baseline})
         print(table([r for r in rows if r["prompt"] == n]), file=sys.stderr, flush=True)   # kept if cut short
     return rows
+
+
+def kv_arms(entry: str) -> tuple[str, tuple[str, ...]]:
+    """"q8_0" -> ("q8_0", ("full", "snapkv")): a KV type's artifact timed with the full cache and with SnapKV at
+    --budget; "q8_0:full" or "q4_0:snapkv" times one of the two (a 16k-token arm takes minutes)."""
+    kv, _, arm = entry.partition(":")
+    if arm not in ("", "full", "snapkv"):
+        raise SystemExit(f"--kv {entry}: the part after ':' is full or snapkv")
+    return kv, (arm,) if arm else ("full", "snapkv")
 
 
 def table(rows: list[dict]) -> str:
@@ -208,7 +219,8 @@ def main(argv=None) -> int:
                         "kernels on this one)")
     p.add_argument("--kv", default="default",
                    help="sharpi's KV cache types, an artifact each: default (the target's), f16, q8_0, q4_0, or K/V "
-                        "(e.g. q8_0/q4_0)")
+                        "(e.g. q8_0/q4_0); each timed with the full cache and with SnapKV at --budget, "
+                        "or only one of the two with TYPE:full or TYPE:snapkv")
     p.add_argument("--llama-caches", default="default",
                    help="llama.cpp's cache types, a run each: default (f16, llama.cpp's defaults), or f16, q8_0, K/V "
                         "(-ctk/-ctv with -fa on); the first is the ratios' baseline")
