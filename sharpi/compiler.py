@@ -26,9 +26,9 @@ from . import compile_cache
 from .codegen import artifact
 from .codegen.targets import Target, target_for
 from .common.compile_options import PREFILL_CHUNK, CompileOptions, kv_types_of
-from .common.kv_format import key_offset_for
 from .common.config import ModelConfig
 from .common.errors import ConfigError, SharpiWarning, UnsupportedArchitectureError
+from .common.kv_format import key_offset_for
 from .common.manifest import (ARTIFACT, FORMAT_VERSION, MANIFEST_NAME, TOKENIZER, WEIGHTS, Manifest, contract_json,
                               file_sha256)
 from .common.ops import PAGE_SIZE, SELECT_PARAMS

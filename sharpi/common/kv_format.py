@@ -42,7 +42,7 @@ POOL_ITEMSIZE = dict(FLOAT_KV, uint8=1)
 # (blk.N.attn_k.bias). Its few large channels (Qwen2.5-Coder-0.5B's first layer: |b| up to 145 where the keys
 # vary by about 0.5) would take their 32-element block's one scale and leave the rest of the block a level or
 # two; without them the scale serves the part of the key that varies (q4_0 keys: golden-text perplexity 51.7 ->
-# 22.5 against f16's 21.6, benchmarks/kv_quant.md). Attention is unchanged: every key a query sees moves by the
+# 22.4 against f16's 21.6, benchmarks/kv_quant.md). Attention is unchanged: every key a query sees moves by the
 # same q.c, which its softmax removes; so is every score built on softmaxed q.k (SnapKV's), and only readers of
 # the keys themselves (Session.cached_keys, for KeyDiff) add it back. The bias is the key's offset before RoPE;
 # its large channels are RoPE's lowest frequencies (0.06 rad in 16k positions), so as it stands it fits the keys

@@ -119,8 +119,8 @@ INT8_MATMULS = (4.0, 1.0)
 
 # Quantized KV caches (kv_format), against the float32 reference, max |d log-prob| over the golden texts' ~310
 # teacher-forced tokens and the whole vocabulary (benchmarks/kv_quant.md; float matmuls, int8 in brackets): q8_0
-# keys and values 0.78 (1.31) SmolLM2, 1.24 (2.62) Gemma 3, 2.95 (2.94) Qwen2.5-Coder-0.5B; q4_0 9.8 (11.1), 21.4
-# (15.5), 26.8 (26.1); q8_0 keys with q4_0 values 2.6 (3.3), 4.6 (6.6), 2.8 (3.0). A bound of a few nats still
+# keys and values 0.78 (1.31) SmolLM2, 1.24 (2.62) Gemma 3, 1.66 (1.87) Qwen2.5-Coder-0.5B; q4_0 9.8 (11.1), 21.4
+# (15.5), 18.6 (18.0); q8_0 keys with q4_0 values 2.6 (3.3), 4.6 (6.6), 1.87 (2.34). A bound of a few nats still
 # checks q8_0; q4_0 moves the far tail so much that a log-prob bound checks little more than that the model runs
 # (its perplexity is the measure that counts). The coarser of the two sides' types decides; (log-prob atol,
 # near-tie):
