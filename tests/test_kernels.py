@@ -207,12 +207,13 @@ def test_prefill_attention_query_passes(held, new, window, heads, kv_heads, d, r
 
 @pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("held,new,window", [(0, 23, 0), (30, 1, 0), (20, 17, 19)])
-def test_half_precision_kv_pool(kv_dtype, held, new, window, rng):
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (7, 1)])     # 7: heads walk a page one at a time, unpacked
+def test_half_precision_kv_pool(kv_dtype, held, new, window, heads, kv_heads, rng):
     """An f16 or bf16 pool: append rounds K and V to nearest (ties to even, as numpy and ml_dtypes do), attention
     reads them back as float32 (decode's split-K path and prefill's)."""
     import ml_dtypes
     half = np.dtype(ml_dtypes.bfloat16) if kv_dtype == "bfloat16" else np.dtype(np.float16)
-    heads, kv_heads, d, page, layer = 4, 2, 64, 16, 0
+    d, page, layer = 64, 16, 0
     pages = (held + new + page - 1) // page
     table = np.asarray([list(np.random.default_rng(2).permutation(pages) + 1)], np.int32)
     pool = _t(np.zeros((pages + 1, 2, kv_heads, page, d), half))

@@ -100,7 +100,9 @@ ATTENTION_CASES = [
     (FORMATS[2], 4, 2, 64, _WINDOWED_PREFILL), (FORMATS[2], 4, 2, 64, _WINDOWED_DECODE),
     (FORMATS[3], 4, 2, 64, _PREFILL), (FORMATS[3], 4, 2, 64, _DECODE),
     (FORMATS[4], 4, 2, 64, _WINDOWED_PREFILL), (FORMATS[4], 4, 2, 64, _DECODE),
-    (("q8_0", "q8_0"), 4, 1, 32, _WINDOWED_PREFILL), (("q4_0", "q4_0"), 4, 1, 32, _WINDOWED_DECODE)]
+    (("q8_0", "q8_0"), 4, 1, 32, _WINDOWED_PREFILL), (("q4_0", "q4_0"), 4, 1, 32, _WINDOWED_DECODE),
+    # 7 heads a KV head (Qwen2.5's): the heads walk each page one at a time, over its unpacked copy (kv_rows.PageRows)
+    (("q4_0", "q8_0"), 7, 1, 64, _DECODE), (("float16", "q8_0"), 7, 1, 64, _PREFILL)]
 
 
 @pytest.mark.parametrize("pair,heads,kv_heads,d,case", ATTENTION_CASES,

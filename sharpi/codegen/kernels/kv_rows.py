@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from ...common.kv_format import FLOAT_KV, KV_BLOCK, KVFormat
+from ...common.kv_format import FLOAT_KV, KV_BLOCK, QUANTIZED_KV, KVFormat
 
 _QUANT_DTYPE = {"q8_0": "int8", "q4_0": "uint8"}
 _NO_SCALES = {"shape": (1,), "dtype": "float16", "elem_offset": 0}    # a float part's scale view: never read
@@ -71,6 +71,50 @@ class SlotRows:
 
     def _scale(self, which, page, h, slot, d):
         return T.Cast("float32", self.scales[which][page, h, slot, d // KV_BLOCK])
+
+
+class PageRows:
+    """One page of one KV head unpacked into float32 buffers [page_size, head_dim] (unpack_page), read as
+    SlotRows reads the pool. Attention walks a page once per block of query heads (Qwen2.5's 7 heads per KV head
+    go one at a time, and a prefill block's 8 tokens each again): reading a quantized pool directly unpacked every
+    element once per pass, which made a q8_0 cache decode slower than an f16 one."""
+
+    def __init__(self, keys, values):
+        self.buffers = (keys, values)
+
+    def load(self, which, page, h, slot, d):
+        return self.buffers[which][slot, d]
+
+
+def page_source(unpack: bool, rows: SlotRows, keys, values):
+    """What attention reads a page through: its unpacked buffers, or the pool's rows."""
+    return PageRows(keys, values) if unpack else rows
+
+
+def unpacked_shape(unpack: bool, page_size: int, head_dim: int) -> tuple[int, int]:
+    """The page buffers' shape: a page's, or a placeholder where attention reads the pool directly."""
+    return (page_size, head_dim) if unpack else (1, 1)
+
+
+def unpacks_pages(fmt: KVFormat, passes: int) -> bool:
+    """Whether attention should unpack each page once (PageRows) rather than read the pool on every one of
+    `passes` walks over it: for quantized parts always, for f16/bf16 when it walks a page more than once."""
+    if fmt.k in QUANTIZED_KV or fmt.v in QUANTIZED_KV:
+        return True
+    return passes > 1 and (fmt.k != "float32" or fmt.v != "float32")
+
+
+@T.macro
+def unpack_page(page_rows, rows, page, h, page_size, head_dim):
+    """Every slot of a page's key and value rows as float32 into page_rows' buffers (slots past the sequence's
+    end too: they hold whatever the pool held, and attention masks them as it masks them in the pool)."""
+    keys = T.meta_var(page_rows.buffers[0])
+    values = T.meta_var(page_rows.buffers[1])
+    for o in range(page_size):
+        for d in T.vectorized(head_dim):
+            keys[o, d] = rows.load(0, page, h, o, d)
+        for d in T.vectorized(head_dim):
+            values[o, d] = rows.load(1, page, h, o, d)
 
 
 @T.macro

@@ -18,7 +18,7 @@ from tvm.script import tirx as T
 
 from ...common.kv_format import KVFormat
 from .common import LANES, NEG_INF, token_count
-from .kv_rows import store_slot, with_pool_rows
+from .kv_rows import page_source, store_slot, unpack_page, unpacked_shape, unpacks_pages, with_pool_rows
 from .lanes import lane_total
 
 
@@ -216,6 +216,8 @@ def _paged_attention_tiled(heads, kv_heads, head_dim, page_size, scale, n, group
     TB = max(1, min(8, 4096 // (group * head_dim)))    # the block's accumulators stay within 16 KB
     Q = TB * group
     QP, OS, VC = _register_blocks(group, DC, LANES, page_size)
+    unpack = unpacks_pages(fmt, Q // QP)
+    unpacked = unpacked_shape(unpack, page_size, head_dim)
 
     @T.macro
     def attend(rows, q, page_table, kv_lens, layer, out):
@@ -231,6 +233,9 @@ def _paged_attention_tiled(heads, kv_heads, head_dim, page_size, scale, n, group
             vacc = T.decl_buffer((QP, VC // LANES, LANES), "float32", scope="global")
             # per query: running max, running sum, block max, new max, correction
             stats = T.decl_buffer((Q, 5), "float32", scope="global")
+            unpacked_k = T.decl_buffer(unpacked, "float32", scope="global")
+            unpacked_v = T.decl_buffer(unpacked, "float32", scope="global")
+            src = T.meta_var(page_source(unpack, rows, unpacked_k, unpacked_v))
             for i in range(Q):
                 stats[i, 0] = T.float32(NEG_INF)
                 stats[i, 1] = T.float32(0)
@@ -239,16 +244,18 @@ def _paged_attention_tiled(heads, kv_heads, head_dim, page_size, scale, n, group
             for p in range(first_page(held + blk * TB + 1, window, page_size),
                            (held + T.min(blk * TB + TB, n) + page_size - 1) // page_size):
                 page = T.meta_var(T.Cast("int64", page_table[layer, p]))
+                if unpack:
+                    unpack_page(src, rows, page, kvh, page_size, head_dim)
                 for ip in range(Q // QP):
                     t = T.meta_var(blk * TB + ip * QP // group)
                     h0 = T.meta_var(kvh * group + ip * QP % group)
                     total = T.meta_var(held + t + 1)
                     if t < n and p * page_size < total and p >= first_page(total, window, page_size):
-                        page_scores(score, ip * QP, sacc, q, t, h0, rows, page, kvh, p * page_size, total, window,
+                        page_scores(score, ip * QP, sacc, q, t, h0, src, page, kvh, p * page_size, total, window,
                                     page_size, QP, OS, DC, LANES, scale)
                         for qq in range(QP):
                             online_softmax_page(stats, score, ip * QP + qq, p * page_size, total, window, page_size)
-                        add_page_values(acc, ip * QP, vacc, score, stats, ip * QP, rows, page, kvh,
+                        add_page_values(acc, ip * QP, vacc, score, stats, ip * QP, src, page, kvh,
                                         T.min(T.Cast("int64", page_size), total - p * page_size), head_dim, QP, VC,
                                         LANES)
             for i in range(Q):
@@ -289,6 +296,8 @@ def _paged_attention_split(heads, kv_heads, head_dim, page_size, scale, n, group
     DC = head_dim // LANES
     SP = decode_splits(kv_heads)
     QP, OS, VC = _register_blocks(group, DC, LANES, page_size)
+    unpack = unpacks_pages(fmt, group // QP)
+    unpacked = unpacked_shape(unpack, page_size, head_dim)
     batched = n is not None
     B = n if batched else 1
     tables_shape = (B, layers, max_pages) if batched else (layers, max_pages)
@@ -320,6 +329,9 @@ def _paged_attention_split(heads, kv_heads, head_dim, page_size, scale, n, group
             vacc = T.decl_buffer((QP, VC // LANES, LANES), "float32", scope="global")
             # per query head: running max, running sum, page max, new max, correction
             stats = T.decl_buffer((group, 5), "float32", scope="global")
+            unpacked_k = T.decl_buffer(unpacked, "float32", scope="global")
+            unpacked_v = T.decl_buffer(unpacked, "float32", scope="global")
+            src = T.meta_var(page_source(unpack, rows, unpacked_k, unpacked_v))
             for g in T.unroll(group):
                 stats[g, 0] = T.float32(NEG_INF)
                 stats[g, 1] = T.float32(0)
@@ -327,12 +339,14 @@ def _paged_attention_split(heads, kv_heads, head_dim, page_size, scale, n, group
                     part[task * group + g, d] = T.float32(0)
             for p in range(first + count * sp // SP, first + count * (sp + 1) // SP):
                 page = T.meta_var(T.Cast("int64", page_of(page_tables, t, layer, p)))
+                if unpack:
+                    unpack_page(src, rows, page, kvh, page_size, head_dim)
                 for ip in range(group // QP):
-                    page_scores(score, ip * QP, sacc, q, t, kvh * group + ip * QP, rows, page, kvh, p * page_size,
+                    page_scores(score, ip * QP, sacc, q, t, kvh * group + ip * QP, src, page, kvh, p * page_size,
                                 total, window, page_size, QP, OS, DC, LANES, scale)
                     for qq in range(QP):
                         online_softmax_page(stats, score, ip * QP + qq, p * page_size, total, window, page_size)
-                    add_page_values(part, task * group + ip * QP, vacc, score, stats, ip * QP, rows, page, kvh,
+                    add_page_values(part, task * group + ip * QP, vacc, score, stats, ip * QP, src, page, kvh,
                                     T.min(T.Cast("int64", page_size), total - p * page_size), head_dim, QP, VC,
                                     LANES)
             for g in T.unroll(group):
