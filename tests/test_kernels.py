@@ -207,7 +207,7 @@ def test_prefill_attention_query_passes(held, new, window, heads, kv_heads, d, r
 
 @pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("held,new,window", [(0, 23, 0), (30, 1, 0), (20, 17, 19)])
-@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (7, 1)])     # 7: heads walk a page one at a time, unpacked
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (7, 1)])     # 7: heads walk each page one at a time
 def test_half_precision_kv_pool(kv_dtype, held, new, window, heads, kv_heads, rng):
     """An f16 or bf16 pool: append rounds K and V to nearest (ties to even, as numpy and ml_dtypes do), attention
     reads them back as float32 (decode's split-K path and prefill's)."""

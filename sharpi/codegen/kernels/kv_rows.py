@@ -96,12 +96,11 @@ def unpacked_shape(unpack: bool, page_size: int, head_dim: int) -> tuple[int, in
     return (page_size, head_dim) if unpack else (1, 1)
 
 
-def unpacks_pages(fmt: KVFormat, passes: int) -> bool:
-    """Whether attention should unpack each page once (PageRows) rather than read the pool on every one of
-    `passes` walks over it: for quantized parts always, for f16/bf16 when it walks a page more than once."""
-    if fmt.k in QUANTIZED_KV or fmt.v in QUANTIZED_KV:
-        return True
-    return passes > 1 and (fmt.k != "float32" or fmt.v != "float32")
+def unpacks_pages(fmt: KVFormat) -> bool:
+    """Whether attention unpacks each page once (PageRows) rather than reading the pool on every walk over it:
+    for quantized parts. f16 and bf16 pools are read directly: converting them is one instruction a vector, and
+    unpacking them measured no faster (Qwen2.5-Coder-0.5B at 4096 tokens, prefill and decode alike)."""
+    return fmt.k in QUANTIZED_KV or fmt.v in QUANTIZED_KV
 
 
 @T.macro

@@ -216,7 +216,7 @@ def _paged_attention_tiled(heads, kv_heads, head_dim, page_size, scale, n, group
     TB = max(1, min(8, 4096 // (group * head_dim)))    # the block's accumulators stay within 16 KB
     Q = TB * group
     QP, OS, VC = _register_blocks(group, DC, LANES, page_size)
-    unpack = unpacks_pages(fmt, Q // QP)
+    unpack = unpacks_pages(fmt)
     unpacked = unpacked_shape(unpack, page_size, head_dim)
 
     @T.macro
@@ -296,7 +296,7 @@ def _paged_attention_split(heads, kv_heads, head_dim, page_size, scale, n, group
     DC = head_dim // LANES
     SP = decode_splits(kv_heads)
     QP, OS, VC = _register_blocks(group, DC, LANES, page_size)
-    unpack = unpacks_pages(fmt, group // QP)
+    unpack = unpacks_pages(fmt)
     unpacked = unpacked_shape(unpack, page_size, head_dim)
     batched = n is not None
     B = n if batched else 1
