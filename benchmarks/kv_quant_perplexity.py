@@ -22,6 +22,9 @@ from pathlib import Path
 import numpy as np
 
 import sharpi
+from sharpi.common.tokenizer import build_from_gguf_metadata
+from sharpi.frontend.fetch import fetch
+from sharpi.frontend.gguf_file import GGUFFile
 from sharpi.testing.reference import log_softmax
 
 DATA = Path(__file__).resolve().parent.parent / "tests" / "data"
@@ -67,7 +70,8 @@ def llama_perplexity(gguf: str, kv: str, texts: dict) -> dict[str, float]:
 
 def texts_for(model: str, long: int) -> dict[str, list[int]]:
     golden = json.loads((DATA / GOLDEN[model]).read_text())["teacher_forced"]["ids"]
-    tokenizer = sharpi.load(sharpi.compile(model)).tokenizer
+    # the GGUF's own tokenizer: compiling an artifact for it wrote one into the working directory
+    tokenizer, _ = build_from_gguf_metadata(GGUFFile(fetch(model, show_progress=False)).metadata)
     alice = resources.files("sharpi.eval").joinpath("data/alice.txt").read_text(encoding="utf-8")
     ids = tokenizer.tokenize(alice)[:long]
     return {"golden": golden, f"alice {long}": ids}
@@ -80,7 +84,6 @@ def main(argv=None) -> int:
     p.add_argument("--long", type=int, default=1024)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    from sharpi.frontend.fetch import fetch
     rows = ["| model | text | cache (K/V) | sharpi ppl | vs sharpi f16 | llama.cpp ppl | vs llama.cpp f16 |",
             "| --- | --- | --- | ---: | ---: | ---: | ---: |"]
     for model in args.models.split(","):
