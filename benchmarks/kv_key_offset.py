@@ -11,19 +11,14 @@ two cores).
 from __future__ import annotations
 
 import argparse
-import json
-from importlib import resources
-from pathlib import Path
 
 import numpy as np
 
-from sharpi.common.tokenizer import build_from_gguf_metadata
 from sharpi.frontend.fetch import fetch
-from sharpi.frontend.gguf_file import GGUFFile
-from sharpi.testing.reference import NumpyReference, kv_roundtrip, log_softmax, rope_neox
+from sharpi.testing.reference import NumpyReference, kv_roundtrip, rope_neox
 
-DATA = Path(__file__).resolve().parent.parent / "tests" / "data"
-GOLDEN = {"qwen2.5-coder-0.5b": "qwen2.5-coder-0.5b-instruct-q4_k_m.json"}
+from kv_quant_perplexity import perplexity, texts_for     # the same texts (the script beside this one)
+
 VARIANTS = {
     "plain": "q4_0 blocks of the keys",
     "bias": "keys minus the key bias (sharpi's)",
@@ -73,19 +68,6 @@ def offsets_for(ref: TransformedKeys, variant: str, keys: list[np.ndarray]) -> l
     return None
 
 
-def text_ids(model: str, gguf: str, tokens: int) -> list[int]:
-    if not tokens:
-        return json.loads((DATA / GOLDEN[model]).read_text())["teacher_forced"]["ids"]
-    tokenizer, _ = build_from_gguf_metadata(GGUFFile(gguf).metadata)
-    alice = resources.files("sharpi.eval").joinpath("data/alice.txt").read_text(encoding="utf-8")
-    return tokenizer.tokenize(alice)[:tokens]
-
-
-def perplexity(logits: np.ndarray, ids: list[int]) -> float:
-    lp = log_softmax(logits)
-    return float(np.exp(-lp[np.arange(len(ids) - 1), np.asarray(ids[1:])].mean()))
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen2.5-coder-0.5b")
@@ -97,7 +79,8 @@ def main(argv=None) -> int:
     ref = TransformedKeys(gguf, args.key_type)
     if not ref.config.qkv_bias:
         raise SystemExit(f"{args.model} has no key bias: nothing to offset.")
-    ids = text_ids(args.model, gguf, args.tokens)
+    texts = texts_for(args.model, args.tokens or 1)
+    ids = texts[f"alice {args.tokens}"] if args.tokens else texts["golden"]
     captured = []
     ref.key_type = "float16"
     print(f"| keys stored as ({args.key_type}, {len(ids)} tokens) | perplexity |\n| --- | ---: |")

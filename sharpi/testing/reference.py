@@ -15,8 +15,8 @@ import numpy as np
 
 from ..common.config import ModelConfig
 from ..common.errors import GGUFError
-# Gemma 3's layer pattern and local RoPE base are constants llama.cpp hard-codes rather than reads from the GGUF
 from ..common.kv_format import key_offset_for
+# Gemma 3's layer pattern and local RoPE base are constants llama.cpp hard-codes rather than reads from the GGUF
 from ..frontend.config import GEMMA3_LOCAL_ROPE_BASE, GEMMA3_SWA_PATTERN, config_from_gguf
 from ..frontend.gguf_file import GGUFFile
 
