@@ -1,10 +1,12 @@
-"""What a quantized key cache should store for a model with a key bias (Qwen2.5): the float32 numpy forward's
-perplexity with its keys rounded through q4_0 (or q8_0) blocks after each candidate transform, values in f16. The
-table behind sharpi.common.kv_format.KEY_OFFSET (benchmarks/kv_quant.md).
+"""What a quantized key cache should store (first for a model with a key bias, Qwen2.5; a model without one has a
+zero offset): the float32 numpy forward's perplexity with its keys rounded through q4_0 (or q8_0) blocks after
+each candidate transform, or through 4 bits per channel over groups of tokens (KIVI's grouping), values in f16.
+The tables behind sharpi.common.kv_format.KEY_OFFSET and the q4_0 keys' next layout (benchmarks/kv_quant.md).
 
     python benchmarks/kv_key_offset.py [--model qwen2.5-coder-0.5b] [--tokens 0 (the golden text) | N (Alice)]
         [--key-type q4_0] [--variants plain,bias,low-bias,mean,rope-mean,bias-hadamard,hadamard,
-                               bias-smooth-text,bias-smooth-weights,bias-layer0-q8] [--layers]
+                               bias-smooth-text,bias-smooth-weights,bias-layer0-q8,
+                               bias-channel-16,bias-channel-16-asym,bias-channel-32-asym] [--layers]
 
 Each variant is one forward of the reference over the whole text (about 15 s at 309 tokens, 2 minutes at 2048 on
 two cores).
@@ -31,7 +33,36 @@ VARIANTS = {
     "bias-smooth-text": "keys minus the bias, divided per RoPE pair by its RMS on the golden text",
     "bias-smooth-weights": "keys minus the bias, divided per RoPE pair by its weight rows' norm (no data)",
     "bias-layer0-q8": "keys minus the bias, layer 0's as q8_0 (its bias rotates: pairs at 1 rad a token)",
+    "bias-channel-16": "keys minus the bias, 4 bits per channel over each page's 16 tokens (KIVI's grouping), "
+                       "an f16 scale a channel (40 bytes a 64-element key, q4_0's 36)",
+    "bias-channel-16-asym": "keys minus the bias, 4 bits per channel over each page's 16 tokens, an f16 scale and "
+                            "minimum a channel (KIVI's; 48 bytes a 64-element key)",
+    "bias-channel-32-asym": "keys minus the bias, 4 bits per channel over 32 tokens, an f16 scale and minimum "
+                            "a channel (40 bytes a 64-element key)",
 }
+
+GROUP = 16      # tokens a channel's scale covers: a page's
+
+
+def channel_roundtrip(x: np.ndarray, asymmetric: bool, group: int = GROUP) -> np.ndarray:
+    """x [T, KVH, D] rounded through 4 bits per channel over groups of `group` tokens (f16 scales; symmetric as q4_0's
+    rule, or asymmetric with an f16 minimum: 15 steps from the group's min to its max)."""
+    T = x.shape[0]
+    pad = -T % group
+    g = np.concatenate([x, np.zeros((pad,) + x.shape[1:], x.dtype)]).reshape(-1, group, *x.shape[1:])
+    if asymmetric:
+        lo, hi = g.min(1, keepdims=True), g.max(1, keepdims=True)
+        d = ((hi - lo) / 15).astype(np.float16).astype(np.float32)
+        lo = lo.astype(np.float16).astype(np.float32)
+        q = np.clip(np.rint((g - lo) / np.where(d == 0, 1, d)), 0, 15)
+        out = q * d + lo
+    else:
+        idx = np.abs(g).argmax(1)[:, None]
+        m = np.take_along_axis(g, idx, 1)
+        d = (m / -8).astype(np.float16).astype(np.float32)
+        q = np.clip(np.rint(g / np.where(d == 0, 1, d)) + 8, 0, 15)
+        out = (q - 8) * d
+    return out.reshape(-1, *x.shape[1:])[:T].astype(np.float32)
 
 
 def hadamard(n: int) -> np.ndarray:
@@ -49,19 +80,23 @@ class TransformedKeys(NumpyReference):
     def __init__(self, gguf: str, key_type: str):
         super().__init__(gguf)
         self.key_type, self.offsets, self.rotation, self.scales = key_type, None, None, None
-        self.first_layer_q8 = False
+        self.first_layer_q8, self.per_channel = False, None
 
     def _as_cached(self, l, k, v):
         c = self.offsets[l] if self.offsets is not None else np.float32(0)
         r = self.rotation if self.rotation is not None else np.eye(k.shape[-1], dtype=np.float32)
         s = self.scales[l] if self.scales is not None else np.float32(1)
         key_type = "q8_0" if l == 0 and self.first_layer_q8 else self.key_type
+        if self.per_channel is not None:
+            return channel_roundtrip(k - c, *self.per_channel) + c, kv_roundtrip("float16", v)
         return kv_roundtrip(key_type, ((k - c) / s) @ r) @ r.T * s + c, kv_roundtrip("float16", v)
 
 
 def offsets_for(ref: TransformedKeys, variant: str, keys: list[np.ndarray]) -> list | None:
     cfg = ref.config
-    bias = [ref.weights[f"blk.{l}.attn_k.bias"].reshape(cfg.n_kv_heads, cfg.head_dim) for l in range(cfg.n_layers)]
+    zero = np.zeros((cfg.n_kv_heads, cfg.head_dim), np.float32)        # a model without a key bias: no offset
+    bias = [ref.weights[f"blk.{l}.attn_k.bias"].reshape(zero.shape) if cfg.qkv_bias else zero
+            for l in range(cfg.n_layers)]
     if variant.startswith("bias"):
         return bias
     if variant == "low-bias":
@@ -105,15 +140,21 @@ def layer_report(ref: TransformedKeys, captured: list, bias: list) -> str:
     q.k from its row's mean, every query head)."""
     cfg = ref.config
     rep = cfg.n_heads // cfg.n_kv_heads
-    lines = [f"| layer | max channel | median channel | logit error, {ref.key_type} keys |", "| ---: | ---: | ---: | ---: |"]
+    lines = [f"| layer | max channel | median channel | logit error, {ref.key_type} keys | 4 bits a channel over "
+             f"{GROUP} tokens, scale and minimum |", "| ---: | ---: | ---: | ---: | ---: |"]
     for l, (q, k, _) in enumerate(captured):
         spread = np.abs(k - bias[l]).max(0)
-        rounded = kv_roundtrip(ref.key_type, k - bias[l]) + bias[l]
-        errors = [logit_error(q[:, h], k[:, h // rep], rounded[:, h // rep]) for h in range(cfg.n_heads)]
-        lines.append(f"| {l} | {spread.max():.1f} | {np.median(spread):.2f} | {100 * np.mean(errors):.1f}% |")
+        errors = []
+        for rounded in (kv_roundtrip(ref.key_type, k - bias[l]) + bias[l], channel_roundtrip(k - bias[l], True)
+                        + bias[l]):
+            errors.append(np.mean([logit_error(q[:, h], k[:, h // rep], rounded[:, h // rep])
+                                   for h in range(cfg.n_heads)]))
+        lines.append(f"| {l} | {spread.max():.1f} | {np.median(spread):.2f} | {100 * errors[0]:.1f}% | "
+                     f"{100 * errors[1]:.1f}% |")
     rng = np.random.default_rng(0)                   # what the same blocks do to Gaussian keys and queries
     q, k = (rng.standard_normal((len(captured[0][0]), cfg.head_dim)).astype(np.float32) for _ in range(2))
-    lines.append(f"| Gaussian | | | {100 * logit_error(q, k, kv_roundtrip(ref.key_type, k[:, None])[:, 0]):.1f}% |")
+    lines.append(f"| Gaussian | | | {100 * logit_error(q, k, kv_roundtrip(ref.key_type, k[:, None])[:, 0]):.1f}% | "
+                 f"{100 * logit_error(q, k, channel_roundtrip(k[:, None], True)[:, 0]):.1f}% |")
     return "\n".join(lines)
 
 
@@ -134,8 +175,6 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     gguf = str(fetch(args.model, show_progress=False))
     ref = TransformedKeys(gguf, args.key_type)
-    if not ref.config.qkv_bias:
-        raise SystemExit(f"{args.model} has no key bias: nothing to offset.")
     texts = texts_for(args.model, args.tokens or 1)
     ids = texts[f"alice {args.tokens}"] if args.tokens else texts["golden"]
     captured = []
@@ -156,6 +195,8 @@ def main(argv=None) -> int:
         ref.rotation = hadamard(ref.config.head_dim) if "hadamard" in variant else None
         ref.scales = scales_for(ref, variant, calib, bias)
         ref.first_layer_q8 = variant == "bias-layer0-q8"
+        ref.per_channel = ((variant.endswith("asym"), int(variant.split("-")[2])) if "-channel-" in variant
+                           else None)
         print(f"| {VARIANTS[variant]} | {perplexity(ref.forward(ids), ids):.3f} |", flush=True)
     return 0
 
