@@ -74,8 +74,9 @@ def hadamard(n: int) -> np.ndarray:
 
 
 class TransformedKeys(NumpyReference):
-    """The reference whose cache stores R(k - c_l) rounded through `key_type` blocks, read back as R^T(.) + c_l;
-    values as f16."""
+    """The reference whose cache stores R((k - c_l) / s_l) rounded through `key_type` blocks (layer 0's through
+    q8_0 with first_layer_q8), read back as R^T(.) * s_l + c_l; or, with per_channel = (asymmetric, group),
+    k - c_l rounded through 4 bits a channel over groups of tokens (channel_roundtrip); values as f16."""
 
     def __init__(self, gguf: str, key_type: str):
         super().__init__(gguf)
