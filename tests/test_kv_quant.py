@@ -341,6 +341,18 @@ def test_cli_kv_flags_refuse_in_one_line(tiny_path, tmp_path, capsys):
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
+def test_cli_says_what_q4_0_keys_cost(tiny_path, tmp_path, capsys):
+    """A q4_0 key cache compiles, and sharpi-compile says in one note what such keys cost and what to take
+    instead; q8_0 keys with q4_0 values compile without it."""
+    from sharpi.cli import compile as compile_cli
+    for flags, noted in ((["--kv-dtype", "q4_0"], True), (["--kv-dtype-k", "q8_0", "--kv-dtype-v", "q4_0"], False)):
+        out = tmp_path / "-".join(flags[1::2])
+        assert compile_cli.main([str(tiny_path), *flags, "--matmuls", "float", "--quiet", "-o", str(out)]) == 0
+        err = capsys.readouterr().err
+        assert ("note: q4_0 keys" in err) == noted and ("--kv-dtype-k q8_0 --kv-dtype-v q4_0" in err) == noted
+        assert (out / "manifest.json").is_file()
+
+
 # -- keys stored minus the key bias (qwen2) -----------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_qwen_path(tmp_path_factory):

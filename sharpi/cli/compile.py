@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import sys
 
+from ..common.compile_options import kv_types_of
 from ..common.errors import ConfigError
+from ..common.kv_format import KEY_TYPE_NOTES
 from ..common.manifest import manifest_sha256
 from ..common.targets import DEFAULT_TARGET, TARGETS, targets_taking
 from ..frontend.fetch import KNOWN_MODELS, resolve_model
@@ -31,7 +33,9 @@ def build_parser() -> ArgumentParser:
                                                      "the memory, f32's range), q8_0 or q4_0 (blocks of 32 with an "
                                                      "f16 scale, as ggml's: 0.53x and 0.28x f16's memory); "
                                                      "default f16 for GPUs and for int8 matmuls, else f32")
-    p.add_argument("--kv-dtype-k", default=None, help="the keys' type alone (over --kv-dtype), as llama.cpp's -ctk")
+    p.add_argument("--kv-dtype-k", default=None, help="the keys' type alone (over --kv-dtype), as llama.cpp's -ctk; "
+                                                       "keys are the sensitive side: q8_0 keys keep long-context "
+                                                       "retrieval, q4_0 keys lose it")
     p.add_argument("--kv-dtype-v", default=None, help="the values' type alone (over --kv-dtype), as llama.cpp's -ctv")
     p.add_argument("--snapkv", default=None, help="on (default) or off: whether the SnapKV ops are compiled in")
     add_snapkv_flags(p)
@@ -77,6 +81,9 @@ def main(argv=None) -> int:
                         max_context=args.max_context, snapkv=args.snapkv, dump_ir=args.dump_ir,
                         use_cache=not args.no_cache, show_progress=not args.quiet, **snapkv_keywords(args))
     print(out)
+    key_note = KEY_TYPE_NOTES.get(kv_types_of(args.kv_dtype, args.kv_dtype_k, args.kv_dtype_v)["kv_dtype"])
+    if key_note:
+        print(f"sharpi: note: {key_note}", file=sys.stderr)
     print(f"sharpi: manifest sha256 {manifest_sha256(out)} (an artifact is code: whoever loads this copy can pin it "
           f"with --expect-sha256 or sharpi.load(..., expect_sha256=...))", file=sys.stderr)
     if args.check:        # exit code 1 if a check failed

@@ -55,6 +55,14 @@ def key_offset_for(key_type: str, has_key_bias: bool) -> str | None:
     return KEY_OFFSET if key_type in QUANTIZED_KV and has_key_bias else None
 
 
+# What a user choosing a key type should know before a long prompt (measured: benchmarks/kv_quant.md).
+KEY_TYPE_NOTES = {
+    "q4_0": ("q4_0 keys cost 10-15% perplexity at 1024 tokens and lose long-context retrieval (4,000-token "
+             "RULER-style suite: -22 points on Qwen2.5-Coder-0.5B, -13 on Gemma-3-270M); --kv-dtype-k q8_0 "
+             "--kv-dtype-v q4_0 keeps f16's accuracy in about 40% of its bytes (benchmarks/kv_quant.md)."),
+}
+
+
 def _round4(n: int) -> int:
     return (n + 3) // 4 * 4
 
