@@ -347,7 +347,8 @@ def test_cli_says_what_q4_0_keys_cost(tiny_path, tmp_path, capsys):
     from sharpi.cli import compile as compile_cli
     for flags, noted in ((["--kv-dtype", "q4_0"], True), (["--kv-dtype-k", "q8_0", "--kv-dtype-v", "q4_0"], False)):
         out = tmp_path / "-".join(flags[1::2])
-        assert compile_cli.main([str(tiny_path), *flags, "--matmuls", "float", "--quiet", "-o", str(out)]) == 0
+        assert compile_cli.main([str(tiny_path), *flags, "--matmuls", "float", "--no-cache", "--quiet",
+                                 "-o", str(out)]) == 0
         err = capsys.readouterr().err
         assert ("note: q4_0 keys" in err) == noted and ("--kv-dtype-k q8_0 --kv-dtype-v q4_0" in err) == noted
         assert (out / "manifest.json").is_file()
