@@ -85,12 +85,13 @@ class TransformedKeys(NumpyReference):
 
     def _as_cached(self, l, k, v):
         c = self.offsets[l] if self.offsets is not None else np.float32(0)
+        values = kv_roundtrip("float16", v)
+        if self.per_channel is not None:
+            return channel_roundtrip(k - c, *self.per_channel) + c, values
         r = self.rotation if self.rotation is not None else np.eye(k.shape[-1], dtype=np.float32)
         s = self.scales[l] if self.scales is not None else np.float32(1)
         key_type = "q8_0" if l == 0 and self.first_layer_q8 else self.key_type
-        if self.per_channel is not None:
-            return channel_roundtrip(k - c, *self.per_channel) + c, kv_roundtrip("float16", v)
-        return kv_roundtrip(key_type, ((k - c) / s) @ r) @ r.T * s + c, kv_roundtrip("float16", v)
+        return kv_roundtrip(key_type, ((k - c) / s) @ r) @ r.T * s + c, values
 
 
 def offsets_for(ref: TransformedKeys, variant: str, keys: list[np.ndarray]) -> list | None:
