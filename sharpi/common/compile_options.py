@@ -9,7 +9,8 @@ from .snapkv_settings import SnapKVSettings, check_against
 from .targets import DEFAULT_TARGET, target_spec, targets_taking
 
 # --kv-dtype names -> the KV types of sharpi.common.kv_format
-KV_DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16", "q8_0": "q8_0", "q4_0": "q4_0"}
+KV_DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16", "q8_0": "q8_0", "q4_0": "q4_0",
+             "q4_ch": "q4_ch"}
 MATMULS = ("float", "int8")
 PREFILL_CHUNK = 512
 # how each target-only option is named in messages (and on the command line)
@@ -61,13 +62,13 @@ class CompileOptions:
                 name = next(k for k, v in KV_DTYPES.items() if v == value)
                 others = ", ".join(k for k, v in KV_DTYPES.items() if v in spec.kv_dtypes)
                 raise ConfigError(f"{flag} {name} is not available on the {self.target} target "
-                                  f"({spec.kv_dtype_note}); use {others}.")
+                                  f"({spec.kv_dtype_notes[value]}); use {others}.")
         if self.max_context is not None:
             parse_positive_int(self.max_context, "--max-context")
 
 
 def kv_dtype_of(name: str | None) -> str | None:
-    """--kv-dtype's names (f32, f16, bf16, q8_0, q4_0) as KV types; other values are left for validate() to
+    """--kv-dtype's names (f32, f16, bf16, q8_0, q4_0, q4_ch) as KV types; other values are left for validate() to
     refuse."""
     return KV_DTYPES.get(name, name) if name is not None else None
 

@@ -10,6 +10,16 @@ Quantized types (q8_0, q4_0), or keys and values of different types, take the pa
       q8_0: int8 q [head_dim], f16 d [head_dim / 32]          x = q * d
       q4_0: uint8 [head_dim / 2] (byte j of block b holds elements 32b + j in its low nibble and 32b + j + 16
             in its high one, ggml's order), f16 d [head_dim / 32]          x = (q - 8) * d
+      q4_ch (keys only): 4 bits per channel over a page: uint8 [head_dim / 2] in q4_0's nibble order, then this
+            row's share of its page's per-channel f16 scales and minimums: row o holds channels
+            [o c, (o + 1) c), c = head_dim / page_size, as f16 d [c] then f16 m [c]          x = m + q * d
+A q4_ch page's scales belong to the page, not to a row: KIVI's grouping (keys quantized per channel, since a key's
+channels differ in range by an order of magnitude while one channel varies little across tokens). Per-token 4-bit
+blocks (q4_0) move Qwen2.5-Coder-0.5B's attention logits by 10-19% of their spread and cost 10-15% perplexity at 1024
+tokens; per channel over 16 slots, 4-7% and +0.1-0.8% (benchmarks/kv_quant.md). Its rows cost 4 head_dim / page_size
+bytes more than q4_0's (48 against 36 for head_dim 64), and a page is written whole: kv_append re-encodes the page's
+held slots (read back as stored) with the new ones, compaction re-encodes each destination page from the kept
+slots' stored values (kv_format.append_page_keys, compact_page_keys).
 A slot's key and value sit side by side (not in planes of their own per page) so that the pool keeps its rank and
 its slot axis: compaction and the host's slot moves move a slot's row whole, page copies and forks are unchanged,
 and a page's attention reads its rows' key and value parts from the same cache lines. Scales follow the quants
@@ -21,6 +31,11 @@ Quantization (the kernels' rule exactly, computed in float32):
           0), q = min(15, round-half-even(x * id) + 8); d stored as f16. ggml rounds x * id + 8.5 down and takes
           the first of tied values; the two differ only on exact ties, and rounding the product alone leaves the
           kernels no multiply-add for LLVM to fuse (which would round once where numpy rounds twice).
+    q4_ch, over the n slots a page holds (the encoded values, not the pool's stale slots past them):
+          lo, hi = the channel's min and max, d = (hi - lo) / 15, m = lo, both stored as f16; id = 1/d (0 if d is 0);
+          q = min(15, max(0, round-half-even((x - m) * id))) with d and m as stored. Reading back m + q * d is
+          exact to fuse or not (q * d has at most 15 significant bits), so a page re-encoded from what it holds
+          gets the same bytes from numpy and from the kernels.
 """
 from __future__ import annotations
 
@@ -32,7 +47,8 @@ from .errors import ConfigError
 
 KV_BLOCK = 32
 FLOAT_KV = {"float32": 4, "float16": 2, "bfloat16": 2}
-QUANTIZED_KV = {"q8_0": KV_BLOCK, "q4_0": KV_BLOCK // 2}     # quant bytes per block
+QUANTIZED_KV = {"q8_0": KV_BLOCK, "q4_0": KV_BLOCK // 2, "q4_ch": KV_BLOCK // 2}     # quant bytes per block
+PAGE_SCALED_KV = ("q4_ch",)          # types whose scales belong to a page (keys only)
 KV_TYPES = tuple(FLOAT_KV) + tuple(QUANTIZED_KV)
 # how many bytes one element of a pool of each type takes in memory (the packed layout's uint8 included)
 POOL_ITEMSIZE = dict(FLOAT_KV, uint8=1)
@@ -93,6 +109,12 @@ class KVFormat:
             if t in QUANTIZED_KV and self.head_dim % KV_BLOCK:
                 raise ConfigError(f"A {t} KV cache needs head_dim a multiple of {KV_BLOCK} (its blocks), and this "
                                   f"model's is {self.head_dim}; use --kv-dtype f16.")
+        if self.v in PAGE_SCALED_KV:
+            raise ConfigError(f"{self.v} is a key type (its scales are per channel over a page's slots); values "
+                              f"take q4_0 or q8_0 (--kv-dtype-k {self.v} --kv-dtype-v q4_0).")
+        if self.k in PAGE_SCALED_KV and self.head_dim % self.page_size:
+            raise ConfigError(f"{self.k} keys need head_dim a multiple of the page size ({self.page_size}), and "
+                              f"this model's is {self.head_dim}; use --kv-dtype-k q8_0.")
 
     @classmethod
     def of(cls, kv_dtype, kv_heads: int, page_size: int, head_dim: int) -> "KVFormat":
@@ -105,6 +127,16 @@ class KVFormat:
     @property
     def packed(self) -> bool:
         return self.k != self.v or self.k in QUANTIZED_KV
+
+    @property
+    def page_scaled_keys(self) -> bool:
+        """Whether the keys' scales belong to their page (q4_ch): pages are written and compacted whole."""
+        return self.k in PAGE_SCALED_KV
+
+    @property
+    def channels_per_row(self) -> int:
+        """q4_ch: how many channels' page scales each row of a page holds."""
+        return self.head_dim // self.page_size
 
     @property
     def name(self) -> str:
@@ -123,6 +155,8 @@ class KVFormat:
         return PartLayout(dtype, offset, offset, self._part_bytes(dtype))
 
     def _part_bytes(self, dtype: str) -> int:
+        if dtype in PAGE_SCALED_KV:
+            return _round4(self.head_dim // 2 + 4 * self.channels_per_row)
         if dtype in QUANTIZED_KV:
             blocks = self.head_dim // KV_BLOCK
             return _round4(blocks * (QUANTIZED_KV[dtype] + 2))
@@ -157,8 +191,25 @@ class KVFormat:
         if part.dtype in FLOAT_KV:
             return _float_elements(raw[..., :FLOAT_KV[part.dtype] * self.head_dim], part.dtype)
         quants = raw[..., :part.scale_offset - part.offset]
+        if part.dtype in PAGE_SCALED_KV:
+            return dequantize_channels(quants, *self._page_scales(raw[..., part.scale_offset - part.offset:]))
         scales = raw[..., part.scale_offset - part.offset:][..., :2 * (self.head_dim // KV_BLOCK)].view(np.float16)
         return dequantize_kv(part.dtype, quants, scales)
+
+
+    def _page_scales(self, stats: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """A q4_ch part's stats bytes [..., page_size, >= 4 c] -> (d, m) f16 [..., head_dim] of each page."""
+        c = self.channels_per_row
+        halves = np.ascontiguousarray(stats[..., :4 * c]).view(np.float16)        # [..., page_size, 2 c]
+        return (halves[..., :c].reshape(*halves.shape[:-2], self.head_dim),
+                halves[..., c:].reshape(*halves.shape[:-2], self.head_dim))
+
+    def _page_stats_bytes(self, d: np.ndarray, m: np.ndarray) -> np.ndarray:
+        """The inverse: f16 [..., head_dim] each -> uint8 [..., page_size, 4 c]."""
+        c = self.channels_per_row
+        halves = np.concatenate([d.reshape(*d.shape[:-1], self.page_size, c),
+                                 m.reshape(*m.shape[:-1], self.page_size, c)], axis=-1).astype(np.float16)
+        return halves.view(np.uint8)
 
 
 def _float_elements(raw: np.ndarray, dtype: str) -> np.ndarray:
@@ -204,10 +255,13 @@ def dequantize_kv(dtype: str, quants: np.ndarray, scales: np.ndarray) -> np.ndar
 
 def encode_rows(fmt: KVFormat, k: np.ndarray, v: np.ndarray) -> np.ndarray:
     """Packed rows uint8 [..., row_bytes] holding keys and values f32 [..., head_dim] as kv_append stores them
-    (padding bytes zero): the numpy emulation of a packed store."""
+    (padding bytes zero): the numpy emulation of a packed store. q4_ch keys, whose scales are their page's, are
+    left zero here (encode_pages writes them)."""
     row = np.zeros((*k.shape[:-1], fmt.row_bytes), np.uint8)
     for which, x in ((0, k), (1, v)):
         part = fmt.part(which)
+        if part.dtype in PAGE_SCALED_KV:
+            continue
         if part.dtype in FLOAT_KV:
             if part.dtype == "bfloat16":     # rounded to nearest even, as TVM's cast
                 u = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
@@ -221,3 +275,95 @@ def encode_rows(fmt: KVFormat, k: np.ndarray, v: np.ndarray) -> np.ndarray:
         row[..., part.offset:part.scale_offset] = q
         row[..., part.scale_offset:part.scale_offset + 2 * d.shape[-1]] = d.view(np.uint8).reshape(*d.shape[:-1], -1)
     return row
+
+
+def _pack_nibbles(q: np.ndarray) -> np.ndarray:
+    """uint8 quants [..., head_dim] in [0, 15] -> [..., head_dim / 2] in q4_0's order (per block of 32: element j
+    in byte j's low nibble, element j + 16 in its high one)."""
+    blocks = q.reshape(*q.shape[:-1], -1, KV_BLOCK)
+    return (blocks[..., :KV_BLOCK // 2] | (blocks[..., KV_BLOCK // 2:] << 4)).reshape(*q.shape[:-1], -1)
+
+
+def _unpack_nibbles(packed: np.ndarray) -> np.ndarray:
+    blocks = packed.reshape(*packed.shape[:-1], -1, KV_BLOCK // 2)
+    return np.concatenate([blocks & 15, blocks >> 4], axis=-1).reshape(*packed.shape[:-1], -1)
+
+
+def quantize_channels(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """q4_ch's rule (module doc): x f32 [..., n, head_dim], the n slots a page holds -> (quants uint8 [..., n,
+    head_dim / 2], d f16 [..., head_dim], m f16 [..., head_dim])."""
+    x = np.asarray(x, np.float32)
+    lo, hi = x.min(axis=-2), x.max(axis=-2)
+    d, m = ((hi - lo) / np.float32(15)).astype(np.float16), lo.astype(np.float16)
+    df = d.astype(np.float32)
+    with np.errstate(divide="ignore"):
+        inv = np.where(df != 0, np.float32(1) / df, np.float32(0)).astype(np.float32)
+    q = np.rint((x - m.astype(np.float32)[..., None, :]) * inv[..., None, :])
+    q = np.minimum(np.maximum(q, np.float32(0)), np.float32(15)).astype(np.uint8)
+    return _pack_nibbles(q), d, m
+
+
+def dequantize_channels(quants: np.ndarray, d: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """quants uint8 [..., n, head_dim / 2], d and m f16 [..., head_dim] -> f32 [..., n, head_dim]."""
+    q = _unpack_nibbles(quants).astype(np.float32)
+    return q * d.astype(np.float32)[..., None, :] + m.astype(np.float32)[..., None, :]
+
+
+def append_page_keys(fmt: KVFormat, page: np.ndarray, held: int, keys: np.ndarray) -> np.ndarray:
+    """The numpy emulation of kv_append's q4_ch store: a page's rows uint8 [kv_heads, page_size, row] holding
+    `held` slots, with keys f32 [n, kv_heads, head_dim] appended at slots held .. held + n - 1 (<= page_size);
+    returns the page's new rows (value parts untouched). The held slots are read back as stored and the page is
+    encoded again over held + n slots."""
+    part, n = fmt.part(0), held + len(keys)
+    out = page.copy()
+    stored = fmt.decode(page[None, None], 0)[0][:, :held]                    # [kvh, held, d]
+    x = np.concatenate([stored, np.asarray(keys, np.float32).transpose(1, 0, 2)], axis=1)
+    return _write_page_keys(fmt, out, part, x, n)
+
+
+def compact_page_keys(fmt: KVFormat, page: np.ndarray, kept: np.ndarray) -> np.ndarray:
+    """The numpy emulation of compaction's q4_ch store into one destination page: kept keys f32 [kv_heads, n,
+    head_dim] (the sources' stored values) encoded over slots 0 .. n - 1 of `page` [kv_heads, page_size, row]."""
+    return _write_page_keys(fmt, page.copy(), fmt.part(0), kept, kept.shape[1])
+
+
+def _write_page_keys(fmt, out, part, x, n):
+    q, d, m = quantize_channels(x)
+    out[:, :n, part.offset:part.scale_offset] = q
+    out[:, :, part.scale_offset:part.scale_offset + 4 * fmt.channels_per_row] = fmt._page_stats_bytes(d, m)
+    return out
+
+
+def encode_pages(fmt: KVFormat, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """Pages uint8 [ceil(n / page_size), 1, kv_heads, page_size, row] holding keys and values f32 [n, kv_heads,
+    head_dim] at slots 0 .. n - 1, each page's keys encoded once over the slots it holds (a prefill's store; slots
+    past n are zero)."""
+    P, n = fmt.page_size, len(k)
+    pages = np.zeros(((n + P - 1) // P, 1, fmt.kv_heads, P, fmt.row_bytes), np.uint8)
+    for p in range(len(pages)):
+        rows = encode_rows(fmt, k[p * P:(p + 1) * P], v[p * P:(p + 1) * P])        # [n_p, kvh, row]
+        pages[p, 0, :, :len(rows)] = rows.transpose(1, 0, 2)
+        if fmt.page_scaled_keys:
+            pages[p, 0] = compact_page_keys(fmt, pages[p, 0], np.asarray(k[p * P:(p + 1) * P], np.float32)
+                                            .transpose(1, 0, 2))
+    return pages
+
+
+def gather_slots(fmt: KVFormat, pages: np.ndarray, sources: list) -> np.ndarray:
+    """Pages [n, 1 or 2, kv_heads, page_size, width] of one layer with slot sources[h][i] moved to slot i for every
+    head h (ascending sources): rows move whole; q4_ch keys are re-encoded per destination page from the sources'
+    stored values (the compaction kernel's rule). Returns the new pages."""
+    P = fmt.page_size
+    slots = pages.transpose(0, 3, 1, 2, 4).reshape(-1, *pages.shape[1:3], pages.shape[4])   # [slot, parts, kvh, w]
+    moved = slots.copy()
+    keys = fmt.decode(pages, 0).transpose(1, 0, 2, 3).reshape(fmt.kv_heads, -1, fmt.head_dim) \
+        if fmt.page_scaled_keys else None
+    for h, src in enumerate(sources):
+        moved[:len(src), :, h] = slots[src, :, h]
+    out = moved.reshape(len(pages), P, *pages.shape[1:3], pages.shape[4]).transpose(0, 2, 3, 1, 4).copy()
+    if keys is not None:
+        for h, src in enumerate(sources):
+            for p in range((len(src) + P - 1) // P):
+                kept = keys[h, src[p * P:(p + 1) * P]][None]
+                out[p, 0, h:h + 1] = compact_page_keys(fmt, out[p, 0, h:h + 1], kept)
+    return out

@@ -18,6 +18,7 @@ import math
 import numpy as np
 
 from ..common.errors import ContextLengthError, KeepSetError, SharpiError
+from ..common.kv_format import gather_slots
 
 
 class PoolExhaustedError(ContextLengthError):
@@ -277,6 +278,10 @@ class SequenceCache:
             if not self.pages[layer] or layer_rows is None:
                 continue
             data = self.pool.read_pages(self.pages[layer])    # [pages, 2 (or 1 packed), kv_heads, page_size, d]
+            if self.pool.kv_format is not None and self.pool.kv_format.page_scaled_keys:
+                # keys whose scales are their page's are encoded again per destination page
+                self.pool.write_pages(self.pages[layer], gather_slots(self.pool.kv_format, data, list(layer_rows)))
+                continue
             slots = data.transpose(0, 3, 1, 2, 4).reshape(-1, *data.shape[1:3], data.shape[4])  # [slot, 2, kvh, d]
             moved = slots.copy()
             for head in range(self.kv_heads):

@@ -16,6 +16,7 @@ import numpy as np
 from ..common.config import ModelConfig
 from ..common.errors import GGUFError
 from ..common.kv_format import key_offset_for
+from ..common.ops import PAGE_SIZE
 # Gemma 3's layer pattern and local RoPE base are constants llama.cpp hard-codes rather than reads from the GGUF
 from ..frontend.config import GEMMA3_LOCAL_ROPE_BASE, GEMMA3_SWA_PATTERN, config_from_gguf
 from ..frontend.gguf_file import GGUFFile
@@ -41,6 +42,7 @@ class NumpyReference:
         self.sliding_window = cfg.sliding_window
         self.swa_pattern = cfg.swa_pattern
         self.kv_types: tuple[str, str] | None = None
+        self.page_size = PAGE_SIZE                      # how q4_ch keys are grouped (kv_roundtrip)
         self.local_rope_theta = cfg.rope_theta_local   # 0: local layers keep the model's RoPE base
         self.embed_scale = np.float32(cfg.embed_scale)
         self.attn_scale = cfg.attn_scale or None
@@ -123,9 +125,13 @@ class NumpyReference:
         if self.kv_types is None:
             return k, v
         key_type, value_type = self.kv_types
-        offset = key_offset_for(key_type, self.config.qkv_bias)
-        c = self.weights[f"blk.{l}.{offset}"].reshape(k.shape[1:]) if offset else np.float32(0)
-        return kv_roundtrip(key_type, k - c) + c, kv_roundtrip(value_type, v)
+        c = self.cache_offset(l, k.shape[1:])
+        return kv_roundtrip(key_type, k - c, self.page_size) + c, kv_roundtrip(value_type, v)
+
+    def cache_offset(self, l: int, shape) -> np.ndarray:
+        """The vector layer l's cached keys are stored minus (kv_format.key_offset_for), or 0."""
+        offset = key_offset_for(self.kv_types[0], self.config.qkv_bias) if self.kv_types else None
+        return self.weights[f"blk.{l}.{offset}"].reshape(shape) if offset else np.float32(0)
 
     # -- the two graphs --------------------------------------------------------------------------------------
 
@@ -308,9 +314,17 @@ def quantize_activations_q8(x: np.ndarray, block: int = 32) -> tuple[np.ndarray,
     return q.reshape(x.shape), d
 
 
-def kv_roundtrip(dtype: str, x: np.ndarray) -> np.ndarray:
-    """x (f32, last axis head_dim) stored in a KV cache of `dtype` and read back as f32."""
-    from ..common.kv_format import FLOAT_KV, dequantize_kv, quantize_kv
+def kv_roundtrip(dtype: str, x: np.ndarray, page_size: int = 16) -> np.ndarray:
+    """x (f32, last axis head_dim) stored in a KV cache of `dtype` and read back as f32. q4_ch keys (x [T, KVH, D]
+    of positions 0 .. T - 1) are encoded a page of `page_size` positions at a time, as one prefill stores them."""
+    from ..common.kv_format import FLOAT_KV, PAGE_SCALED_KV, dequantize_channels, dequantize_kv, quantize_kv, \
+        quantize_channels
+    if dtype in PAGE_SCALED_KV:
+        out = np.empty_like(x)
+        for p in range(0, len(x), page_size):
+            page = x[p:p + page_size].transpose(1, 0, 2)                      # [KVH, n, D]
+            out[p:p + page_size] = dequantize_channels(*quantize_channels(page)).transpose(1, 0, 2)
+        return out
     if dtype == "float32":
         return x
     if dtype == "float16":
@@ -320,3 +334,75 @@ def kv_roundtrip(dtype: str, x: np.ndarray) -> np.ndarray:
         return x.astype(ml_dtypes.bfloat16).astype(np.float32)
     assert dtype not in FLOAT_KV, dtype
     return dequantize_kv(dtype, *quantize_kv(dtype, x))
+
+
+class ReferenceSession:
+    """The float32 forward fed as a Session feeds the engine: call by call (prefill chunks, decode steps), with each
+    layer's keys and values kept as the cache holds them after every call (NumpyReference.kv_types), and compaction
+    as the engine's. Where a page's keys are encoded whole (q4_ch), a call re-encodes the page it continues from
+    what that page held, and compaction each destination page from its kept slots: what one whole-sequence forward
+    cannot model."""
+
+    def __init__(self, ref: NumpyReference):
+        self.ref = ref
+        cfg = ref.config
+        self.length = 0                                   # tokens fed (the next position)
+        empty = np.zeros((cfg.n_kv_heads, 0, cfg.head_dim), np.float32)
+        self.keys = [empty] * cfg.n_layers                # per layer [KVH, S, D], stored minus the key offset
+        self.values = [empty] * cfg.n_layers
+        self.positions = [np.zeros((cfg.n_kv_heads, 0), np.int64)] * cfg.n_layers
+
+    def feed(self, ids) -> np.ndarray:
+        """Logits [len(ids), vocab] of one call."""
+        ref, cfg = self.ref, self.ref.config
+        n = len(ids)
+        pos = np.arange(self.length, self.length + n)
+        x = ref._embed(np.asarray(ids, np.int64))
+        rep = cfg.n_heads // cfg.n_kv_heads
+        for l in range(cfg.n_layers):
+            q, k, v = ref._qkv(l, x, pos)
+            c = ref.cache_offset(l, k.shape[1:])
+            self._append(l, (k - c).transpose(1, 0, 2), v.transpose(1, 0, 2), pos)
+            out = np.empty((n, cfg.n_heads, cfg.head_dim), np.float32)
+            for h in range(cfg.n_kv_heads):
+                keys = (self.keys[l][h] + (c[h] if np.ndim(c) else c))[:, None]
+                k_pos = self.positions[l][h]
+                visible = (k_pos[None, :] <= pos[:, None]) & ref._window(l, pos, k_pos)
+                heads = slice(h * rep, (h + 1) * rep)
+                out[:, heads] = _attention(q[:, heads], keys, self.values[l][h][:, None], visible, ref._scale())
+            x = ref._finish_layer(l, x, out)
+        self.length += n
+        return ref._logits(x)
+
+    def compact(self, kept: list[np.ndarray]) -> None:
+        """Keep, per layer, the slots of kept [KVH, k] (slot indices, ascending), gathered to the front: rows move
+        as they are; keys encoded by page are encoded again per destination page."""
+        for l, rows in enumerate(kept):
+            rows = np.asarray(rows)
+            self.keys[l], self.values[l] = (np.take_along_axis(a, rows[..., None], axis=1)
+                                            for a in (self.keys[l], self.values[l]))
+            self.positions[l] = np.take_along_axis(self.positions[l], rows, axis=1)
+            if self._page_keys:
+                self.keys[l] = self._paged(self.keys[l])
+
+    @property
+    def _page_keys(self) -> bool:
+        from ..common.kv_format import PAGE_SCALED_KV
+        return bool(self.ref.kv_types) and self.ref.kv_types[0] in PAGE_SCALED_KV
+
+    def _paged(self, keys):
+        """Keys [KVH, n, D] at slots 0 .. n - 1 as page-encoded keys store them."""
+        return kv_roundtrip(self.ref.kv_types[0], keys.transpose(1, 0, 2), self.ref.page_size).transpose(1, 0, 2)
+
+    def _append(self, l, k, v, pos):
+        """Keys and values [KVH, n, D] of positions pos appended at the layer's next slots."""
+        key_type, value_type = self.ref.kv_types or ("float32", "float32")
+        held = self.keys[l].shape[1]
+        self.values[l] = np.concatenate([self.values[l], kv_roundtrip(value_type, v)], axis=1)
+        self.positions[l] = np.concatenate([self.positions[l], np.broadcast_to(pos, (len(k), len(pos)))], axis=1)
+        if not self._page_keys:
+            self.keys[l] = np.concatenate([self.keys[l], kv_roundtrip(key_type, k)], axis=1)
+            return
+        start = held // self.ref.page_size * self.ref.page_size       # the page this call continues
+        self.keys[l] = np.concatenate([self.keys[l][:, :start], self._paged(
+            np.concatenate([self.keys[l][:, start:], k], axis=1))], axis=1)

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from ...common.kv_format import FLOAT_KV, KV_BLOCK, QUANTIZED_KV, KVFormat
+from ...common.kv_format import FLOAT_KV, KV_BLOCK, PAGE_SCALED_KV, QUANTIZED_KV, KVFormat
 
-_QUANT_DTYPE = {"q8_0": "int8", "q4_0": "uint8"}
+_QUANT_DTYPE = {"q8_0": "int8", "q4_0": "uint8", "q4_ch": "uint8"}
 _NO_SCALES = {"shape": (1,), "dtype": "float16", "elem_offset": 0}    # a float part's scale view: never read
 
 
@@ -36,8 +36,8 @@ def view_spec(fmt: KVFormat, pages, which: int, scales: bool) -> dict:
     dtype = "float16" if scales else _QUANT_DTYPE.get(part.dtype, part.dtype)
     size = _itemsize(dtype)
     row = fmt.row_bytes // size
-    if scales:
-        width = fmt.head_dim // KV_BLOCK
+    if scales:     # q4_ch: this row's share of the page's scales and minimums
+        width = 2 * fmt.channels_per_row if part.dtype in PAGE_SCALED_KV else fmt.head_dim // KV_BLOCK
     elif quantized:
         width = (part.scale_offset - part.offset) // size     # the quants' bytes
     else:
@@ -63,11 +63,23 @@ class SlotRows:
         if dtype == "q8_0":
             return T.Cast("float32", q[page, h, slot, d]) * self._scale(which, page, h, slot, d)
         if dtype == "q4_0":
-            j = d % KV_BLOCK
-            byte = q[page, h, slot, d // KV_BLOCK * (KV_BLOCK // 2) + j % (KV_BLOCK // 2)]
-            nibble = (byte >> T.Cast("uint8", j // (KV_BLOCK // 2) * 4)) & T.uint8(15)
-            return (T.Cast("float32", nibble) - T.float32(8)) * self._scale(which, page, h, slot, d)
+            return (T.Cast("float32", self.nibble(which, page, h, slot, d)) - T.float32(8)) * self._scale(
+                which, page, h, slot, d)
+        if dtype == "q4_ch":      # m + q * d: q * d is exact, so a fused multiply-add rounds as numpy does
+            return T.Cast("float32", self.nibble(which, page, h, slot, d)) * self.page_scale(which, page, h, d, 0) \
+                + self.page_scale(which, page, h, d, 1)
         return T.Cast("float32", q[page, h, slot, d])
+
+    def nibble(self, which, page, h, slot, d):
+        """Element d's 4-bit quant (q4_0's nibble order)."""
+        j = d % KV_BLOCK
+        byte = self.quants[which][page, h, slot, d // KV_BLOCK * (KV_BLOCK // 2) + j % (KV_BLOCK // 2)]
+        return (byte >> T.Cast("uint8", j // (KV_BLOCK // 2) * 4)) & T.uint8(15)
+
+    def page_scale(self, which, page, h, d, minimum: int):
+        """q4_ch: channel d's scale (minimum 0) or minimum (1) in its page, as float32."""
+        c = self.fmt.channels_per_row
+        return T.Cast("float32", self.scales[which][page, h, d // c, minimum * c + d % c])
 
     def _scale(self, which, page, h, slot, d):
         return T.Cast("float32", self.scales[which][page, h, slot, d // KV_BLOCK])
@@ -166,3 +178,56 @@ def store_slot(rows, which, page, h, slot, x, t):
     else:
         for d in T.vectorized(D):
             q[page, h, slot, d] = T.Cast(dtype, x[t, h, d])
+
+
+def _channel_nibble(values, stats, o, d):
+    """q4_ch's quant of values[o, d]: min(15, max(0, round((x - m) / d))) as uint8."""
+    scaled = (values[o, d] - stats[2, d]) * stats[3, d]
+    return T.Cast("uint8", T.min(T.max(T.round(scaled), T.float32(0)), T.float32(15)))
+
+
+@T.macro
+def encode_page_keys(rows, page, h, values, end):
+    """q4_ch: the keys f32 values[0 .. end - 1, :] (a buffer [page_size, head_dim]) into slots 0 .. end - 1 of a page
+    and the page's per-channel scales and minimums (kv_format's rule)."""
+    q = T.meta_var(rows.quants[0])
+    s = T.meta_var(rows.scales[0])
+    D = T.meta_var(rows.fmt.head_dim)
+    c = T.meta_var(rows.fmt.channels_per_row)
+    # per channel: min, max, then the stored minimum and 1 / the stored scale
+    stats = T.decl_buffer((4, D), "float32", scope="global")
+    for d in T.vectorized(D):
+        stats[0, d] = values[0, d]
+        stats[1, d] = values[0, d]
+    for o in range(1, end):
+        for d in T.vectorized(D):
+            stats[0, d] = T.min(stats[0, d], values[o, d])
+            stats[1, d] = T.max(stats[1, d], values[o, d])
+    for d in range(D):
+        s[page, h, d // c, d % c] = T.Cast("float16", (stats[1, d] - stats[0, d]) / T.float32(15))
+        s[page, h, d // c, c + d % c] = T.Cast("float16", stats[0, d])
+        stats[2, d] = T.Cast("float32", s[page, h, d // c, c + d % c])
+        stats[3, d] = T.Cast("float32", s[page, h, d // c, d % c])
+        stats[3, d] = T.Select(stats[3, d] != T.float32(0), T.float32(1) / stats[3, d], T.float32(0))
+    for o in range(end):
+        for b in range(D // KV_BLOCK):
+            for j in T.vectorized(KV_BLOCK // 2):
+                q[page, h, o, b * (KV_BLOCK // 2) + j] = _channel_nibble(values, stats, o, b * KV_BLOCK + j) | (
+                    _channel_nibble(values, stats, o, b * KV_BLOCK + KV_BLOCK // 2 + j) << T.uint8(4))
+
+
+@T.macro
+def store_page_keys(rows, page, h, held, end, x, t0):
+    """q4_ch: slots held .. end - 1 of a page take keys x[t0 + (o - held), h, :] (f32 [n, kv_heads, head_dim]), and
+    the page is encoded again over slots 0 .. end - 1: the held slots read back as stored, then kv_format's q4_ch
+    rule per channel (the numpy emulation is kv_format.append_page_keys)."""
+    P = T.meta_var(rows.fmt.page_size)
+    D = T.meta_var(rows.fmt.head_dim)
+    values = T.decl_buffer((P, D), "float32", scope="global")
+    for o in range(held):
+        for d in T.vectorized(D):
+            values[o, d] = rows.load(0, page, h, o, d)
+    for o in range(end - held):
+        for d in T.vectorized(D):
+            values[held + o, d] = x[t0 + o, h, d]
+    encode_page_keys(rows, page, h, values, end)

@@ -18,7 +18,7 @@ from tvm.script import tirx as T
 
 from ...common.kv_format import KVFormat
 from .common import LANES, NEG_INF, token_count
-from .kv_rows import page_source, store_slot, unpack_page, unpacked_shape, unpacks_pages, with_pool_rows
+from .kv_rows import page_source, store_page_keys, store_slot, unpack_page, unpacked_shape, unpacks_pages, with_pool_rows
 from .lanes import lane_total
 
 
@@ -161,14 +161,31 @@ def _kv_append(fmt: KVFormat, n, batched: bool):
     def page_of(page_table, t, layer, index):
         return T.Cast("int64", page_table[t, layer, index] if batched else page_table[layer, index])
 
+    page_keys = fmt.page_scaled_keys
+
     @T.macro
     def append(rows, k, v, page_table, kv_lens, layer):
         for t in range(n):
             slot = slot_of(kv_lens, t, layer)
             page = page_of(page_table, t, layer, slot // page_size)
             for h in range(kv_heads):
-                store_slot(rows, 0, page, h, slot % page_size, k, t)
+                if not page_keys:
+                    store_slot(rows, 0, page, h, slot % page_size, k, t)
+                elif batched:
+                    store_page_keys(rows, page, h, slot % page_size, slot % page_size + 1, k, t)
                 store_slot(rows, 1, page, h, slot % page_size, v, t)
+        if page_keys and not batched:
+            # one encoding a page: its held slots and every new one it takes (kv_format.append_page_keys)
+            first = T.meta_var(T.Cast("int64", kv_lens[layer]))
+            # counted from 0: the same loop from kv_lens // page_size wrote wrong pages under TVM 0.27 whenever it
+            # started past 0 (test_kv_page_keys' appends at slot 16 and 32)
+            for p in range((first + n - 1) // page_size + 1 - first // page_size):
+                i = T.meta_var(first // page_size + p)
+                page = page_of(page_table, 0, layer, i)
+                for h in range(kv_heads):
+                    store_page_keys(rows, page, h, T.max(first - i * page_size, 0),
+                                    T.min(first + n - i * page_size, page_size), k,
+                                    T.max(i * page_size - first, 0))
 
     @T.prim_func
     def kv_append(var_pool: T.handle, var_k: T.handle, var_v: T.handle, var_pt: T.handle, var_lens: T.handle,

@@ -24,7 +24,7 @@ from ...common.ops import (P_BUDGET, P_KERNEL, P_POOLING, P_RECENCY, P_SHARED, P
                            POOL_MAX, SELECT_PARAMS)
 from ...common.kv_format import KVFormat
 from .common import LANES, NEG_INF, score_reduce, score_width, token_count
-from .kv_rows import with_pool_rows
+from .kv_rows import encode_page_keys, with_pool_rows
 from .paged_attention import fast_exp
 
 
@@ -243,6 +243,8 @@ def make_kv_compact(layers: int, kv_heads: int, head_dim: int, page_size: int, m
     pages = T.int64()
     slots = max_pages * page_size
     fmt = KVFormat.of(kv_dtype, kv_heads, page_size, head_dim)
+    if fmt.page_scaled_keys:
+        return _kv_compact_page_keys(fmt, layers, max_pages)
     _, parts, _, _, width = fmt.pool_shape(pages)
 
     @T.prim_func
@@ -259,5 +261,42 @@ def make_kv_compact(layers: int, kv_heads: int, head_dim: int, page_size: int, m
                         pool[T.Cast("int64", page_table[l, i // page_size]), kv, h, i % page_size, d] = pool[
                             T.Cast("int64", page_table[l, keep[l, h, i] // page_size]), kv, h,
                             keep[l, h, i] % page_size, d]
+
+    return kv_compact
+
+
+def _kv_compact_page_keys(fmt: KVFormat, layers: int, max_pages: int):
+    """kv_compact for q4_ch keys, whose scales belong to their page: each destination page's keys are gathered as
+    stored (dequantized through their source pages' scales) and the page encoded again (kv_format.gather_slots);
+    values move by their bytes. In place, as the row form: keep is ascending, so destination page j reads pages
+    j and later only, and page j's sources are all read before page j is written."""
+    pages = T.int64()
+    P, D = fmt.page_size, fmt.head_dim
+    kv_heads, slots = fmt.kv_heads, max_pages * fmt.page_size
+    value = fmt.part(1)
+
+    @T.macro
+    def compact(rows, pool, page_table, keep, count):
+        for lh in T.parallel(layers * kv_heads):
+            l = T.meta_var(lh // kv_heads)
+            h = T.meta_var(lh % kv_heads)
+            gathered = T.decl_buffer((P, D), "float32", scope="global")
+            for j in range((count[l] + P - 1) // P):
+                dst = T.meta_var(T.Cast("int64", page_table[l, j]))
+                for o in range(T.min(count[l] - j * P, P)):
+                    src_page = T.meta_var(T.Cast("int64", page_table[l, keep[l, h, j * P + o] // P]))
+                    src_slot = T.meta_var(keep[l, h, j * P + o] % P)
+                    for d in T.vectorized(D):
+                        gathered[o, d] = rows.load(0, src_page, h, src_slot, d)
+                    for b in T.vectorized(value.nbytes):
+                        pool[dst, 0, h, o, value.offset + b] = pool[src_page, 0, h, src_slot, value.offset + b]
+                encode_page_keys(rows, dst, h, gathered, T.min(count[l] - j * P, P))
+
+    @T.prim_func
+    def kv_compact(var_pool: T.handle, page_table: T.Buffer((layers, max_pages), "int32"),
+                   keep: T.Buffer((layers, kv_heads, slots), "int32"), count: T.Buffer((layers,), "int32")):
+        T.func_attr({"tirx.noalias": True, "op_pattern": 8})
+        pool = T.match_buffer(var_pool, fmt.pool_shape(pages), fmt.pool_dtype)
+        with_pool_rows(pool, fmt, compact, pool, page_table, keep, count)
 
     return kv_compact
