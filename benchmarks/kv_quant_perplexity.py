@@ -4,9 +4,10 @@ ids) and on the first --long tokens of sharpi's Alice text (a longer context, wh
 keys to spoil).
 
     python benchmarks/kv_quant_perplexity.py [--models smollm2-135m,gemma3-270m,qwen2.5-coder-0.5b]
-        [--types f16,q8_0,q4_0,q8_0/q4_0] [--long 1024] [--out benchmarks/kv_quant.md]
+        [--types f16,q8_0,q4_0,q8_0/q4_0] [--long 1024] [--out benchmarks/kv_quant.md] [--no-llama]
 
-A type "K/V" gives keys and values their own. Each llama.cpp run is a process of its own (its model and logits
+A type "K/V" gives keys and values their own; llama.cpp's column is left empty for types it lacks (q4_ch keys) and
+with --no-llama. Each llama.cpp run is a process of its own (its model and logits
 freed between runs); sharpi compiles one artifact per type (int8 matmuls, the CPU default) through the compile
 cache. Needs llama-cpp-python.
 """
@@ -83,6 +84,7 @@ def main(argv=None) -> int:
     p.add_argument("--types", default="f16,q8_0,q4_0,q8_0/q4_0")
     p.add_argument("--long", type=int, default=1024)
     p.add_argument("--out", default=None)
+    p.add_argument("--no-llama", action="store_true", help="sharpi's column alone (no llama-cpp-python needed)")
     args = p.parse_args(argv)
     rows = ["| model | text | cache (K/V) | sharpi ppl | vs sharpi f16 | llama.cpp ppl | vs llama.cpp f16 |",
             "| --- | --- | --- | ---: | ---: | ---: | ---: |"]
@@ -90,13 +92,16 @@ def main(argv=None) -> int:
         gguf = str(fetch(model, show_progress=False))
         texts = texts_for(model, args.long)
         ours = {kv: sharpi_perplexity(model, kv, texts) for kv in args.types.split(",")}
-        theirs = {kv: llama_perplexity(gguf, kv, texts) for kv in args.types.split(",")}
+        theirs = {kv: llama_perplexity(gguf, kv, texts) for kv in args.types.split(",")
+                  if not args.no_llama and all(t in GGML_TYPE for t in kv.split("/"))}
         for name in texts:
-            base_ours, base_theirs = ours["f16"][name], theirs["f16"][name]
+            base_ours = ours["f16"][name]
             for kv in args.types.split(","):
-                a, b = ours[kv][name], theirs[kv][name]
+                a = ours[kv][name]
+                b = f"{theirs[kv][name]:.3f} | {100 * (theirs[kv][name] / theirs['f16'][name] - 1):+.2f}%" \
+                    if kv in theirs and "f16" in theirs else " | "
                 rows.append(f"| {model} | {name} ({len(texts[name])} tokens) | {kv} | {a:.3f} | "
-                            f"{100 * (a / base_ours - 1):+.2f}% | {b:.3f} | {100 * (b / base_theirs - 1):+.2f}% |")
+                            f"{100 * (a / base_ours - 1):+.2f}% | {b} |")
                 print(rows[-1], flush=True)
     table = "\n".join(rows) + "\n"
     print(table)

@@ -317,7 +317,7 @@ def test_kv_types_are_refused_where_no_kernel_reads_them(tiny_path, tmp_path):
             sharpi.compile(str(odd), target=target, kv_dtype="q4_0", output=tmp_path / f"odd-{target}")
 
 
-@pytest.mark.parametrize("pair", [("q8_0", "q8_0"), ("q8_0", "q4_0")], ids=_ids)
+@pytest.mark.parametrize("pair", [("q8_0", "q8_0"), ("q8_0", "q4_0"), ("q4_ch", "q8_0")], ids=_ids)
 def test_conformance_suite_passes_on_a_quantized_cache(pair, tiny_path, tiny_artifacts):
     """Every check of the suite (kv_bytes from the format's rows, decode after compaction, ...) on a quantized
     cache, under its tolerance."""
@@ -343,14 +343,16 @@ def test_cli_kv_flags_refuse_in_one_line(tiny_path, tmp_path, capsys):
 
 def test_cli_says_what_q4_0_keys_cost(tiny_path, tmp_path, capsys):
     """A q4_0 key cache compiles, and sharpi-compile says in one note what such keys cost and what to take
-    instead; q8_0 keys with q4_0 values compile without it."""
+    instead; q8_0 or q4_ch keys with q4_0 values compile without it."""
     from sharpi.cli import compile as compile_cli
-    for flags, noted in ((["--kv-dtype", "q4_0"], True), (["--kv-dtype-k", "q8_0", "--kv-dtype-v", "q4_0"], False)):
+    for flags, noted in ((["--kv-dtype", "q4_0"], True), (["--kv-dtype-k", "q8_0", "--kv-dtype-v", "q4_0"], False),
+                         (["--kv-dtype-k", "q4_ch", "--kv-dtype-v", "q4_0"], False)):
         out = tmp_path / "-".join(flags[1::2])
         assert compile_cli.main([str(tiny_path), *flags, "--matmuls", "float", "--no-cache", "--quiet",
                                  "-o", str(out)]) == 0
         err = capsys.readouterr().err
         assert ("note: q4_0 keys" in err) == noted and ("--kv-dtype-k q8_0 --kv-dtype-v q4_0" in err) == noted
+        assert ("--kv-dtype-k q4_ch --kv-dtype-v q4_0" in err) == noted
         assert (out / "manifest.json").is_file()
 
 

@@ -16,7 +16,8 @@ Quantized types (q8_0, q4_0), or keys and values of different types, take the pa
 A q4_ch page's scales belong to the page, not to a row: KIVI's grouping (keys quantized per channel, since a key's
 channels differ in range by an order of magnitude while one channel varies little across tokens). Per-token 4-bit
 blocks (q4_0) move Qwen2.5-Coder-0.5B's attention logits by 10-19% of their spread and cost 10-15% perplexity at 1024
-tokens; per channel over 16 slots, 4-7% and +0.1-0.8% (benchmarks/kv_quant.md). Its rows cost 4 head_dim / page_size
+tokens; per channel over 16 slots, 4-7% and -0.1 to +1.6% on three models, and the 4,000-token suite keeps f16's
+score (benchmarks/kv_quant.md). Its rows cost 4 head_dim / page_size
 bytes more than q4_0's (48 against 36 for head_dim 64), and a page is written whole: kv_append re-encodes the page's
 held slots (read back as stored) with the new ones, compaction re-encodes each destination page from the kept
 slots' stored values (kv_format.append_page_keys, compact_page_keys).
@@ -74,10 +75,11 @@ def key_offset_for(key_type: str, has_key_bias: bool) -> str | None:
 # What a user choosing a key type should know before a long prompt (measured: benchmarks/kv_quant.md).
 KEY_TYPE_NOTES = {
     "q4_0": ("q4_0 keys cost 10-15% perplexity at 1024 tokens and lose long-context retrieval (4,000-token "
-             "RULER-style suite: -22 points on Qwen2.5-Coder-0.5B, -13 on Gemma-3-270M); --kv-dtype-k q8_0 "
-             "--kv-dtype-v q4_0 keeps f16's accuracy in about 40% of its bytes (benchmarks/kv_quant.md)."),
+             "RULER-style suite: -22 points on Qwen2.5-Coder-0.5B, -13 on Gemma-3-270M); 4-bit keys per channel "
+             "(--kv-dtype-k q4_ch --kv-dtype-v q4_0, llvm: +1 point on that suite, 0.33x f16's bytes) or q8_0 keys "
+             "(--kv-dtype-k q8_0 --kv-dtype-v q4_0, every target: about 40% of f16's bytes) keep f16's accuracy "
+             "(benchmarks/kv_quant.md)."),
 }
-
 
 def _round4(n: int) -> int:
     return (n + 3) // 4 * 4
@@ -196,7 +198,6 @@ class KVFormat:
         scales = raw[..., part.scale_offset - part.offset:][..., :2 * (self.head_dim // KV_BLOCK)].view(np.float16)
         return dequantize_kv(part.dtype, quants, scales)
 
-
     def _page_scales(self, stats: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """A q4_ch part's stats bytes [..., page_size, >= 4 c] -> (d, m) f16 [..., head_dim] of each page."""
         c = self.channels_per_row
@@ -233,8 +234,7 @@ def quantize_kv(dtype: str, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             m = np.where(top >= -bottom, top, bottom)
             d = m / np.float32(-8)
             inv = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
-            q = np.minimum(np.rint(blocks * inv) + np.float32(8), 15).astype(np.uint8)
-            q = q[..., :16] | (q[..., 16:] << 4)
+            q = _pack_nibbles(np.minimum(np.rint(blocks * inv) + np.float32(8), 15).astype(np.uint8))
         else:
             raise ValueError(dtype)
     return q.reshape(*x.shape[:-1], -1), d[..., 0].astype(np.float16)
@@ -247,8 +247,7 @@ def dequantize_kv(dtype: str, quants: np.ndarray, scales: np.ndarray) -> np.ndar
         q = quants.view(np.int8).astype(np.float32).reshape(*d.shape[:-1], KV_BLOCK)
         return (q * d).reshape(*quants.shape[:-1], -1)
     if dtype == "q4_0":
-        packed = quants.reshape(*d.shape[:-1], KV_BLOCK // 2)
-        q = np.concatenate([packed & 15, packed >> 4], axis=-1).astype(np.float32)
+        q = _unpack_nibbles(quants).astype(np.float32).reshape(*d.shape[:-1], KV_BLOCK)
         return ((q - 8) * d).reshape(*quants.shape[:-1], -1)
     raise ValueError(dtype)
 

@@ -121,11 +121,26 @@ def unpack_page(page_rows, rows, page, h, page_size, head_dim):
     end too: they hold whatever the pool held, and attention masks them as it masks them in the pool)."""
     keys = T.meta_var(page_rows.buffers[0])
     values = T.meta_var(page_rows.buffers[1])
-    for o in range(page_size):
-        for d in T.vectorized(head_dim):
-            keys[o, d] = rows.load(0, page, h, o, d)
-        for d in T.vectorized(head_dim):
-            values[o, d] = rows.load(1, page, h, o, d)
+    if rows.dtype(0) == "q4_ch":
+        # the page's per-channel scales and minimums first, into the values' buffer (rows 0 and 1, overwritten
+        # below): each key element then reads them in channel order rather than from the row that holds them
+        c = T.meta_var(rows.fmt.channels_per_row)
+        for o in range(page_size):
+            for j in T.vectorized(c):
+                values[0, o * c + j] = rows.page_scale(0, page, h, o * c + j, 0)
+                values[1, o * c + j] = rows.page_scale(0, page, h, o * c + j, 1)
+        for o in range(page_size):
+            for d in T.vectorized(head_dim):
+                keys[o, d] = T.Cast("float32", rows.nibble(0, page, h, o, d)) * values[0, d] + values[1, d]
+        for o in range(page_size):
+            for d in T.vectorized(head_dim):
+                values[o, d] = rows.load(1, page, h, o, d)
+    else:
+        for o in range(page_size):
+            for d in T.vectorized(head_dim):
+                keys[o, d] = rows.load(0, page, h, o, d)
+            for d in T.vectorized(head_dim):
+                values[o, d] = rows.load(1, page, h, o, d)
 
 
 @T.macro
