@@ -15,7 +15,8 @@ import numpy as np
 
 from ..common.config import ModelConfig
 from ..common.errors import GGUFError
-from ..common.kv_format import key_offset_for
+from ..common.kv_format import (FLOAT_KV, PAGE_SCALED_KV, dequantize_channels, dequantize_kv, key_offset_for,
+                                 quantize_channels, quantize_kv)
 from ..common.ops import PAGE_SIZE
 # Gemma 3's layer pattern and local RoPE base are constants llama.cpp hard-codes rather than reads from the GGUF
 from ..frontend.config import GEMMA3_LOCAL_ROPE_BASE, GEMMA3_SWA_PATTERN, config_from_gguf
@@ -314,11 +315,9 @@ def quantize_activations_q8(x: np.ndarray, block: int = 32) -> tuple[np.ndarray,
     return q.reshape(x.shape), d
 
 
-def kv_roundtrip(dtype: str, x: np.ndarray, page_size: int = 16) -> np.ndarray:
+def kv_roundtrip(dtype: str, x: np.ndarray, page_size: int = PAGE_SIZE) -> np.ndarray:
     """x (f32, last axis head_dim) stored in a KV cache of `dtype` and read back as f32. q4_ch keys (x [T, KVH, D]
     of positions 0 .. T - 1) are encoded a page of `page_size` positions at a time, as one prefill stores them."""
-    from ..common.kv_format import FLOAT_KV, PAGE_SCALED_KV, dequantize_channels, dequantize_kv, quantize_kv, \
-        quantize_channels
     if dtype in PAGE_SCALED_KV:
         out = np.empty_like(x)
         for p in range(0, len(x), page_size):
@@ -387,7 +386,6 @@ class ReferenceSession:
 
     @property
     def _page_keys(self) -> bool:
-        from ..common.kv_format import PAGE_SCALED_KV
         return bool(self.ref.kv_types) and self.ref.kv_types[0] in PAGE_SCALED_KV
 
     def _paged(self, keys):

@@ -115,6 +115,28 @@ def unpacks_pages(fmt: KVFormat) -> bool:
     return fmt.k in QUANTIZED_KV or fmt.v in QUANTIZED_KV
 
 
+class PageScaledKeys:
+    """q4_ch keys of one page read through its per-channel scales and minimums copied into channel order (rows 0
+    and 1 of `scales`, f32 [>= 2, head_dim], filled by read_page_scales): a loop over a page's slots then reads them
+    as contiguous lanes, where SlotRows.load gathers them from the rows that hold them for every element."""
+
+    def __init__(self, rows: SlotRows, scales):
+        self.rows, self.scales = rows, scales
+
+    def load(self, which, page, h, slot, d):
+        return T.Cast("float32", self.rows.nibble(0, page, h, slot, d)) * self.scales[0, d] + self.scales[1, d]
+
+
+@T.macro
+def read_page_scales(rows, scales, page, h):
+    """A q4_ch page's key scales into scales[0, :] and its minimums into scales[1, :], in channel order."""
+    c = T.meta_var(rows.fmt.channels_per_row)
+    for o in range(rows.fmt.page_size):
+        for j in T.vectorized(c):
+            scales[0, o * c + j] = rows.page_scale(0, page, h, o * c + j, 0)
+            scales[1, o * c + j] = rows.page_scale(0, page, h, o * c + j, 1)
+
+
 @T.macro
 def unpack_page(page_rows, rows, page, h, page_size, head_dim):
     """Every slot of a page's key and value rows as float32 into page_rows' buffers (slots past the sequence's
@@ -124,14 +146,11 @@ def unpack_page(page_rows, rows, page, h, page_size, head_dim):
     if rows.dtype(0) == "q4_ch":
         # the page's per-channel scales and minimums first, into the values' buffer (rows 0 and 1, overwritten
         # below): each key element then reads them in channel order rather than from the row that holds them
-        c = T.meta_var(rows.fmt.channels_per_row)
-        for o in range(page_size):
-            for j in T.vectorized(c):
-                values[0, o * c + j] = rows.page_scale(0, page, h, o * c + j, 0)
-                values[1, o * c + j] = rows.page_scale(0, page, h, o * c + j, 1)
+        read_page_scales(rows, values, page, h)
+        scaled = T.meta_var(PageScaledKeys(rows, values))
         for o in range(page_size):
             for d in T.vectorized(head_dim):
-                keys[o, d] = T.Cast("float32", rows.nibble(0, page, h, o, d)) * values[0, d] + values[1, d]
+                keys[o, d] = scaled.load(0, page, h, o, d)
         for o in range(page_size):
             for d in T.vectorized(head_dim):
                 values[o, d] = rows.load(1, page, h, o, d)

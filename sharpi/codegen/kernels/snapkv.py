@@ -24,7 +24,7 @@ from ...common.ops import (P_BUDGET, P_KERNEL, P_POOLING, P_RECENCY, P_SHARED, P
                            POOL_MAX, SELECT_PARAMS)
 from ...common.kv_format import KVFormat
 from .common import LANES, NEG_INF, score_reduce, score_width, token_count
-from .kv_rows import encode_page_keys, with_pool_rows
+from .kv_rows import PageScaledKeys, encode_page_keys, read_page_scales, with_pool_rows
 from .paged_attention import fast_exp
 
 
@@ -45,6 +45,20 @@ def make_snapkv_score(heads: int, kv_heads: int, head_dim: int, page_size: int, 
     group = heads // kv_heads
     slots = max_pages * page_size
     DC = head_dim // LANES
+    page_keys = fmt.page_scaled_keys
+    page_scales_shape = (2, head_dim) if page_keys else (1,)
+
+    @T.macro
+    def logit(keys, q, t, h, page, kvh, s, dv, row, st):
+        """row[s] = q[t, h] . the key of slot s (eight lanes at a time), and the row's running max."""
+        for l in T.vectorized(LANES):
+            dv[l] = q[t, h, l] * keys.load(0, page, kvh, s % page_size, l)
+        for dc in T.unroll(DC - 1):
+            for l in T.vectorized(LANES):
+                dv[l] = dv[l] + q[t, h, (dc + 1) * LANES + l] \
+                    * keys.load(0, page, kvh, s % page_size, (dc + 1) * LANES + l)
+        row[s] = (((dv[0] + dv[1]) + (dv[2] + dv[3])) + ((dv[4] + dv[5]) + (dv[6] + dv[7]))) * T.float32(scale)
+        st[0] = T.max(st[0], row[s])
 
     @T.macro
     def score(rows, q, page_table, kv_lens, layer, window, out):
@@ -54,23 +68,25 @@ def make_snapkv_score(heads: int, kv_heads: int, head_dim: int, page_size: int, 
             row = T.decl_buffer((slots + LANES,), "float32", scope="global")
             dv = T.decl_buffer((LANES,), "float32", scope="global")
             st = T.decl_buffer((2,), "float32", scope="global")  # row max, row sum
+            page_scales = T.decl_buffer(page_scales_shape, "float32", scope="global")
             for s in range(slots):
                 part[h, s] = T.float32(0)
             for w in range(T.min(T.Cast("int64", score_width(window)), n)):
                 t = T.meta_var(n - T.min(T.Cast("int64", score_width(window)), n) + w)
                 total = T.meta_var(T.Cast("int64", kv_lens[layer]) + t + 1)
                 st[0] = T.float32(NEG_INF)
-                for s in range(total):
-                    page = T.meta_var(T.Cast("int64", page_table[layer, s // page_size]))
-                    for l in T.vectorized(LANES):
-                        dv[l] = q[t, h, l] * rows.load(0, page, kvh, s % page_size, l)
-                    for dc in T.unroll(DC - 1):
-                        for l in T.vectorized(LANES):
-                            dv[l] = dv[l] + q[t, h, (dc + 1) * LANES + l] \
-                                * rows.load(0, page, kvh, s % page_size, (dc + 1) * LANES + l)
-                    row[s] = (((dv[0] + dv[1]) + (dv[2] + dv[3])) + ((dv[4] + dv[5]) + (dv[6] + dv[7]))) \
-                        * T.float32(scale)
-                    st[0] = T.max(st[0], row[s])
+                if page_keys:
+                    # a page's per-channel scales once, in channel order (kv_rows.PageScaledKeys), for its slots
+                    for i in range((total + page_size - 1) // page_size):
+                        page = T.meta_var(T.Cast("int64", page_table[layer, i]))
+                        read_page_scales(rows, page_scales, page, kvh)
+                        keys = T.meta_var(PageScaledKeys(rows, page_scales))
+                        for o in range(T.min(total - i * page_size, page_size)):
+                            logit(keys, q, t, h, page, kvh, i * page_size + o, dv, row, st)
+                else:
+                    for s in range(total):
+                        page = T.meta_var(T.Cast("int64", page_table[layer, s // page_size]))
+                        logit(rows, q, t, h, page, kvh, s, dv, row, st)
                 for c in range((total + LANES - 1) // LANES):
                     for l in T.vectorized(LANES):
                         row[c * LANES + l] = fast_exp(row[c * LANES + l] - st[0])
