@@ -12,7 +12,7 @@ from sharpi.common.kv_format import (KVFormat, append_page_keys, dequantize_chan
                                      quantize_channels)
 from sharpi.testing.snapkv import score_reference
 from test_kernels import _attention_reference, _build, _t
-from test_kv_quant import _kernel
+from test_kv_quant import _kernel, three_sequences
 
 PAGE = 16
 PAIRS = [("q4_ch", "q4_0"), ("q4_ch", "float16"), ("q4_ch", "q8_0")]
@@ -120,22 +120,12 @@ def test_batched_append_and_attention(rng):
     sequence only."""
     heads, kv_heads, d, layers, layer = 4, 2, 64, 2, 1
     fmt = KVFormat("q4_ch", "q4_0", kv_heads, PAGE, d)
-    held = [5, 16, 33]
-    max_pages = 4
-    tables = np.zeros((3, layers, max_pages), np.int32)
-    pool = _t(np.zeros(fmt.pool_shape(14), np.uint8))
+    pool, tables, lens, ks, vs = three_sequences(fmt, layers, layer, rng)
+    held = list(lens[:, layer])
     expected = np.zeros(fmt.pool_shape(14), np.uint8)
-    ks, vs = [], []
-    append = _kernel(make_kv_append, kv_heads, d, PAGE, kv_dtype=fmt)
     for b, h in enumerate(held):
-        tables[b, layer] = [1 + b * 4 + i for i in range(max_pages)]
-        ks.append(rng.standard_normal((h + 1, kv_heads, d)).astype(np.float32))
-        vs.append(rng.standard_normal((h + 1, kv_heads, d)).astype(np.float32))
-        append(pool, _t(ks[b][:h]), _t(vs[b][:h]), _t(tables[b]), _t(np.zeros(layers, np.int32)), layer)
         emulate_append(fmt, expected, tables[b, layer], 0, ks[b][:h], vs[b][:h])
         emulate_append(fmt, expected, tables[b, layer], h, ks[b][h:], vs[b][h:])
-    lens = np.zeros((3, layers), np.int32)
-    lens[:, layer] = held
     _build(make_kv_append_batch(kv_heads, d, PAGE, kv_dtype=fmt))(
         pool, _t(np.stack([k[-1] for k in ks])), _t(np.stack([v[-1] for v in vs])), _t(tables), _t(lens), layer)
     np.testing.assert_array_equal(pool.numpy(), expected)

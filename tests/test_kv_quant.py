@@ -128,24 +128,32 @@ def test_attention_reads_the_dequantized_cache(pair, heads, kv_heads, d, case, r
                                atol=1e-5)
 
 
+def three_sequences(fmt, layers, layer, rng):
+    """A pool holding three sequences of 5, 16 and 33 slots in `layer` (each appended in one call), and one more
+    token of each to append: (pool, page tables [3, layers, 4], kv_lens [3, layers], keys and values [held + 1,
+    kvh, d] a sequence)."""
+    held, max_pages = [5, 16, 33], 4
+    tables = np.zeros((3, layers, max_pages), np.int32)
+    pool = _t(np.zeros(fmt.pool_shape(14), fmt.pool_dtype))
+    ks, vs = [], []
+    append = _kernel(make_kv_append, fmt.kv_heads, fmt.head_dim, PAGE, kv_dtype=fmt)
+    for b, h in enumerate(held):
+        tables[b, layer] = [1 + b * 4 + i for i in range(max_pages)]
+        ks.append(rng.standard_normal((h + 1, fmt.kv_heads, fmt.head_dim)).astype(np.float32))
+        vs.append(rng.standard_normal((h + 1, fmt.kv_heads, fmt.head_dim)).astype(np.float32))
+        append(pool, _t(ks[b][:h]), _t(vs[b][:h]), _t(tables[b]), _t(np.zeros(layers, np.int32)), layer)
+    lens = np.zeros((3, layers), np.int32)
+    lens[:, layer] = held
+    return pool, tables, lens, ks, vs
+
+
 @pytest.mark.parametrize("pair", FORMATS[:3], ids=_ids)
 def test_batched_append_and_attention(pair, rng):
     """decode_batch's kernels: token b appended at sequence b's slot and attending over that sequence only."""
     heads, kv_heads, d, layers, layer = 4, 2, 64, 2, 1
     fmt = KVFormat(*pair, kv_heads, PAGE, d)
-    held = [5, 16, 33]
-    max_pages = 4
-    tables = np.zeros((3, layers, max_pages), np.int32)
-    pool = _t(np.zeros(fmt.pool_shape(14), fmt.pool_dtype))
-    ks, vs = [], []
-    append = _kernel(make_kv_append, kv_heads, d, PAGE, kv_dtype=fmt)
-    for b, h in enumerate(held):
-        tables[b, layer] = [1 + b * 4 + i for i in range(max_pages)]
-        ks.append(rng.standard_normal((h + 1, kv_heads, d)).astype(np.float32))
-        vs.append(rng.standard_normal((h + 1, kv_heads, d)).astype(np.float32))
-        append(pool, _t(ks[b][:h]), _t(vs[b][:h]), _t(tables[b]), _t(np.zeros(layers, np.int32)), layer)
-    lens = np.zeros((3, layers), np.int32)
-    lens[:, layer] = held
+    pool, tables, lens, ks, vs = three_sequences(fmt, layers, layer, rng)
+    held = list(lens[:, layer])
     k_new = np.stack([k[-1] for k in ks])
     v_new = np.stack([v[-1] for v in vs])
     _build(make_kv_append_batch(kv_heads, d, PAGE, kv_dtype=fmt))(pool, _t(k_new), _t(v_new), _t(tables), _t(lens),
