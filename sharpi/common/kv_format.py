@@ -17,10 +17,10 @@ A q4_ch page's scales belong to the page, not to a row: KIVI's grouping (keys qu
 channels differ in range by an order of magnitude while one channel varies little across tokens). Per-token 4-bit
 blocks (q4_0) move Qwen2.5-Coder-0.5B's attention logits by 10-19% of their spread and cost 10-15% perplexity at 1024
 tokens; per channel over 16 slots, 4-7% and -0.1 to +1.6% on three models, and the 4,000-token suite keeps f16's
-score (benchmarks/kv_quant.md). Its rows cost 4 head_dim / page_size
-bytes more than q4_0's (48 against 36 for head_dim 64), and a page is written whole: kv_append re-encodes the page's
-held slots (read back as stored) with the new ones, compaction re-encodes each destination page from the kept
-slots' stored values (kv_format.append_page_keys, compact_page_keys).
+score (benchmarks/kv_quant.md). Its rows cost 4 head_dim / page_size bytes more than q4_0's (48 against 36 for
+head_dim 64), and a page is written whole: kv_append re-encodes the page's held slots (read back as stored) with the
+new ones, compaction re-encodes each destination page from the kept slots' stored values (kv_format.append_page_keys,
+compact_page_keys, gather_slots).
 A slot's key and value sit side by side (not in planes of their own per page) so that the pool keeps its rank and
 its slot axis: compaction and the host's slot moves move a slot's row whole, page copies and forks are unchanged,
 and a page's attention reads its rows' key and value parts from the same cache lines. Scales follow the quants
@@ -255,7 +255,7 @@ def dequantize_kv(dtype: str, quants: np.ndarray, scales: np.ndarray) -> np.ndar
 def encode_rows(fmt: KVFormat, k: np.ndarray, v: np.ndarray) -> np.ndarray:
     """Packed rows uint8 [..., row_bytes] holding keys and values f32 [..., head_dim] as kv_append stores them
     (padding bytes zero): the numpy emulation of a packed store. q4_ch keys, whose scales are their page's, are
-    left zero here (encode_pages writes them)."""
+    left zero here (append_page_keys writes them)."""
     row = np.zeros((*k.shape[:-1], fmt.row_bytes), np.uint8)
     for which, x in ((0, k), (1, v)):
         part = fmt.part(which)
@@ -333,34 +333,19 @@ def _write_page_keys(fmt, out, part, x, n):
     return out
 
 
-def encode_pages(fmt: KVFormat, k: np.ndarray, v: np.ndarray) -> np.ndarray:
-    """Pages uint8 [ceil(n / page_size), 1, kv_heads, page_size, row] holding keys and values f32 [n, kv_heads,
-    head_dim] at slots 0 .. n - 1, each page's keys encoded once over the slots it holds (a prefill's store; slots
-    past n are zero)."""
-    P, n = fmt.page_size, len(k)
-    pages = np.zeros(((n + P - 1) // P, 1, fmt.kv_heads, P, fmt.row_bytes), np.uint8)
-    for p in range(len(pages)):
-        rows = encode_rows(fmt, k[p * P:(p + 1) * P], v[p * P:(p + 1) * P])        # [n_p, kvh, row]
-        pages[p, 0, :, :len(rows)] = rows.transpose(1, 0, 2)
-        if fmt.page_scaled_keys:
-            pages[p, 0] = compact_page_keys(fmt, pages[p, 0], np.asarray(k[p * P:(p + 1) * P], np.float32)
-                                            .transpose(1, 0, 2))
-    return pages
-
-
-def gather_slots(fmt: KVFormat, pages: np.ndarray, sources: list) -> np.ndarray:
+def gather_slots(fmt: KVFormat | None, pages: np.ndarray, sources) -> np.ndarray:
     """Pages [n, 1 or 2, kv_heads, page_size, width] of one layer with slot sources[h][i] moved to slot i for every
     head h (ascending sources): rows move whole; q4_ch keys are re-encoded per destination page from the sources'
-    stored values (the compaction kernel's rule). Returns the new pages."""
-    P = fmt.page_size
+    stored values (the compaction kernel's rule). fmt None: a pool without a format, whose rows move as they are.
+    Returns the new pages."""
+    P = pages.shape[3]
     slots = pages.transpose(0, 3, 1, 2, 4).reshape(-1, *pages.shape[1:3], pages.shape[4])   # [slot, parts, kvh, w]
     moved = slots.copy()
-    keys = fmt.decode(pages, 0).transpose(1, 0, 2, 3).reshape(fmt.kv_heads, -1, fmt.head_dim) \
-        if fmt.page_scaled_keys else None
     for h, src in enumerate(sources):
         moved[:len(src), :, h] = slots[src, :, h]
     out = moved.reshape(len(pages), P, *pages.shape[1:3], pages.shape[4]).transpose(0, 2, 3, 1, 4).copy()
-    if keys is not None:
+    if fmt is not None and fmt.page_scaled_keys:
+        keys = fmt.decode(pages, 0).transpose(1, 0, 2, 3).reshape(fmt.kv_heads, -1, fmt.head_dim)
         for h, src in enumerate(sources):
             for p in range((len(src) + P - 1) // P):
                 kept = keys[h, src[p * P:(p + 1) * P]][None]

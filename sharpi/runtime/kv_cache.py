@@ -272,24 +272,13 @@ class SequenceCache:
 
     def move_slots(self, rows: list[np.ndarray]) -> None:
         """Gather the kept slots to the front of each layer and head through host memory (the compiled
-        snapkv_compact kernel does the same on the device when every layer keeps the same count)."""
-        size = self.pool.page_size
+        snapkv_compact kernel does the same on the device when every layer keeps the same count): rows move whole,
+        and keys whose scales are their page's are encoded again per destination page (kv_format.gather_slots)."""
         for layer, layer_rows in enumerate(rows):
             if not self.pages[layer] or layer_rows is None:
                 continue
             data = self.pool.read_pages(self.pages[layer])    # [pages, 2 (or 1 packed), kv_heads, page_size, d]
-            if self.pool.kv_format is not None and self.pool.kv_format.page_scaled_keys:
-                # keys whose scales are their page's are encoded again per destination page
-                self.pool.write_pages(self.pages[layer], gather_slots(self.pool.kv_format, data, list(layer_rows)))
-                continue
-            slots = data.transpose(0, 3, 1, 2, 4).reshape(-1, *data.shape[1:3], data.shape[4])  # [slot, 2, kvh, d]
-            moved = slots.copy()
-            for head in range(self.kv_heads):
-                src = layer_rows[head]
-                moved[:len(src), :, head] = slots[src, :, head]
-            self.pool.write_pages(self.pages[layer],
-                                  moved.reshape(len(self.pages[layer]), size, *data.shape[1:3], data.shape[4])
-                                  .transpose(0, 2, 3, 1, 4))
+            self.pool.write_pages(self.pages[layer], gather_slots(self.pool.kv_format, data, layer_rows))
 
     def record_compaction(self, rows: list[np.ndarray]) -> None:
         """Bookkeeping after the slots moved: lengths, kept positions, trailing pages back to the pool at once.
