@@ -91,7 +91,8 @@ def test_cuda_logits_match_cpu(smollm2_cuda_artifact, smollm2, golden):
 
 
 
-@pytest.mark.parametrize("kv_k,kv_v,kernel_part", [("bf16", "bf16", "kvbf16"), ("q4_0", "q8_0", "kvq4_0_q8_0")])
+@pytest.mark.parametrize("kv_k,kv_v,kernel_part", [("bf16", "bf16", "kvbf16"), ("q4_0", "q8_0", "kvq4_0_q8_0"),
+                                                  ("q4_ch", "q4_0", "kvq4_ch_q4_0")])
 def test_kv_cache_types_build_for_cuda(kv_k, kv_v, kernel_part, tmp_path):
     """--kv-dtype bf16, and q4_0 keys with q8_0 values (both quantized readers and writers in one build), on the
     cuda target: nvcc builds the attention (prefill, decode, batched), append, compaction and SnapKV kernels for the
@@ -107,3 +108,17 @@ def test_kv_cache_types_build_for_cuda(kv_k, kv_v, kernel_part, tmp_path):
                                                     "snapkv_score")}
     assert kernels <= set(m.kernels), m.kernels
     assert set(fatbin_entries((artifact / "model.so").read_bytes())) == {("elf", 80), ("ptx", 80)}
+
+
+def test_nvcc_divides_correctly_rounded_under_tvms_fast_math():
+    """TVM's nvcc call adds --use_fast_math; sharpi's options put back IEEE division (the quantized KV stores'
+    scales equal kv_format's numpy rule only so), while exp stays approximate."""
+    from tvm.support import nvcc
+    from sharpi.codegen.targets.cuda import NVCC_OPTIONS, make_target
+    code = ('extern "C" __global__ void f(float* a, float* b) '
+            '{ b[threadIdx.x] = a[threadIdx.x] / 15.0f + 1.0f / a[threadIdx.x] + __expf(a[threadIdx.x]); }')
+    with make_target("sm_80"):
+        ptx = nvcc.compile_cuda(code, target_format="ptx", arch="sm_80", options=NVCC_OPTIONS,
+                                compiler="nvcc").decode()
+    assert "div.rn" in ptx and "rcp.rn" in ptx and "approx.ftz.f32" in ptx     # ex2.approx: fast exp kept
+    assert "div.approx" not in ptx and "div.full" not in ptx and "rcp.approx" not in ptx

@@ -253,12 +253,11 @@ def test_tiny_model_matches_the_reference_fed_call_by_call(tiny):
                 np.testing.assert_allclose(s.decode(ids[i]), r.feed(ids[i:i + 1])[0], **close, err_msg=snapkv)
 
 
-def test_q4_ch_is_refused_where_no_kernel_reads_it(tiny, tmp_path):
+def test_q4_ch_is_refused_for_values(tiny, tmp_path):
     import sharpi
     path, _ = tiny
-    for target in ("cuda", "vulkan"):
-        with pytest.raises(ConfigError, match=f"--kv-dtype q4_ch is not available on the {target} target "
-                                              r"\(its page-scaled keys have CPU kernels only so far\)"):
-            sharpi.compile(str(path), target=target, kv_dtype_k="q4_ch", output=tmp_path / target)
     with pytest.raises(ConfigError, match="q4_ch is a key type"):
         sharpi.compile(str(path), kv_dtype="q4_ch", output=tmp_path / "both")
+    with pytest.raises(ConfigError, match="q4_ch is a key type"):
+        sharpi.compile(str(path), target="vulkan", kv_dtype_v="q4_ch", output=tmp_path / "values")
+    assert not (tmp_path / "both").exists() and not (tmp_path / "values").exists()

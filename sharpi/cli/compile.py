@@ -35,7 +35,7 @@ def build_parser() -> ArgumentParser:
                                                      "default f16 for GPUs and for int8 matmuls, else f32")
     p.add_argument("--kv-dtype-k", default=None, help="the keys' type alone (over --kv-dtype), as llama.cpp's -ctk; "
                                                        "keys are the sensitive side: q8_0 keys keep long-context "
-                                                       "retrieval, q4_0 keys lose it; q4_ch (llvm; keys only) is 4 "
+                                                       "retrieval, q4_0 keys lose it; q4_ch (keys only) is 4 "
                                                        "bits per channel over a page's 16 tokens with an f16 scale "
                                                        "and minimum, 0.38x f16's bytes at head_dim 64")
     p.add_argument("--kv-dtype-v", default=None, help="the values' type alone (over --kv-dtype), as llama.cpp's -ctv")

@@ -76,8 +76,8 @@ def key_offset_for(key_type: str, has_key_bias: bool) -> str | None:
 KEY_TYPE_NOTES = {
     "q4_0": ("q4_0 keys cost 10-15% perplexity at 1024 tokens and lose long-context retrieval (4,000-token "
              "RULER-style suite: -22 points on Qwen2.5-Coder-0.5B, -13 on Gemma-3-270M); 4-bit keys per channel "
-             "(--kv-dtype-k q4_ch --kv-dtype-v q4_0, llvm: +1 point on that suite, 0.33x f16's bytes) or q8_0 keys "
-             "(--kv-dtype-k q8_0 --kv-dtype-v q4_0, every target: about 40% of f16's bytes) keep f16's accuracy "
+             "(--kv-dtype-k q4_ch --kv-dtype-v q4_0: +1 point on that suite, 0.33x f16's bytes) or q8_0 keys "
+             "(--kv-dtype-k q8_0 --kv-dtype-v q4_0: about 40% of f16's bytes) keep f16's accuracy "
              "(benchmarks/kv_quant.md)."),
 }
 

@@ -32,7 +32,6 @@ class TargetSpec:
         return self.device == "gpu"
 
 
-_PAGE_KEYS_CPU_ONLY = "its page-scaled keys have CPU kernels only so far"
 _CPU_FEATURE = schema.text(32, r"[a-z0-9_.]+")
 TARGETS = {spec.name: spec for spec in (
     TargetSpec(
@@ -45,15 +44,15 @@ TARGETS = {spec.name: spec for spec in (
                                      optional_keys=("int8_isa",))),
     TargetSpec(
         name="cuda", about="NVIDIA GPUs; needs nvcc", device="gpu", runtime="tvm-vm", tvm_device="cuda",
-        options=("arch", "cuda_graph"), kv_dtypes=("float32", "float16", "bfloat16", "q8_0", "q4_0"),
-        kv_dtype_notes={"q4_ch": _PAGE_KEYS_CPU_ONLY},
+        options=("arch", "cuda_graph"), kv_dtypes=("float32", "float16", "bfloat16", "q8_0", "q4_0", "q4_ch"),
+        kv_dtype_notes={},
         manifest_entry=schema.record({"kind": schema.one_of("cuda"), "arch": schema.text(8, r"sm_[0-9]{2,3}a?"),
                                       "images": schema.array(schema.text(32, r"[a-z]+:[0-9]+"), 64),
                                       "cuda_graph": schema.boolean})),
     TargetSpec(
         name="vulkan", about="WGSL run through wgpu", device="gpu", runtime="wgpu-plan", tvm_device=None,
-        options=(), kv_dtypes=("float32", "float16", "q8_0", "q4_0"),
-        kv_dtype_notes={"bfloat16": "WGSL has no bfloat16", "q4_ch": _PAGE_KEYS_CPU_ONLY},
+        options=(), kv_dtypes=("float32", "float16", "q8_0", "q4_0", "q4_ch"),
+        kv_dtype_notes={"bfloat16": "WGSL has no bfloat16"},
         manifest_entry=schema.record({"kind": schema.one_of("vulkan"), "shader": schema.one_of("wgsl"),
                                       "activations": schema.one_of("float32")})),
 )}

@@ -61,6 +61,13 @@ def fatbin_flags(arch: str) -> list[str]:
     return ["-gencode", f"arch=compute_{cc},code=sm_{cc}", "-gencode", f"arch=compute_{cc},code=compute_{cc}"]
 
 
+# TVM's nvcc call adds --use_fast_math, whose approximate division (div.approx, up to 2 ulp) would make the quantized
+# KV cache's block scales (q8_0's max / 127, q4_ch's range / 15) and their reciprocals differ from kv_format's rule
+# now and then; IEEE division keeps the stores equal to the numpy emulation byte for byte, as on Vulkan. The rest of
+# fast math (approximate exp, flushed subnormals, fused multiply-adds) stays.
+NVCC_OPTIONS = ["--prec-div=true"]
+
+
 # The driver entry points TVM's CUDA runtime library links against (nm -D --undefined-only); see
 # ensure_cuda_runtime_library.
 _DRIVER_SYMBOLS = ("cuDeviceGetName", "cuFuncSetAttribute", "cuGetErrorName", "cuGetErrorString", "cuLaunchKernelEx",
@@ -149,7 +156,8 @@ def build(mod: tvm.IRModule, target: tvm.target.Target, library_path: Path, cuda
     ensure_cuda_runtime_library()
 
     def compile_fatbin(code, *_):
-        return nvcc.compile_cuda(code, target_format="fatbin", arch=fatbin_flags(arch), compiler="nvcc")
+        return nvcc.compile_cuda(code, target_format="fatbin", arch=fatbin_flags(arch), options=NVCC_OPTIONS,
+                                 compiler="nvcc")
 
     with cuda_compiler(compile_fatbin):
         with target, tvm.transform.PassContext(opt_level=3, config={"relax.backend.use_cuda_graph": cuda_graph}):

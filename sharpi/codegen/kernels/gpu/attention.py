@@ -29,7 +29,7 @@ from tvm.script import tirx as T
 from ..paged_attention import visible
 from ..common import GPU_KERNEL_ATTRS as ATTRS
 from ..common import NEG_INF, token_count
-from .kv_rows import GpuRows, store_row
+from .kv_rows import GpuRows, store_page_keys, store_row
 
 MAX_THREADS = 256           # WebGPU's maxComputeInvocationsPerWorkgroup default
 
@@ -75,6 +75,8 @@ def make_gpu_kv_append(kv_heads: int, head_dim: int, page_size: int, tokens: int
     a KV type, a (key, value) pair of types or a KVFormat (a packed pool is taken as words: kv_rows)."""
     n = token_count(tokens)
     rows = GpuRows.of(kv_dtype, kv_heads, page_size, head_dim)
+    if rows.fmt.page_scaled_keys:
+        return _page_keys_append(rows, n, tokens, batched)
     pages, layers, max_pages = _pool_vars()
     TX, _ = _threads(head_dim)
     table_shape, lens_shape, slot_of, page_of = _tables(batched, n, layers, max_pages)
@@ -95,6 +97,47 @@ def make_gpu_kv_append(kv_heads: int, head_dim: int, page_size: int, tokens: int
                 slot = T.meta_var(slot_of(kv_lens, layer, t))
                 page = T.meta_var(T.Cast("int64", page_of(page_table, layer, t, slot // page_size)))
                 store_row(rows, pool, k, v, t, h, page, slot % page_size, tx, TX)
+
+    return _named(gpu_kv_append, f"gpu_kv_append{'_batch' if batched else ''}_{kv_heads}_{head_dim}_{page_size}",
+                  tokens)
+
+
+def _page_keys_append(rows: GpuRows, n, tokens: int | None, batched: bool) -> tirx.PrimFunc:
+    """kv_append for q4_ch keys, whose scales belong to their page: one workgroup per (page the call writes, KV
+    head) encodes the page's keys again, held slots and new ones (kv_rows.store_page_keys), and stores the new
+    slots' values. A call of n tokens after kv_lens[layer] held slots writes at most n // P + 2 pages (workgroups
+    past the last do nothing); batched, each token's own page, continued by one slot."""
+    kv_heads, page_size, head_dim = rows.fmt.kv_heads, rows.fmt.page_size, rows.fmt.head_dim
+    pages, layers, max_pages = _pool_vars()
+    TX, _ = _threads(head_dim)
+    table_shape, lens_shape, slot_of, page_of = _tables(batched, n, layers, max_pages)
+    jobs = n if batched else n // page_size + 2
+
+    @T.prim_func
+    def gpu_kv_append(var_pool: T.handle, var_k: T.handle, var_v: T.handle, var_pt: T.handle, var_lens: T.handle,
+                      layer: T.int64):
+        T.func_attr(ATTRS)
+        pool = T.match_buffer(var_pool, rows.pool_shape(pages), rows.pool_dtype)
+        k = T.match_buffer(var_k, (n, kv_heads, head_dim), "float32")
+        v = T.match_buffer(var_v, (n, kv_heads, head_dim), "float32")
+        page_table = T.match_buffer(var_pt, table_shape, "int32")
+        kv_lens = T.match_buffer(var_lens, lens_shape, "int32")
+        for b in T.thread_binding(jobs * kv_heads, thread="blockIdx.x"):
+            for tx in T.thread_binding(TX, thread="threadIdx.x"):
+                h = T.meta_var(b % kv_heads)
+                if batched:
+                    t = T.meta_var(b // kv_heads)
+                    slot = T.meta_var(slot_of(kv_lens, layer, t))
+                    store_page_keys(rows, pool, k, v, T.Cast("int64", page_of(page_table, layer, t, slot // page_size)),
+                                    h, slot % page_size, slot % page_size + 1, t, tx, TX)
+                else:
+                    first = T.meta_var(slot_of(kv_lens, layer, 0))
+                    i = T.meta_var(first // page_size + b // kv_heads)         # the page's index in the table
+                    held = T.meta_var(T.max(first - i * page_size, T.int64(0)))
+                    end = T.meta_var(T.min(first + n - i * page_size, T.int64(page_size)))
+                    if held < end:
+                        store_page_keys(rows, pool, k, v, T.Cast("int64", page_of(page_table, layer, 0, i)), h,
+                                        held, end, T.max(i * page_size - first, T.int64(0)), tx, TX)
 
     return _named(gpu_kv_append, f"gpu_kv_append{'_batch' if batched else ''}_{kv_heads}_{head_dim}_{page_size}",
                   tokens)

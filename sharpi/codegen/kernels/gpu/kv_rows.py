@@ -15,15 +15,21 @@ owning a block (one per quantized block of the key and of the value) compute its
 workgroup memory (the rule of kv_format: max and min over the block, in float32); after a barrier every word of
 the row is composed from the source floats and those scales. Float -> f16 rounds to nearest even on the bits
 (as numpy's float16 cast: subnormals, overflow to infinity, NaN), so the stored scales equal the emulation's bit
-for bit wherever the device's f32 division is correctly rounded (lavapipe's and CUDA's are). A subnormal f32
-block scale (blocks below ~1e-36) may be flushed to zero by a GPU; the emulation keeps it.
+for bit wherever the device's f32 division is correctly rounded (lavapipe's is; CUDA's is under the
+--prec-div=true that targets/cuda.py adds to TVM's --use_fast_math). A subnormal f32 block scale (blocks below
+~1e-36) may be flushed to zero by a GPU; the emulation keeps it.
+
+q4_ch keys, whose scales belong to their page, are written a page at a time by one workgroup (store_page_keys,
+encode_staged_keys: the page staged as f32 in workgroup memory, a channel's min and max per invocation, then every
+word of the page's keys by one invocation); kv_append runs a workgroup per page it writes and KV head, compaction
+one per layer and KV head, walking its destination pages in order.
 """
 from __future__ import annotations
 
 from tvm.script import tirx as T
 
 from ....common.errors import ConfigError
-from ....common.kv_format import FLOAT_KV, KV_BLOCK, QUANTIZED_KV, KVFormat
+from ....common.kv_format import FLOAT_KV, KV_BLOCK, PAGE_SCALED_KV, QUANTIZED_KV, KVFormat
 
 WORD = 4                      # bytes in a word of the packed pool
 _Q4_HALF = KV_BLOCK // 2      # q4_0: byte j of a block holds elements j (low nibble) and j + 16 (high)
@@ -154,6 +160,9 @@ class GpuRows:
             return half_to_float(_low_half(word(d // 2), d))
         if dtype == "bfloat16":
             return T.reinterpret("float32", T.shift_left(_low_half(word(d // 2), d), _u32(16)))
+        if dtype in PAGE_SCALED_KV:       # m + q * d: q * d is exact, so fused or not it rounds as numpy's
+            return T.Cast("float32", self.nibble(pool, which, page, h, slot, d)) * self.page_scale(pool, page, h, d, 0) \
+                + self.page_scale(pool, page, h, d, 1)
         scale = half_to_float(_low_half(pool[page, 0, h, slot, part.scale_offset // WORD + d // KV_BLOCK // 2],
                                         d // KV_BLOCK))
         if dtype == "q8_0":
@@ -161,10 +170,23 @@ class GpuRows:
             signed = T.shift_right(T.shift_left(T.reinterpret("int32", word(d // 4)), T.Cast("int32", 24 - d % 4 * 8)),
                                    24)
             return T.Cast("float32", signed) * scale
-        j = d % KV_BLOCK                                     # q4_0: byte j % 16 of the block, nibble j // 16
+        return (T.Cast("float32", self.nibble(pool, which, page, h, slot, d)) - T.float32(8)) * scale
+
+    def nibble(self, pool, which: int, page, h, slot, d):
+        """A 4-bit part's (q4_0, q4_ch) quant of element d as uint32: byte j % 16 of d's block of 32, nibble
+        j // 16 (j = d % 32)."""
+        j = d % KV_BLOCK
         byte = d // KV_BLOCK * _Q4_HALF + j % _Q4_HALF
-        nibble = T.bitwise_and(T.shift_right(word(byte // 4), _shift(byte % 4 * 8 + j // _Q4_HALF * 4)), _u32(15))
-        return (T.Cast("float32", nibble) - T.float32(8)) * scale
+        word = pool[page, 0, h, slot, self.fmt.part(which).offset // WORD + byte // 4]
+        return T.bitwise_and(T.shift_right(word, _shift(byte % 4 * 8 + j // _Q4_HALF * 4)), _u32(15))
+
+    def page_scale(self, pool, page, h, d, minimum: int):
+        """q4_ch keys: channel d's scale (minimum 0) or minimum (1) in its page, as float32: half d % c (of the
+        scales, or of the minimums after them) in row d // c's stats (c = channels_per_row, even)."""
+        c = self.fmt.channels_per_row
+        index = minimum * c + d % c
+        return half_to_float(_low_half(pool[page, 0, h, d // c, self.fmt.part(0).scale_offset // WORD + index // 2],
+                                       index))
 
     # -- the store's pieces -----------------------------------------------------------------------------------
     def blocks(self, which: int) -> int:
@@ -272,14 +294,16 @@ def _store_part(rows, which, pool, x, t, h, page, slot, scales, inverse, tx, thr
 def store_row(rows, pool, k, v, t, h, page, slot, tx, threads):
     """A slot's key k[t, h, :] and value v[t, h, :] (f32 [n, kv_heads, head_dim]) into the pool, by the
     `threads` invocations (tx) of one workgroup, which every one of them must reach (it holds a barrier when
-    a part is quantized). The numpy emulation is kv_format.encode_rows."""
+    a part is quantized). The numpy emulation is kv_format.encode_rows. Page-scaled keys (q4_ch) are left to
+    store_page_keys: only the value is stored."""
     if not rows.fmt.packed:
         for c in T.unroll((rows.fmt.head_dim + threads - 1) // threads):
             if c * threads + tx < rows.fmt.head_dim:
                 pool[page, 0, h, slot, c * threads + tx] = T.Cast(rows.fmt.k, k[t, h, c * threads + tx])
                 pool[page, 1, h, slot, c * threads + tx] = T.Cast(rows.fmt.k, v[t, h, c * threads + tx])
     else:
-        kb = T.meta_var(rows.blocks(0))
+        keys = T.meta_var(not rows.fmt.page_scaled_keys)
+        kb = T.meta_var(rows.blocks(0) if keys else 0)
         vb = T.meta_var(rows.blocks(1))
         if kb + vb > 0:
             # the blocks' d (f32, rounded to f16 when stored) and 1 / d, keys' then values'; scales in an even
@@ -295,8 +319,116 @@ def store_row(rows, pool, k, v, t, h, page, slot, tx, threads):
             elif tx < kb + vb:
                 _block_scale(rows, 1, v, t, h, tx - kb, v_scales, v_inverse, stats)
             T.tvm_storage_sync("shared")
-            _store_part(rows, 0, pool, k, t, h, page, slot, k_scales, k_inverse, tx, threads)
+            if keys:
+                _store_part(rows, 0, pool, k, t, h, page, slot, k_scales, k_inverse, tx, threads)
             _store_part(rows, 1, pool, v, t, h, page, slot, v_scales, v_inverse, tx, threads)
         else:
-            _store_part(rows, 0, pool, k, t, h, page, slot, None, None, tx, threads)
+            if keys:
+                _store_part(rows, 0, pool, k, t, h, page, slot, None, None, tx, threads)
             _store_part(rows, 1, pool, v, t, h, page, slot, None, None, tx, threads)
+
+
+# -- q4_ch keys: a page at a time -------------------------------------------------------------------------------
+# A q4_ch page's keys share per-channel scales, so a page is encoded whole by one workgroup (a page and a KV head):
+# its keys as f32 are staged in workgroup memory ([page_size, head_dim]: 16 KiB at head_dim 256), then invocation d
+# takes channel d's minimum and maximum over the page's slots and its stored scale and minimum, and after a barrier
+# every word of the page's keys (the rows' nibbles, and the head_dim words of per-channel stats the rows share) is
+# composed by one invocation. kv_format's rule and the numpy emulation are kv_format.quantize_channels.
+def _ceil(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+def _stats_word(bits, channel, which):
+    """The halves of channels `channel` and `channel` + 1's scale (which 0) or minimum (1), low half first."""
+    return T.bitwise_or(bits[which, channel], T.shift_left(bits[which, channel + 1], _u32(16)))
+
+
+def _nibble_word(staged, coding, o, w):
+    """Word w of row o's q4_ch nibbles: bytes 4w .. 4w + 3 of q4_0's order, each quant min(15, max(0,
+    round((x - m) / d))) of staged[o, :] with m and 1 / d as stored."""
+    block, first = w // (_Q4_HALF // WORD), w % (_Q4_HALF // WORD) * WORD
+
+    def nibble(e):
+        d = block * KV_BLOCK + e
+        q = T.round((staged[o, d] - coding[0, d]) * coding[1, d])
+        return T.Cast("uint32", T.min(T.max(q, T.float32(0)), T.float32(15)))
+    return _or_bytes([T.bitwise_or(nibble(first + e), T.shift_left(nibble(first + e + _Q4_HALF), _u32(4)))
+                      for e in range(WORD)])
+
+
+@T.macro
+def stage_page_keys(rows, pool, page, h, held, end, x, t0, staged, tx, threads):
+    """staged[o, :] = the key slot o holds, read back as stored, for o < held, and x[t0 + o - held, h, :] for
+    held <= o < end (f32 [n, kv_heads, head_dim]): the page as kv_append encodes it."""
+    P = T.meta_var(rows.fmt.page_size)
+    D = T.meta_var(rows.fmt.head_dim)
+    for c in T.unroll(_ceil(P * D, threads)):
+        o = T.meta_var(T.Cast("int64", (c * threads + tx) // D))
+        d = T.meta_var(T.Cast("int64", (c * threads + tx) % D))
+        if c * threads + tx < P * D:
+            if o < T.Cast("int64", held):
+                staged[o, d] = rows.load(pool, 0, page, h, o, d)
+            elif o < T.Cast("int64", end):
+                staged[o, d] = x[T.Cast("int64", t0) + o - T.Cast("int64", held), h, d]
+
+
+@T.macro
+def encode_staged_keys(rows, pool, page, h, end, staged, tx, threads):
+    """Slots 0 .. end - 1 of a page take the q4_ch encoding of staged[0 .. end - 1, :] (f32 [page_size, head_dim]
+    in workgroup memory, complete: the caller's barrier), and every row of the page its share of the per-channel
+    stats. Every invocation of the workgroup must reach it (it holds a barrier)."""
+    P = T.meta_var(rows.fmt.page_size)
+    D = T.meta_var(rows.fmt.head_dim)
+    c = T.meta_var(rows.fmt.channels_per_row)
+    first = T.meta_var(rows.fmt.part(0).offset // WORD)
+    stats_first = T.meta_var(rows.fmt.part(0).scale_offset // WORD)
+    # per channel: the f16 bits of its scale (0) and minimum (1); the minimum as f32 (0) and 1 / scale (1)
+    bits = T.alloc_buffer((2, D), "uint32", scope="shared")
+    coding = T.alloc_buffer((2, D), "float32", scope="shared")
+    range_ = T.alloc_buffer((2,), "float32", scope="local")     # the channel's min and max, then m and d as stored
+    halves = T.alloc_buffer((2,), "uint32", scope="local")      # the f16 bits of d and m
+    for i in T.unroll(_ceil(D, threads)):
+        if i * threads + tx < D:
+            range_[0] = staged[0, i * threads + tx]
+            range_[1] = staged[0, i * threads + tx]
+            for o in range(1, T.Cast("int64", end)):
+                range_[0] = T.min(range_[0], staged[o, i * threads + tx])
+                range_[1] = T.max(range_[1], staged[o, i * threads + tx])
+            halves[0] = float_to_half((range_[1] - range_[0]) / T.float32(15))
+            halves[1] = float_to_half(range_[0])
+            range_[0] = half_to_float(halves[1])
+            range_[1] = half_to_float(halves[0])
+            bits[0, i * threads + tx] = halves[0]
+            bits[1, i * threads + tx] = halves[1]
+            coding[0, i * threads + tx] = range_[0]
+            coding[1, i * threads + tx] = T.Select(range_[1] != T.float32(0), T.float32(1) / range_[1],
+                                                   T.float32(0))
+    T.tvm_storage_sync("shared")
+    # the stats, D words: word k of row o holds two channels' halves, of its c scales (k < c / 2), then of its c
+    # minimums (c is even: head_dim and the page size are multiples of 32 and 16)
+    for i in T.unroll(_ceil(D, threads)):
+        o = T.meta_var((i * threads + tx) // c)
+        k = T.meta_var((i * threads + tx) % c)
+        if i * threads + tx < D:
+            pool[page, 0, h, o, stats_first + k] = _stats_word(bits, o * c + k % (c // 2) * 2, k // (c // 2))
+    # the nibbles, D / 8 words a row: word w of row o (bytes 4w .. 4w + 3, all in one block of 32 elements)
+    for i in T.unroll(_ceil(P * D // 8, threads)):
+        o = T.meta_var((i * threads + tx) // (D // 8))
+        w = T.meta_var((i * threads + tx) % (D // 8))
+        if T.Cast("int64", o) < T.Cast("int64", end):
+            pool[page, 0, h, o, first + w] = _nibble_word(staged, coding, o, w)
+
+
+@T.macro
+def store_page_keys(rows, pool, k, v, page, h, held, end, t0, tx, threads):
+    """q4_ch keys: slots held .. end - 1 of a page take keys k[t0 + (o - held), h, :] and values v[...] (f32 [n,
+    kv_heads, head_dim]); the page's keys are encoded again over slots 0 .. end - 1, the held ones read back as
+    stored (the numpy emulation is kv_format.append_page_keys; the values', encode_rows). By one workgroup, every
+    invocation of which must reach it (held and end the same for all)."""
+    staged = T.alloc_buffer((rows.fmt.page_size, rows.fmt.head_dim), "float32", scope="shared")
+    stage_page_keys(rows, pool, page, h, held, end, k, t0, staged, tx, threads)
+    T.tvm_storage_sync("shared")
+    encode_staged_keys(rows, pool, page, h, end, staged, tx, threads)
+    for o in range(end - held):
+        store_row(rows, pool, k, v, t0 + o, h, page, held + o, tx, threads)
+        T.tvm_storage_sync("shared")      # the value blocks' scales are written again for the next slot

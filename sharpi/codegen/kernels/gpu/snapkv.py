@@ -31,7 +31,7 @@ from ....common.ops import (P_BUDGET, P_KERNEL, P_POOLING, P_RECENCY, P_SHARED, 
                             POOL_MAX, SELECT_PARAMS)
 from ..common import GPU_KERNEL_ATTRS as ATTRS
 from ..common import NEG_INF, score_width, token_count
-from .kv_rows import GpuRows
+from .kv_rows import GpuRows, encode_staged_keys
 
 THREADS = 256                 # invocations per workgroup for the reducing kernels (WebGPU's limit)
 LOG_THREADS = 8
@@ -325,6 +325,8 @@ def make_gpu_kv_compact(layers: int, kv_heads: int, head_dim: int, page_size: in
     pages = T.int64()
     slots = max_pages * page_size
     rows = GpuRows.of(kv_dtype, kv_heads, page_size, head_dim)
+    if rows.fmt.page_scaled_keys:
+        return _compact_page_keys(rows, layers, max_pages)
     parts, width = rows.row_units
     lanes = layers * kv_heads * parts * width
     blocks = _ceil_div(lanes, COMPACT_THREADS)
@@ -346,5 +348,56 @@ def make_gpu_kv_compact(layers: int, kv_heads: int, head_dim: int, page_size: in
                         pool[T.Cast("int64", page_table[l, i // page_size]), kv, h, i % page_size, d] = pool[
                             T.Cast("int64", page_table[l, keep[l, h, i] // page_size]), kv, h,
                             keep[l, h, i] % page_size, d]
+
+    return kv_compact_gpu
+
+
+def _compact_page_keys(rows: GpuRows, layers: int, max_pages: int):
+    """kv_compact for q4_ch keys, whose scales belong to their page (the twin of the CPU kernel
+    snapkv._kv_compact_page_keys; numpy: kv_format.gather_slots): one workgroup per (layer, KV head) walks the
+    destination pages in order, stages each page's kept keys (read back through their source pages' scales) and
+    its values' words in workgroup memory, and after a barrier writes the values and encodes the keys. keep is
+    ascending, so page j's sources lie in pages j and later: staged before page j is written, and never written
+    before a later page stages them."""
+    pages = T.int64()
+    kv_heads, P, D = rows.fmt.kv_heads, rows.fmt.page_size, rows.fmt.head_dim
+    slots = max_pages * P
+    value_first, value_words, value_scales = rows.regions(1)
+    width = value_words + value_scales
+    TX = min(D, 256)
+
+    @T.prim_func
+    def kv_compact_gpu(var_pool: T.handle, page_table: T.Buffer((layers, max_pages), "int32"),
+                       keep: T.Buffer((layers, kv_heads, slots), "int32"), count: T.Buffer((layers,), "int32")):
+        T.func_attr(ATTRS)
+        pool = T.match_buffer(var_pool, rows.pool_shape(pages), rows.pool_dtype)
+        for b in T.thread_binding(layers * kv_heads, thread="blockIdx.x"):
+            for tx in T.thread_binding(TX, thread="threadIdx.x"):
+                staged = T.alloc_buffer((P, D), "float32", scope="shared")
+                values = T.alloc_buffer((P, width), "uint32", scope="shared")
+                l = T.meta_var(b // kv_heads)
+                h = T.meta_var(b % kv_heads)
+                for j in range((count[l] + P - 1) // P):
+                    end = T.meta_var(T.min(count[l] - j * P, P))
+                    for c in T.unroll(_ceil_div(P * D, TX)):
+                        o = T.meta_var((c * TX + tx) // D)
+                        if o < end:
+                            staged[o, (c * TX + tx) % D] = rows.load(
+                                pool, 0, T.Cast("int64", page_table[l, keep[l, h, j * P + o] // P]), h,
+                                keep[l, h, j * P + o] % P, (c * TX + tx) % D)
+                    for c in T.unroll(_ceil_div(P * width, TX)):
+                        o = T.meta_var((c * TX + tx) // width)
+                        if o < end:
+                            values[o, (c * TX + tx) % width] = pool[
+                                T.Cast("int64", page_table[l, keep[l, h, j * P + o] // P]), 0, h,
+                                keep[l, h, j * P + o] % P, value_first + (c * TX + tx) % width]
+                    T.tvm_storage_sync("shared")
+                    for c in T.unroll(_ceil_div(P * width, TX)):
+                        o = T.meta_var((c * TX + tx) // width)
+                        if o < end:
+                            pool[T.Cast("int64", page_table[l, j]), 0, h, o, value_first + (c * TX + tx) % width] = \
+                                values[o, (c * TX + tx) % width]
+                    encode_staged_keys(rows, pool, T.Cast("int64", page_table[l, j]), h, end, staged, tx, TX)
+                    T.tvm_storage_sync("shared")      # page j's staging is read before page j + 1's is written
 
     return kv_compact_gpu
