@@ -263,6 +263,21 @@ def _unit_term(qtype, qs, s, xq, xd, row, j, isa):
     return T.Cast("float32x16", dot) * (pair_scales(qtype, s, row, j) * xd[j, T.ramp(0, 1, 16)])
 
 
+# How far ahead of its reads the GEMV asks for its weights (llvm.prefetch: prefetcht0). The hardware prefetchers
+# alone left the decode GEMVs streaming at 55-70% of the read bandwidth (a task's several streams, quants and scale
+# planes, each restarting at every row); 2 KB ahead of the quants and the same blocks' scales, Q4_K and Q6_K GEMVs of
+# a 1.5B model's shapes stream at 24-27 GB/s where they took 15-19, on the Intel Xeon of 2026-12-03 (read 28 GB/s;
+# benchmarks/cpu.md). The requests run past a row's end into the next rows, as the task reads on; the last row's
+# are clamped to the buffer.
+PREFETCH_BYTES = 2048
+
+
+def _prefetch(flat, index):
+    """A read prefetch of element `index` of a flat buffer into every cache level."""
+    return T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(flat[index]), T.int32(0),
+                                         T.int32(3), T.int32(1)))
+
+
 def make_gemv_int8(qtype: str, N: int, K: int, isa: str = "avx2"):
     """PrimFunc (x [1, K] f32, *weight parts as the CPU kernels take them, y [1, N] f32).
 
@@ -283,6 +298,14 @@ def make_gemv_int8(qtype: str, N: int, K: int, isa: str = "avx2"):
     VO = 16 if NB % 16 == 0 and W == 16 else 8 if NB % 8 == 0 else 4 if NB % 4 == 0 else 2 if NB % 2 == 0 else 1
     fields, coefficient = _wide_offset(qtype) if W == 16 else _offset_fields(qtype)
     F = max(1, len(fields))
+    # the prefetches of one step of the row's loop (A units: A * W / 8 blocks): the quants' cache lines and each
+    # scale plane's, PREFETCH_BYTES of quants ahead
+    STEP_BLOCKS = A * (W // 8)
+    QS_BLOCK = qs_shape[1] // NB                        # qs elements a block
+    QS_ITEM = 1 if qs_dtype == "int8" else 4
+    AHEAD = max(1, PREFETCH_BYTES // (QS_BLOCK * QS_ITEM))   # blocks
+    QS_LINES = (STEP_BLOCKS * QS_BLOCK * QS_ITEM + 63) // 64
+    LINE = 64 // QS_ITEM                                 # qs elements a cache line
 
     @T.prim_func
     def quant_gemv_int8(x: T.Buffer((1, K), "float32"), qs: T.Buffer(qs_shape, qs_dtype),
@@ -293,6 +316,8 @@ def make_gemv_int8(qtype: str, N: int, K: int, isa: str = "avx2"):
         xd = T.decl_buffer((NU, W), "float32", data=xd8.data)         # a unit's scales, 8 lanes a block
         xo = T.decl_buffer((F, NB, 1), "float32")
         xo_blocks = T.decl_buffer((F, NB), "float32", data=xo.data)   # the same sums, blocks as the last axis
+        qs_flat = T.decl_buffer((N * NB * QS_BLOCK,), qs_dtype, data=qs.data)
+        s_flat = T.decl_buffer((S, N * NB), "float32", data=s.data)
         for b in range(NB):
             quantize_activation_block(x, 0, True, xq, xd8, xo, 0, b, qtype, F)
         for c in T.parallel(CHUNKS):
@@ -303,6 +328,11 @@ def make_gemv_int8(qtype: str, N: int, K: int, isa: str = "avx2"):
                 for a in T.unroll(A):
                     acc[a, T.ramp(0, 1, W)] = T.Broadcast(T.float32(0), W)
                 for jj in range(NU // A):
+                    ahead = T.meta_var(T.min(row * NB + jj * STEP_BLOCKS + AHEAD, N * NB - 1))   # a block
+                    for line in T.unroll(QS_LINES):
+                        _prefetch(qs_flat, T.min(ahead * QS_BLOCK + line * LINE, N * NB * QS_BLOCK - 1))
+                    for f in T.unroll(S):
+                        _prefetch(s_flat, (f, ahead))
                     for a in T.unroll(A):
                         acc[a, T.ramp(0, 1, W)] = acc[a, T.ramp(0, 1, W)] + _unit_term(
                             qtype, qs, s, xq, xd, row, jj * A + a, isa)
