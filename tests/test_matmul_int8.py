@@ -162,3 +162,23 @@ def test_scratch_stays_on_the_stack(isa, qtype):
     for make in VARIANTS[isa][:2]:
         sizes = workspace_requests(make(qtype, 256, 2048))
         assert all(not isinstance(size, int) or size >= 1024 for size in sizes), (make.__name__, sizes)
+
+
+@pytest.mark.parametrize("isa", VARIANTS)
+def test_the_gemv_prefetches_its_weights_and_computes_the_same(isa, rng):
+    """The decode GEMV asks for its weights PREFETCH_BYTES ahead (prefetcht0: quants and scale planes; the speed is
+    benchmarks/gemv_stream.py's), rows past the buffer's end clamped; with the distance 0 there are none, and the
+    results are the same bits either way."""
+    from sharpi.codegen.kernels.quant_matmul_int8 import PREFETCH_BYTES
+    n, k = 40, 512
+    q, parts = _weight("q6_k", n, k, rng)
+    x = rng.standard_normal((1, k)).astype(np.float32)
+    outputs = []
+    for distance in (PREFETCH_BYTES, 0):
+        kernel = _build(make_gemv_int8(q, n, k, isa, distance))
+        asm = kernel.mod.inspect_source("asm")
+        assert ("prefetcht0" in asm) == (distance > 0), distance
+        y = _t(np.zeros((1, n), np.float32))
+        kernel(_t(x), *[_t(p) for p in _as_cpu_kernel_takes(q, parts, n, k)], y)
+        outputs.append(y.numpy())
+    np.testing.assert_array_equal(outputs[0], outputs[1])

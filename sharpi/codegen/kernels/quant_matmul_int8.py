@@ -278,8 +278,9 @@ def _prefetch(flat, index):
                                          T.int32(3), T.int32(1)))
 
 
-def make_gemv_int8(qtype: str, N: int, K: int, isa: str = "avx2"):
-    """PrimFunc (x [1, K] f32, *weight parts as the CPU kernels take them, y [1, N] f32).
+def make_gemv_int8(qtype: str, N: int, K: int, isa: str = "avx2", prefetch_bytes: int = PREFETCH_BYTES):
+    """PrimFunc (x [1, K] f32, *weight parts as the CPU kernels take them, y [1, N] f32); prefetch_bytes: how far
+    ahead the weights are prefetched (0: not at all, for benchmarks/gemv_stream.py's comparison).
 
     The row x is quantized once (serially: K values, about a microsecond); then each task takes a chunk of output
     rows and per row runs A independent chains of dot products (FMA latency) over units of one block (AVX2,
@@ -303,8 +304,9 @@ def make_gemv_int8(qtype: str, N: int, K: int, isa: str = "avx2"):
     STEP_BLOCKS = A * (W // 8)
     QS_BLOCK = qs_shape[1] // NB                        # qs elements a block
     QS_ITEM = 1 if qs_dtype == "int8" else 4
-    AHEAD = max(1, PREFETCH_BYTES // (QS_BLOCK * QS_ITEM))   # blocks
-    QS_LINES = (STEP_BLOCKS * QS_BLOCK * QS_ITEM + 63) // 64
+    AHEAD = max(1, prefetch_bytes // (QS_BLOCK * QS_ITEM))   # blocks
+    QS_LINES = (STEP_BLOCKS * QS_BLOCK * QS_ITEM + 63) // 64 if prefetch_bytes else 0
+    PLANES = S if prefetch_bytes else 0
     LINE = 64 // QS_ITEM                                 # qs elements a cache line
 
     @T.prim_func
@@ -331,7 +333,7 @@ def make_gemv_int8(qtype: str, N: int, K: int, isa: str = "avx2"):
                     ahead = T.meta_var(T.min(row * NB + jj * STEP_BLOCKS + AHEAD, N * NB - 1))   # a block
                     for line in T.unroll(QS_LINES):
                         _prefetch(qs_flat, T.min(ahead * QS_BLOCK + line * LINE, N * NB * QS_BLOCK - 1))
-                    for f in T.unroll(S):
+                    for f in T.unroll(PLANES):
                         _prefetch(s_flat, (f, ahead))
                     for a in T.unroll(A):
                         acc[a, T.ramp(0, 1, W)] = acc[a, T.ramp(0, 1, W)] + _unit_term(
