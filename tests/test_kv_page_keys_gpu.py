@@ -7,18 +7,14 @@ import numpy as np
 import pytest
 from tvm import relax, tirx
 
-from sharpi.codegen.kernels.gpu.attention import make_gpu_kv_append, make_gpu_paged_attention
-from sharpi.codegen.kernels.gpu.kv_rows import GpuRows
-from sharpi.codegen.kernels.gpu.snapkv import make_gpu_kv_compact, make_gpu_snapkv_row_stats, make_gpu_snapkv_score
 from sharpi.common.kv_format import KVFormat, gather_slots
 from sharpi.testing.snapkv import score_reference
 from test_kernels import _attention_reference
 from test_kv_page_keys import PAGE, _layer_values, emulate_append
-from test_kv_quant_gpu import _add_kernel, _layer, _name, _table, _tensor, _words
+from test_kv_quant_gpu import (D, HEADS, KV_HEADS, LAYER, LAYERS, MAX_PAGES, POOL_PAGES, SCALE, _name, _table, _words,
+                               add_pool_kernels)
 from vulkan_device import plan_runner
 
-HEADS, KV_HEADS, D, LAYERS, LAYER, MAX_PAGES, POOL_PAGES = 4, 2, 96, 2, 1, 4, 12
-SCALE = D ** -0.5
 PAIRS = [("q4_ch", "q4_0"), ("q4_ch", "q8_0"), ("q4_ch", "float16")]
 READ_PAIR = PAIRS[0]
 # the emulation decodes whole pages, and a pool of random bytes holds NaN halves in the slots no call writes
@@ -37,49 +33,8 @@ def _module():
     """append_ and compact_ for every pair; attend_, append_batch_, attend_batch_ and score_ for READ_PAIR."""
     bb = relax.BlockBuilder()
     n = tirx.Var("n", "int64")
-
-    def var(name, shape, dtype="float32"):
-        return relax.Var(name, _tensor(shape, dtype))
-
-    def tables(per_sequence):
-        return [var("table", (*per_sequence, LAYERS, MAX_PAGES), "int32"), var("lens", (*per_sequence, LAYERS), "int32")]
-
     for pair in PAIRS:
-        fmt, rows = _fmt(pair), GpuRows(_fmt(pair))
-        pool_ty = _tensor(rows.pool_shape(POOL_PAGES), rows.pool_dtype)
-        for batched in (False, True) if pair == READ_PAIR else (False,):
-            per_sequence = (n,) if batched else ()
-            kind = "append_batch" if batched else "append"
-            gv = _add_kernel(bb, make_gpu_kv_append(KV_HEADS, D, PAGE, kv_dtype=fmt, batched=batched), _name(kind, fmt))
-            args = [relax.Var("pool", pool_ty), var("k", (n, KV_HEADS, D)), var("v", (n, KV_HEADS, D)),
-                    *tables(per_sequence)]
-            with bb.function(_name(kind, fmt), args, pure=False):
-                bb.emit_func_output(bb.emit(relax.call_tir_inplace(gv, [*args, _layer()], [0], pool_ty)))
-            if pair != READ_PAIR:
-                continue
-            kind = "attend_batch" if batched else "attend"
-            gv = _add_kernel(bb, make_gpu_paged_attention(HEADS, KV_HEADS, D, PAGE, SCALE, kv_dtype=fmt,
-                                                          batched=batched), _name(kind, fmt))
-            args = [var("q", (n, HEADS, D)), relax.Var("pool", pool_ty), *tables(per_sequence)]
-            with bb.function(_name(kind, fmt), args):
-                bb.emit_func_output(bb.emit(relax.call_tir(gv, [*args, _layer()], _tensor((n, HEADS, D)))))
-        gv = _add_kernel(bb, make_gpu_kv_compact(LAYERS, KV_HEADS, D, PAGE, MAX_PAGES, kv_dtype=fmt),
-                         _name("compact", fmt))
-        args = [relax.Var("pool", pool_ty), var("table", (LAYERS, MAX_PAGES), "int32"),
-                var("keep", (LAYERS, KV_HEADS, MAX_PAGES * PAGE), "int32"), var("count", (LAYERS,), "int32")]
-        with bb.function(_name("compact", fmt), args, pure=False):
-            bb.emit_func_output(bb.emit(relax.call_tir_inplace(gv, args, [0], pool_ty)))
-        if pair != READ_PAIR:
-            continue
-        shape = (HEADS, KV_HEADS, D, PAGE, MAX_PAGES, SCALE)
-        stats_gv = _add_kernel(bb, make_gpu_snapkv_row_stats(*shape, kv_dtype=fmt), _name("row_stats", fmt))
-        score_gv = _add_kernel(bb, make_gpu_snapkv_score(*shape, kv_dtype=fmt), _name("score", fmt))
-        args = [var("q", (n, HEADS, D)), relax.Var("pool", pool_ty), *tables(()), var("window", (1,), "int32")]
-        with bb.function(_name("score", fmt), args):
-            common = [*args[:4], _layer(), args[4]]
-            stats = bb.emit(relax.call_tir(stats_gv, common, _tensor((n, HEADS, 2))))
-            bb.emit_func_output(bb.emit(relax.call_tir(score_gv, [*common, stats],
-                                                       _tensor((KV_HEADS, MAX_PAGES * PAGE)))))
+        add_pool_kernels(bb, _fmt(pair), n, reads=pair == READ_PAIR, compact=True)
     return bb.get()
 
 

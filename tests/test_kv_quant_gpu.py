@@ -68,46 +68,37 @@ def _conversions():
     return halves
 
 
-def _module() -> tvm.IRModule:
-    """append_{fmt} for every store format; for the read formats also append_batch_, attend_ (prefill kernel:
-    decode is the same kernel with n = 1), attend_batch_, score_ (row stats, then the score) and compact_; and
-    halves. The pools are the kernels' uint32 words (the runtime's view of its uint8 pool)."""
-    bb = relax.BlockBuilder()
-    n = tirx.Var("n", "int64")
-    gv = _add_kernel(bb, _conversions(), "halves")
-    x, bits = relax.Var("x", _tensor((n,))), relax.Var("bits", _tensor((n,), "uint32"))
-    with bb.function("halves", [x, bits]):
-        bb.emit_func_output(bb.emit(relax.call_tir(gv, [x, bits], [_tensor((n,), "uint32"), _tensor((n,))])))
-    for pair in STORE_FORMATS:
-        fmt, rows = _fmt(pair), GpuRows(_fmt(pair))
-        pool_ty = _tensor(rows.pool_shape(POOL_PAGES), rows.pool_dtype)
+def add_pool_kernels(bb, fmt: KVFormat, n, reads: bool, compact: bool) -> None:
+    """A format's kernels as Relax functions named kind_{fmt}: append_; with reads, also append_batch_, attend_
+    (prefill kernel: decode is the same kernel with n = 1), attend_batch_ and score_ (row stats, then the score);
+    with compact, compact_. The pools are the kernels' uint32 words (the runtime's view of its uint8 pool)."""
+    rows = GpuRows(fmt)
+    pool_ty = _tensor(rows.pool_shape(POOL_PAGES), rows.pool_dtype)
 
-        def var(name, shape, dtype="float32"):
-            return relax.Var(name, _tensor(shape, dtype))
+    def var(name, shape, dtype="float32"):
+        return relax.Var(name, _tensor(shape, dtype))
 
-        def tables(per_sequence):
-            """The page table and kv_lens: one sequence's, or (batched) one per token's sequence."""
-            return [var("table", (*per_sequence, LAYERS, MAX_PAGES), "int32"),
-                    var("lens", (*per_sequence, LAYERS), "int32")]
+    def tables(per_sequence):
+        """The page table and kv_lens: one sequence's, or (batched) one per token's sequence."""
+        return [var("table", (*per_sequence, LAYERS, MAX_PAGES), "int32"), var("lens", (*per_sequence, LAYERS), "int32")]
 
-        for batched in (False, True) if pair in READ_FORMATS else (False,):
-            kind = "append_batch" if batched else "append"
-            per_sequence = (n,) if batched else ()
-            gv = _add_kernel(bb, make_gpu_kv_append(KV_HEADS, D, PAGE, kv_dtype=fmt, batched=batched), _name(kind, fmt))
-            args = [relax.Var("pool", pool_ty), var("k", (n, KV_HEADS, D)), var("v", (n, KV_HEADS, D)),
-                    *tables(per_sequence)]
-            with bb.function(_name(kind, fmt), args, pure=False):
-                bb.emit_func_output(bb.emit(relax.call_tir_inplace(gv, [*args, _layer()], [0], pool_ty)))
-            if pair not in READ_FORMATS:
-                continue
-            kind = "attend_batch" if batched else "attend"
-            gv = _add_kernel(bb, make_gpu_paged_attention(HEADS, KV_HEADS, D, PAGE, SCALE, kv_dtype=fmt,
-                                                          batched=batched), _name(kind, fmt))
-            args = [var("q", (n, HEADS, D)), relax.Var("pool", pool_ty), *tables(per_sequence)]
-            with bb.function(_name(kind, fmt), args):
-                bb.emit_func_output(bb.emit(relax.call_tir(gv, [*args, _layer()], _tensor((n, HEADS, D)))))
-        if pair not in READ_FORMATS:
+    for batched in (False, True) if reads else (False,):
+        kind = "append_batch" if batched else "append"
+        per_sequence = (n,) if batched else ()
+        gv = _add_kernel(bb, make_gpu_kv_append(KV_HEADS, D, PAGE, kv_dtype=fmt, batched=batched), _name(kind, fmt))
+        args = [relax.Var("pool", pool_ty), var("k", (n, KV_HEADS, D)), var("v", (n, KV_HEADS, D)),
+                *tables(per_sequence)]
+        with bb.function(_name(kind, fmt), args, pure=False):
+            bb.emit_func_output(bb.emit(relax.call_tir_inplace(gv, [*args, _layer()], [0], pool_ty)))
+        if not reads:
             continue
+        kind = "attend_batch" if batched else "attend"
+        gv = _add_kernel(bb, make_gpu_paged_attention(HEADS, KV_HEADS, D, PAGE, SCALE, kv_dtype=fmt,
+                                                      batched=batched), _name(kind, fmt))
+        args = [var("q", (n, HEADS, D)), relax.Var("pool", pool_ty), *tables(per_sequence)]
+        with bb.function(_name(kind, fmt), args):
+            bb.emit_func_output(bb.emit(relax.call_tir(gv, [*args, _layer()], _tensor((n, HEADS, D)))))
+    if reads:
         shape = (HEADS, KV_HEADS, D, PAGE, MAX_PAGES, SCALE)
         stats_gv = _add_kernel(bb, make_gpu_snapkv_row_stats(*shape, kv_dtype=fmt), _name("row_stats", fmt))
         score_gv = _add_kernel(bb, make_gpu_snapkv_score(*shape, kv_dtype=fmt), _name("score", fmt))
@@ -117,12 +108,25 @@ def _module() -> tvm.IRModule:
             stats = bb.emit(relax.call_tir(stats_gv, common, _tensor((n, HEADS, 2))))
             bb.emit_func_output(bb.emit(relax.call_tir(score_gv, [*common, stats],
                                                        _tensor((KV_HEADS, MAX_PAGES * PAGE)))))
+    if compact:
         gv = _add_kernel(bb, make_gpu_kv_compact(LAYERS, KV_HEADS, D, PAGE, MAX_PAGES, kv_dtype=fmt),
                          _name("compact", fmt))
         args = [relax.Var("pool", pool_ty), var("table", (LAYERS, MAX_PAGES), "int32"),
                 var("keep", (LAYERS, KV_HEADS, MAX_PAGES * PAGE), "int32"), var("count", (LAYERS,), "int32")]
         with bb.function(_name("compact", fmt), args, pure=False):
             bb.emit_func_output(bb.emit(relax.call_tir_inplace(gv, args, [0], pool_ty)))
+
+
+def _module() -> tvm.IRModule:
+    """Every store format's kernels (add_pool_kernels; the read formats' all of them) and halves."""
+    bb = relax.BlockBuilder()
+    n = tirx.Var("n", "int64")
+    gv = _add_kernel(bb, _conversions(), "halves")
+    x, bits = relax.Var("x", _tensor((n,))), relax.Var("bits", _tensor((n,), "uint32"))
+    with bb.function("halves", [x, bits]):
+        bb.emit_func_output(bb.emit(relax.call_tir(gv, [x, bits], [_tensor((n,), "uint32"), _tensor((n,))])))
+    for pair in STORE_FORMATS:
+        add_pool_kernels(bb, _fmt(pair), n, reads=pair in READ_FORMATS, compact=pair in READ_FORMATS)
     return bb.get()
 
 

@@ -4,7 +4,8 @@ kernel in ..paged_attention, with the same parameters and buffer shapes, so code
 
 kv_append: pool[page_table[l, s // P], {0, 1}, h, s % P, :] = k/v[t, h, :] for slot s = kv_lens[l] + t; the
     pool is written in place. One workgroup per (token, KV head), one invocation per element of the head (a
-    packed pool, quantized or of mixed types: per word of the slot's row, after the blocks' scales; kv_rows).
+    packed pool, quantized or of mixed types: per word of the slot's row, after the blocks' scales; kv_rows);
+    q4_ch keys, whose scales belong to their page, one workgroup per (page written, KV head).
 paged_attention: out[t, h] = softmax(q[t, h] . K[s] * scale) V over the slots s <= kv_lens[l] + t of KV head
     h // (H / KVH) (the CPU kernel's causal rule and GQA mapping). One workgroup per (token, query head) with
     TX = min(head_dim, 256) invocations; the visible slots are walked in tiles of TX:
@@ -72,46 +73,19 @@ def make_gpu_kv_append(kv_heads: int, head_dim: int, page_size: int, tokens: int
                        kv_dtype="float32", batched: bool = False) -> tirx.PrimFunc:
     """PrimFunc (pool, k [n, KVH, D], v [n, KVH, D], page_table, kv_lens, layer) writing the pool in place;
     batched: token t is sequence t's, written at its slot kv_lens[t, layer] (page_tables [n, L, MP]). kv_dtype:
-    a KV type, a (key, value) pair of types or a KVFormat (a packed pool is taken as words: kv_rows)."""
+    a KV type, a (key, value) pair of types or a KVFormat (a packed pool is taken as words: kv_rows).
+
+    q4_ch keys, whose scales belong to their page, are written a page at a time (kv_rows.store_page_keys: the
+    page's keys encoded again, held slots and new ones, then the new slots' values): one workgroup per (page the
+    call writes, KV head), at most n // P + 2 pages for n tokens after kv_lens[layer] held slots (workgroups past
+    the last do nothing); batched, each token's own page, continued by one slot."""
     n = token_count(tokens)
     rows = GpuRows.of(kv_dtype, kv_heads, page_size, head_dim)
-    if rows.fmt.page_scaled_keys:
-        return _page_keys_append(rows, n, tokens, batched)
+    page_keys = rows.fmt.page_scaled_keys
     pages, layers, max_pages = _pool_vars()
     TX, _ = _threads(head_dim)
     table_shape, lens_shape, slot_of, page_of = _tables(batched, n, layers, max_pages)
-
-    @T.prim_func
-    def gpu_kv_append(var_pool: T.handle, var_k: T.handle, var_v: T.handle, var_pt: T.handle, var_lens: T.handle,
-                      layer: T.int64):
-        T.func_attr(ATTRS)
-        pool = T.match_buffer(var_pool, rows.pool_shape(pages), rows.pool_dtype)
-        k = T.match_buffer(var_k, (n, kv_heads, head_dim), "float32")
-        v = T.match_buffer(var_v, (n, kv_heads, head_dim), "float32")
-        page_table = T.match_buffer(var_pt, table_shape, "int32")
-        kv_lens = T.match_buffer(var_lens, lens_shape, "int32")
-        for b in T.thread_binding(n * kv_heads, thread="blockIdx.x"):
-            for tx in T.thread_binding(TX, thread="threadIdx.x"):
-                t = T.meta_var(b // kv_heads)
-                h = T.meta_var(b % kv_heads)
-                slot = T.meta_var(slot_of(kv_lens, layer, t))
-                page = T.meta_var(T.Cast("int64", page_of(page_table, layer, t, slot // page_size)))
-                store_row(rows, pool, k, v, t, h, page, slot % page_size, tx, TX)
-
-    return _named(gpu_kv_append, f"gpu_kv_append{'_batch' if batched else ''}_{kv_heads}_{head_dim}_{page_size}",
-                  tokens)
-
-
-def _page_keys_append(rows: GpuRows, n, tokens: int | None, batched: bool) -> tirx.PrimFunc:
-    """kv_append for q4_ch keys, whose scales belong to their page: one workgroup per (page the call writes, KV
-    head) encodes the page's keys again, held slots and new ones (kv_rows.store_page_keys), and stores the new
-    slots' values. A call of n tokens after kv_lens[layer] held slots writes at most n // P + 2 pages (workgroups
-    past the last do nothing); batched, each token's own page, continued by one slot."""
-    kv_heads, page_size, head_dim = rows.fmt.kv_heads, rows.fmt.page_size, rows.fmt.head_dim
-    pages, layers, max_pages = _pool_vars()
-    TX, _ = _threads(head_dim)
-    table_shape, lens_shape, slot_of, page_of = _tables(batched, n, layers, max_pages)
-    jobs = n if batched else n // page_size + 2
+    jobs = n // page_size + 2 if page_keys and not batched else n
 
     @T.prim_func
     def gpu_kv_append(var_pool: T.handle, var_k: T.handle, var_v: T.handle, var_pt: T.handle, var_lens: T.handle,
@@ -125,12 +99,15 @@ def _page_keys_append(rows: GpuRows, n, tokens: int | None, batched: bool) -> ti
         for b in T.thread_binding(jobs * kv_heads, thread="blockIdx.x"):
             for tx in T.thread_binding(TX, thread="threadIdx.x"):
                 h = T.meta_var(b % kv_heads)
-                if batched:
+                if not page_keys or batched:            # a workgroup a token
                     t = T.meta_var(b // kv_heads)
                     slot = T.meta_var(slot_of(kv_lens, layer, t))
-                    store_page_keys(rows, pool, k, v, T.Cast("int64", page_of(page_table, layer, t, slot // page_size)),
-                                    h, slot % page_size, slot % page_size + 1, t, tx, TX)
-                else:
+                    page = T.meta_var(T.Cast("int64", page_of(page_table, layer, t, slot // page_size)))
+                    if page_keys:
+                        store_page_keys(rows, pool, k, v, page, h, slot % page_size, slot % page_size + 1, t, tx, TX)
+                    else:
+                        store_row(rows, pool, k, v, t, h, page, slot % page_size, tx, TX)
+                else:                                   # a workgroup a page
                     first = T.meta_var(slot_of(kv_lens, layer, 0))
                     i = T.meta_var(first // page_size + b // kv_heads)         # the page's index in the table
                     held = T.meta_var(T.max(first - i * page_size, T.int64(0)))
