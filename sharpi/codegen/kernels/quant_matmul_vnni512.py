@@ -63,6 +63,26 @@ def _tile_totals(acc, tokens: int):
     return vectors[0]
 
 
+@T.macro
+def _pairs(qtype, qs, s, xq, xd_pairs, xo, acc, off, u, row, span, SPAN, NP, tt, n, short):
+    """A row's span of pairs (SPAN a span) for tile tt: per pair the 64 quants unpacked once into u, then a dot per
+    token of the tile (short: only the tokens < n, so that a batch of a few sequences, padded to a tile, costs its
+    own dots rather than a whole tile's)."""
+    # (a loop from span * SPAN, not from 0, came out wrong: TVM 0.27 miscompiled it here)
+    for pp in range(T.min(SPAN, NP - span * SPAN)):
+        p = T.meta_var(span * SPAN + pp)
+        u[T.ramp(0, 1, PAIR)] = pair_quants(qtype, qs, s, row, p, _INTERLEAVE)
+        for t in T.unroll(GEMM_TILE):
+            if not short or tt * GEMM_TILE + t < n:
+                acc[t, T.ramp(0, 1, 16)] = acc[t, T.ramp(0, 1, 16)] + T.Cast("float32x16", unsigned_dot(
+                    u[T.ramp(0, 1, PAIR)], T.reinterpret("int8x64", xq[tt * GEMM_TILE + t, T.ramp(p * 16, 1, 16)]), 16,
+                    "avx512-vnni")) * (pair_scales(qtype, s, row, p, _INTERLEAVE)
+                                       * T.reinterpret("float32x16", T.Broadcast(xd_pairs[tt * GEMM_TILE + t, p], 8)))
+        for h in range(2):
+            off[T.ramp(0, 1, GEMM_TILE)] = off[T.ramp(0, 1, GEMM_TILE)] + tile_offset(
+                _wide_offset(qtype), s, xo, row, 2 * p + h, tt * GEMM_TILE, GEMM_TILE)
+
+
 def make_gemm_vnni512(qtype: str, N: int, K: int):
     """PrimFunc (x [n, K] f32, *weight parts, y [n, N] f32), n symbolic: quant_matmul_int8.make_gemm_int8 on 512
     bits. Tiles of GEMM_TILE tokens; per row and pair of blocks the 64 quants are unpacked once into a register
@@ -76,8 +96,7 @@ def make_gemm_vnni512(qtype: str, N: int, K: int):
     TT = GEMM_TILE
     CHUNKS = min(TASKS, N)
     ROWS = (N + CHUNKS - 1) // CHUNKS
-    fields, coefficient = _wide_offset(qtype)
-    F = max(1, len(fields))
+    F = max(1, len(_wide_offset(qtype)[0]))
     n = token_count(None)
     tiles = (n + TT - 1) // TT
     row_bytes = qs_shape[1] * (1 if qs_dtype == "int8" else 4) + S * NB * 4
@@ -113,19 +132,10 @@ def make_gemm_vnni512(qtype: str, N: int, K: int):
                             for t in T.unroll(TT):
                                 acc[t, T.ramp(0, 1, 16)] = T.Broadcast(T.float32(0), 16)
                             off[T.ramp(0, 1, TT)] = T.Broadcast(T.float32(0), TT)
-                            # (a loop from span * SPAN, not from 0, came out wrong: TVM 0.27 miscompiled it here)
-                            for pp in range(T.min(SPAN, NP - span * SPAN)):
-                                p = T.meta_var(span * SPAN + pp)
-                                u[T.ramp(0, 1, PAIR)] = pair_quants(qtype, qs, s, row, p, _INTERLEAVE)
-                                for t in T.unroll(TT):
-                                    dot = T.meta_var(unsigned_dot(u[T.ramp(0, 1, PAIR)], T.reinterpret(
-                                        "int8x64", xq[tt * TT + t, T.ramp(p * 16, 1, 16)]), 16, "avx512-vnni"))
-                                    acc[t, T.ramp(0, 1, 16)] = acc[t, T.ramp(0, 1, 16)] + T.Cast("float32x16", dot) * (
-                                        pair_scales(qtype, s, row, p, _INTERLEAVE)
-                                        * T.reinterpret("float32x16", T.Broadcast(xd_pairs[tt * TT + t, p], 8)))
-                                for h in range(2):
-                                    off[T.ramp(0, 1, TT)] = off[T.ramp(0, 1, TT)] + tile_offset(
-                                        (fields, coefficient), s, xo, row, 2 * p + h, tt * TT, TT)
+                            if (tt + 1) * TT <= n:
+                                _pairs(qtype, qs, s, xq, xd_pairs, xo, acc, off, u, row, span, SPAN, NP, tt, n, False)
+                            else:     # the last tile, short: its missing tokens' dots are not computed
+                                _pairs(qtype, qs, s, xq, xd_pairs, xo, acc, off, u, row, span, SPAN, NP, tt, n, True)
                             off[T.ramp(0, 1, TT)] = off[T.ramp(0, 1, TT)] + _tile_totals(acc, TT)
                             for t in T.unroll(TT):
                                 if tt * TT + t < n:
