@@ -15,20 +15,17 @@ from pathlib import Path
 
 import numpy as np
 
+from sharpi.testing.reference import log_softmax
+
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "data" / "smollm2-135m-instruct-q4_1.json"
 SNAPKV_PROMPT, SNAPKV_BUDGET, GREEDY_TOKENS = 400, 128, 32
 
 
-def _log_probs(logits: np.ndarray) -> np.ndarray:
-    shifted = logits - logits.max(-1, keepdims=True)
-    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
-
-
 def _compare(name: str, got: np.ndarray, ref: np.ndarray, ids) -> dict:
     """Teacher-forced: max |d log-prob| of the next tokens and top-1 agreement."""
     targets = np.asarray(ids[1:])
-    lg, lr = _log_probs(got[:-1]), _log_probs(ref[:-1])
+    lg, lr = log_softmax(got[:-1]), log_softmax(ref[:-1])
     rows = np.arange(len(targets))
     row = {"against": name, "max_dlogprob": float(np.abs(lg[rows, targets] - lr[rows, targets]).max()),
            "top1": float((got.argmax(-1) == ref.argmax(-1)).mean())}

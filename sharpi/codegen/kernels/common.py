@@ -1,4 +1,4 @@
-"""What every kernel family shares: the token dimension, the CPU vector width, the finite minus infinity, the
+"""What every kernel family shares: the token dimension, ceil_div, the CPU vector width, the finite minus infinity, the
 attributes of a hand-scheduled GPU kernel."""
 from __future__ import annotations
 
@@ -12,6 +12,11 @@ LANES = 8
 NEG_INF = -3.0e38
 # A GPU kernel written with explicit thread bindings: dlight leaves it be, fusion treats it as opaque.
 GPU_KERNEL_ATTRS = {"tirx.noalias": True, "op_pattern": 8, "tirx.is_scheduled": True}
+
+
+def ceil_div(a: int, b: int) -> int:
+    """a / b rounded up (Python ints: loop extents and grid sizes known when the kernel is made)."""
+    return (a + b - 1) // b
 
 
 def token_count(tokens: int | None):

@@ -29,6 +29,7 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from ....common.errors import ConfigError
+from ..common import ceil_div
 from ....common.kv_format import FLOAT_KV, KV_BLOCK, PAGE_SCALED_KV, QUANTIZED_KV, KVFormat
 
 WORD = 4                      # bytes in a word of the packed pool
@@ -334,10 +335,6 @@ def store_row(rows, pool, k, v, t, h, page, slot, tx, threads):
 # takes channel d's minimum and maximum over the page's slots and its stored scale and minimum, and after a barrier
 # every word of the page's keys (the rows' nibbles, and the head_dim words of per-channel stats the rows share) is
 # composed by one invocation. kv_format's rule and the numpy emulation are kv_format.quantize_channels.
-def _ceil(a: int, b: int) -> int:
-    return (a + b - 1) // b
-
-
 def _stats_word(bits, channel, which):
     """The halves of channels `channel` and `channel` + 1's scale (which 0) or minimum (1), low half first."""
     return T.bitwise_or(bits[which, channel], T.shift_left(bits[which, channel + 1], _u32(16)))
@@ -362,7 +359,7 @@ def stage_page_keys(rows, pool, page, h, held, end, x, t0, staged, tx, threads):
     held <= o < end (f32 [n, kv_heads, head_dim]): the page as kv_append encodes it."""
     P = T.meta_var(rows.fmt.page_size)
     D = T.meta_var(rows.fmt.head_dim)
-    for c in T.unroll(_ceil(P * D, threads)):
+    for c in T.unroll(ceil_div(P * D, threads)):
         o = T.meta_var(T.Cast("int64", (c * threads + tx) // D))
         d = T.meta_var(T.Cast("int64", (c * threads + tx) % D))
         if c * threads + tx < P * D:
@@ -387,7 +384,7 @@ def encode_staged_keys(rows, pool, page, h, end, staged, tx, threads):
     coding = T.alloc_buffer((2, D), "float32", scope="shared")
     range_ = T.alloc_buffer((2,), "float32", scope="local")     # the channel's min and max, then m and d as stored
     halves = T.alloc_buffer((2,), "uint32", scope="local")      # the f16 bits of d and m
-    for i in T.unroll(_ceil(D, threads)):
+    for i in T.unroll(ceil_div(D, threads)):
         if i * threads + tx < D:
             range_[0] = staged[0, i * threads + tx]
             range_[1] = staged[0, i * threads + tx]
@@ -406,13 +403,13 @@ def encode_staged_keys(rows, pool, page, h, end, staged, tx, threads):
     T.tvm_storage_sync("shared")
     # the stats, D words: word k of row o holds two channels' halves, of its c scales (k < c / 2), then of its c
     # minimums (c is even: head_dim and the page size are multiples of 32 and 16)
-    for i in T.unroll(_ceil(D, threads)):
+    for i in T.unroll(ceil_div(D, threads)):
         o = T.meta_var((i * threads + tx) // c)
         k = T.meta_var((i * threads + tx) % c)
         if i * threads + tx < D:
             pool[page, 0, h, o, stats_first + k] = _stats_word(bits, o * c + k % (c // 2) * 2, k // (c // 2))
     # the nibbles, D / 8 words a row: word w of row o (bytes 4w .. 4w + 3, all in one block of 32 elements)
-    for i in T.unroll(_ceil(P * D // 8, threads)):
+    for i in T.unroll(ceil_div(P * D // 8, threads)):
         o = T.meta_var((i * threads + tx) // (D // 8))
         w = T.meta_var((i * threads + tx) % (D // 8))
         if T.Cast("int64", o) < T.Cast("int64", end):

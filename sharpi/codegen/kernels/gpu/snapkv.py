@@ -30,17 +30,13 @@ from tvm.script import tirx as T
 from ....common.ops import (P_BUDGET, P_KERNEL, P_POOLING, P_RECENCY, P_SHARED, P_SINKS, P_TOTAL, POOL_AVG,
                             POOL_MAX, SELECT_PARAMS)
 from ..common import GPU_KERNEL_ATTRS as ATTRS
-from ..common import NEG_INF, score_width, token_count
+from ..common import NEG_INF, ceil_div, score_width, token_count
 from .kv_rows import GpuRows, encode_staged_keys
 
 THREADS = 256                 # invocations per workgroup for the reducing kernels (WebGPU's limit)
 LOG_THREADS = 8
 COMPACT_THREADS = 64
 # op_pattern 8: opaque to FuseOps; is_scheduled: dlight leaves the hand-written schedule alone
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return (a + b - 1) // b
 
 
 # -- workgroup collectives (every thread of the workgroup must reach them: they contain barriers) -------------
@@ -150,7 +146,7 @@ def make_gpu_snapkv_score(heads: int, kv_heads: int, head_dim: int, page_size: i
     pages, layers = T.int64(), T.int64()
     group = heads // kv_heads
     slots = max_pages * page_size
-    slot_blocks = _ceil_div(slots, THREADS)
+    slot_blocks = ceil_div(slots, THREADS)
 
     @T.prim_func
     def snapkv_score_gpu(var_q: T.handle, var_pool: T.handle, var_pt: T.handle, var_lens: T.handle,
@@ -198,7 +194,7 @@ def make_gpu_snapkv_select(layers: int, kv_heads: int, slots: int):
     the CPU kernel's signature: keep[l, h, :budget] receives the ascending keep set; base and pooled are scratch
     (when shared only row (0, 0) of them is written). Three launches (see the module docstring)."""
     rows = layers * kv_heads
-    slot_blocks = _ceil_div(slots, THREADS)
+    slot_blocks = ceil_div(slots, THREADS)
 
     @T.prim_func
     def snapkv_select_gpu(scores: T.Buffer((layers, kv_heads, slots), "float32"),
@@ -329,7 +325,7 @@ def make_gpu_kv_compact(layers: int, kv_heads: int, head_dim: int, page_size: in
         return _compact_page_keys(rows, layers, max_pages)
     parts, width = rows.row_units
     lanes = layers * kv_heads * parts * width
-    blocks = _ceil_div(lanes, COMPACT_THREADS)
+    blocks = ceil_div(lanes, COMPACT_THREADS)
 
     @T.prim_func
     def kv_compact_gpu(var_pool: T.handle, page_table: T.Buffer((layers, max_pages), "int32"),
@@ -379,20 +375,20 @@ def _compact_page_keys(rows: GpuRows, layers: int, max_pages: int):
                 h = T.meta_var(b % kv_heads)
                 for j in range((count[l] + P - 1) // P):
                     end = T.meta_var(T.min(count[l] - j * P, P))
-                    for c in T.unroll(_ceil_div(P * D, TX)):
+                    for c in T.unroll(ceil_div(P * D, TX)):
                         o = T.meta_var((c * TX + tx) // D)
                         if o < end:
                             staged[o, (c * TX + tx) % D] = rows.load(
                                 pool, 0, T.Cast("int64", page_table[l, keep[l, h, j * P + o] // P]), h,
                                 keep[l, h, j * P + o] % P, (c * TX + tx) % D)
-                    for c in T.unroll(_ceil_div(P * width, TX)):
+                    for c in T.unroll(ceil_div(P * width, TX)):
                         o = T.meta_var((c * TX + tx) // width)
                         if o < end:
                             values[o, (c * TX + tx) % width] = pool[
                                 T.Cast("int64", page_table[l, keep[l, h, j * P + o] // P]), 0, h,
                                 keep[l, h, j * P + o] % P, value_first + (c * TX + tx) % width]
                     T.tvm_storage_sync("shared")
-                    for c in T.unroll(_ceil_div(P * width, TX)):
+                    for c in T.unroll(ceil_div(P * width, TX)):
                         o = T.meta_var((c * TX + tx) // width)
                         if o < end:
                             pool[T.Cast("int64", page_table[l, j]), 0, h, o, value_first + (c * TX + tx) % width] = \
