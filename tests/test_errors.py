@@ -111,7 +111,7 @@ def test_amx_counts_only_where_the_os_grants_it(smollm2_artifact, tmp_path, monk
 
     art = _copy_artifact(smollm2_artifact, tmp_path / "amx")
     manifest = json.loads((art / "manifest.json").read_text())
-    manifest["target"]["cpu_features"] = manifest["target"]["cpu_features"] + ["amx_int8", "amx_tile"]
+    manifest["target"]["cpu_features"] = sorted(set(manifest["target"]["cpu_features"]) | {"amx_int8", "amx_tile"})
     manifest["digest"] = content_digest(manifest)
     (art / "manifest.json").write_text(json.dumps(manifest))
     listed = cpu.host_cpu_flags() | {"amx_int8", "amx_tile"}

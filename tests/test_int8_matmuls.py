@@ -32,9 +32,10 @@ def test_artifact_records_and_uses_int8_matmuls(smollm2_int8, smollm2):
     # the 512-bit one; its 4-bit decode GEMVs stay 256-bit (attach_kernels._GEMV_512)
     gemv, gemm = {"avx2": ("gemv_int8_q4_1", "gemm_int8_q4_1"),
                   "avx-vnni": ("gemv_int8_vnni_q4_1", "gemm_int8_vnni_q4_1"),
-                  "avx512-vnni": ("gemv_int8_vnni_q4_1", "gemm_vnni512_q4_1")}[isa]
+                  "avx512-vnni": ("gemv_int8_vnni_q4_1", "gemm_vnni512_q4_1"),
+                  "amx": ("gemv_int8_vnni_q4_1", "gemm_amx_q4_1")}[isa]
     assert any(k.startswith(gemv) for k in kernels) and any(k.startswith(gemm) for k in kernels), kernels
-    assert not any(k.startswith(("gemv_int8", "gemm_int8", "gemv_vnni512", "gemm_vnni512"))
+    assert not any(k.startswith(("gemv_int8", "gemm_int8", "gemv_vnni512", "gemm_vnni512", "gemm_amx"))
                    for k in smollm2.manifest.kernels)
     assert conformance.tolerance_for(smollm2_int8.manifest).logprob_atol == conformance.INT8_MATMULS[0]
 

@@ -1,15 +1,17 @@
-"""The integer-dot matmuls (quant_matmul_int8 and quant_matmul_vnni512: the decode GEMV and the prefill GEMM, on each
-instruction set this CPU has) against numpy: the same weights multiplied by the activations quantized as ggml does
+"""The integer-dot matmuls (quant_matmul_int8, quant_matmul_vnni512 and quant_matmul_amx: the decode GEMV and the
+prefill GEMM, on each instruction set this CPU has) against numpy: the same weights multiplied by the activations quantized as ggml does
 (sharpi.testing.reference.quantize_activations_q8), for every quantized layout, with block counts that take each
 accumulator split, token counts that cut a tile, q8_0's -128, zero blocks and the largest quants."""
 import numpy as np
 import pytest
 
-from sharpi.codegen.kernels import quant_matmul_vnni512
+from sharpi.codegen.kernels import quant_matmul_amx, quant_matmul_vnni512
+from sharpi.codegen.kernels.quant_matmul_amx import make_gemm_amx
 from sharpi.codegen.kernels.quant_matmul_int8 import (INT8_DOT_TYPES, GEMM_TILE, element_lane, lane_element,
                                                       make_gemm_int8, make_gemv_int8)
 from sharpi.codegen.kernels.quant_matmul_vnni512 import make_gemm_vnni512
-from sharpi.codegen.targets.llvm import int8_dot_available, int8_dot_isa
+from sharpi.codegen.targets.llvm import int8_dot_available, int8_dot_isa, make_target
+from sharpi.common.errors import ConfigError
 from sharpi.common.quant_layout import dequantize_layout
 from sharpi.testing.reference import quantize_activations_q8
 import test_kernels
@@ -24,9 +26,12 @@ VARIANTS = {"avx2": (make_gemv_int8, make_gemm_int8, GEMM_TILE)}
 if _HOST_ISA in ("avx-vnni", "avx512-vnni"):
     VARIANTS["avx-vnni"] = (lambda q, n, k: make_gemv_int8(q, n, k, "avx-vnni"),
                             lambda q, n, k: make_gemm_int8(q, n, k, "avx-vnni"), GEMM_TILE)
-if _HOST_ISA == "avx512-vnni":
+if _HOST_ISA in ("avx512-vnni", "amx"):
     VARIANTS["avx512-vnni"] = (lambda q, n, k: make_gemv_int8(q, n, k, "avx512-vnni"), make_gemm_vnni512,
                                quant_matmul_vnni512.GEMM_TILE)
+if _HOST_ISA == "amx":      # TARGET is this CPU's: AMX only where the OS granted the tiles (make_target)
+    VARIANTS["amx"] = (VARIANTS["avx512-vnni"][0], make_gemm_amx, quant_matmul_amx.TILE)
+GEMVS = [isa for isa in VARIANTS if isa != "amx"]    # AMX's GEMV is AVX-512 VNNI's
 
 
 def _weight(qtype, n, k, rng):
@@ -61,7 +66,7 @@ def test_lane_order_is_a_permutation():
         assert all(lane_element(element_lane(e, qtype), qtype) == e for e in range(32))
 
 
-@pytest.mark.parametrize("isa", VARIANTS)
+@pytest.mark.parametrize("isa", GEMVS)
 @pytest.mark.parametrize("qtype", INT8_DOT_TYPES)
 @pytest.mark.parametrize("n,k", [(70, 256), (33, 768), (128, 512)])   # 8, 24 and 16 blocks: 4 chains; 70, 33 rows
 def test_gemv_int8_matches_numpy(isa, qtype, n, k, rng):
@@ -76,7 +81,7 @@ def test_gemv_int8_matches_numpy(isa, qtype, n, k, rng):
     assert np.abs(got - exact).max() <= 0.02 * np.abs(exact).max()
 
 
-@pytest.mark.parametrize("isa", VARIANTS)
+@pytest.mark.parametrize("isa", GEMVS)
 @pytest.mark.parametrize("k", [32 * 9, 32 * 18, 32 * 36])   # 1, 2 and 4 chains of blocks (the 512-bit kernels:
 def test_gemv_int8_accumulator_splits(isa, k, rng):        # 9 pairs (one chain), 18 (two); 9 blocks do not fit
     if isa == "avx512-vnni" and not quant_matmul_vnni512.vnni512_fits(k):
@@ -131,7 +136,7 @@ def test_gemm_int8_rows_agree_with_the_gemv(isa, rng):
         np.testing.assert_allclose(got[t], _run(q, parts, 40, 256, x[t:t + 1], isa), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.skipif(_HOST_ISA != "avx512-vnni", reason="needs AVX-512 VNNI")
+@pytest.mark.skipif("avx512-vnni" not in VARIANTS, reason="needs AVX-512 VNNI")
 @pytest.mark.parametrize("qtype", ["q4_k", "q8_0", "q5_0"])
 def test_wide_gemm_in_row_blocks_and_spans_of_k(qtype, rng, monkeypatch):
     """The 512-bit GEMM's loop blocking: 7 rows a task in blocks of 3 (the last one short), K in two spans (the
@@ -145,7 +150,7 @@ def test_wide_gemm_in_row_blocks_and_spans_of_k(qtype, rng, monkeypatch):
     assert (np.abs(got - want).max(-1) / np.abs(want).max(-1)).max() <= 2e-5
 
 
-@pytest.mark.skipif(_HOST_ISA != "avx512-vnni", reason="needs AVX-512 VNNI")
+@pytest.mark.skipif("avx512-vnni" not in VARIANTS, reason="needs AVX-512 VNNI")
 def test_the_wide_kernels_use_512_bit_dots():
     """The 512-bit kernels run vpdpbusd on zmm registers (LLVM may split wide vectors where a CPU prefers 256)."""
     for name, make in zip(("GEMV", "GEMM"), VARIANTS["avx512-vnni"][:2]):
@@ -164,7 +169,7 @@ def test_scratch_stays_on_the_stack(isa, qtype):
         assert all(not isinstance(size, int) or size >= 1024 for size in sizes), (make.__name__, sizes)
 
 
-@pytest.mark.parametrize("isa", VARIANTS)
+@pytest.mark.parametrize("isa", GEMVS)
 def test_the_gemv_prefetches_its_weights_and_computes_the_same(isa, rng):
     """The decode GEMV asks for its weights PREFETCH_BYTES ahead (prefetcht0: quants and scale planes; the speed is
     benchmarks/gemv_stream.py's), rows past the buffer's end clamped; with the distance 0 there are none, and the
@@ -182,3 +187,43 @@ def test_the_gemv_prefetches_its_weights_and_computes_the_same(isa, rng):
         kernel(_t(x), *[_t(p) for p in _as_cpu_kernel_takes(q, parts, n, k)], y)
         outputs.append(y.numpy())
     np.testing.assert_array_equal(outputs[0], outputs[1])
+
+
+_AMX = pytest.mark.skipif("amx" not in VARIANTS, reason="needs AMX tiles the OS grants (sharpi.common.cpu)")
+
+
+@_AMX
+@pytest.mark.parametrize("qtype", ["q4_k", "q6_k", "q8_0"])
+def test_amx_gemm_in_row_blocks(qtype, rng, monkeypatch):
+    """A task's rows unpacked a few 16-row groups at a time (ROW_BLOCK_BYTES small), the last group short, tiles
+    of tokens past the first: every row and token as numpy's."""
+    n, k = 16 * 9 + 5, 32 * 24
+    q, parts = _weight(qtype, n, k, rng)
+    monkeypatch.setattr(quant_matmul_amx, "TASKS", 3)
+    monkeypatch.setattr(quant_matmul_amx, "ROW_BLOCK_BYTES", 2 * 16 * k)
+    x = rng.standard_normal((3 * quant_matmul_amx.TILE + 7, k)).astype(np.float32)
+    got, want = _run_gemm(q, parts, n, k, x, "amx"), _expected(q, parts, x)
+    assert (np.abs(got - want).max(-1) <= 2e-5 * np.abs(want).max(-1)).all()
+
+
+@_AMX
+def test_the_amx_gemm_runs_on_tiles():
+    """The AMX GEMM configures the tiles, multiplies with tdpbusd and releases them; its per-task scratch is the
+    unpacked weights alone (the accumulators stay in registers)."""
+    asm = _build(make_gemm_amx("q6_k", 64, 512)).mod.inspect_source("asm")
+    assert all(op in asm for op in ("ldtilecfg", "tdpbusd", "tileloadd", "tilestored", "tilerelease"))
+
+
+def test_amx_is_a_feature_of_the_cpu_name():
+    """`--mcpu NAME+amx-tile+amx-int8` adds AMX to a CPU LLVM names without it (a virtual machine's Xeon reads as
+    rocketlake), and a CPU with AMX in its name has it: both choose the AMX GEMM (compiling needs no AMX here);
+    other features are refused in a sentence."""
+    assert int8_dot_isa(make_target("rocketlake")) == "avx512-vnni"
+    assert int8_dot_isa(make_target("rocketlake+amx-tile+amx-int8")) == "amx"
+    assert int8_dot_isa(make_target("sapphirerapids")) == "amx"
+    with pytest.raises(ConfigError, match="may be extended by amx-tile, amx-int8 only"):
+        make_target("rocketlake+avx10.1")
+    import tvm
+    built = tvm.compile(tvm.IRModule({"main": make_gemm_amx("q4_0", 32, 256)}), target=make_target("sapphirerapids"))
+    asm = built.mod.inspect_source("asm")
+    assert "tdpbusd" in asm

@@ -26,6 +26,7 @@ from .kernels.paged_attention import (make_kv_append, make_kv_append_batch, make
                                       make_paged_attention_batch)
 from ..common.quant_layout import QUANTIZED
 from .kernels.quant_matmul_int8 import INT8_DOT_TYPES, make_gemm_int8, make_gemv_int8
+from .kernels.quant_matmul_amx import make_gemm_amx
 from .kernels.quant_matmul_vnni512 import make_gemm_vnni512, vnni512_fits
 from .kernels.quant_matmul import cpu_quants, make_embedding, make_matmul
 from .kernels.rope import make_rope
@@ -171,10 +172,14 @@ class KernelAttacher(relax.PyExprMutator):
     _GEMV_512 = ("q5_0", "q5_1", "q5_k", "q6_k", "q8_0")
 
     def _int8_matmul(self, qtype, n_out, k_in, decode: bool) -> tvm.ir.GlobalVar:
-        """The integer-dot kernel for the CPU's instruction set: AVX-512 VNNI's 512-bit kernels where the block
-        count is even (and, for the decode GEMV, the type gains by them), else the 256-bit ones (vpdpbusd on
-        AVX-VNNI and AVX-512 VNNI, vpmaddubsw + vpmaddwd on AVX2)."""
-        wide = self.int8_isa == "avx512-vnni" and vnni512_fits(k_in) and (not decode or qtype in self._GEMV_512)
+        """The integer-dot kernel for the CPU's instruction set: AMX's GEMM where the OS grants the tiles (its
+        decode GEMV is AVX-512 VNNI's); AVX-512 VNNI's 512-bit kernels where the block count is even (and, for the
+        decode GEMV, the type gains by them), else the 256-bit ones (vpdpbusd on AVX-VNNI and AVX-512 VNNI,
+        vpmaddubsw + vpmaddwd on AVX2)."""
+        if self.int8_isa == "amx" and not decode:
+            return self.kernel(("gemm_amx", qtype, n_out, k_in), lambda: make_gemm_amx(qtype, n_out, k_in))
+        wide = (self.int8_isa in ("avx512-vnni", "amx") and vnni512_fits(k_in)
+                and (not decode or qtype in self._GEMV_512))
         if wide and decode:
             return self.kernel(("gemv_vnni512", qtype, n_out, k_in),
                                lambda: make_gemv_int8(qtype, n_out, k_in, "avx512-vnni"))
@@ -341,8 +346,8 @@ def _check_gpu_layouts(mod: tvm.IRModule) -> None:
 def attach_kernels(mod: tvm.IRModule, cfg: ModelConfig, gpu: bool = False,
                    int8_isa: str | None = None, kv_types: tuple[str, str] | None = None) -> tvm.IRModule:
     """Replace the named ops with the CPU kernels, or with the GPU kernels when `gpu`; `int8_isa` ("avx2",
-    "avx-vnni", "avx512-vnni"): the CPU's quantized matmuls multiply int8 activations with that instruction set's
-    integer dots (quant_matmul_int8, quant_matmul_vnni512); None: the float kernels. `kv_types`: the KV cache's
+    "avx-vnni", "avx512-vnni", "amx"): the CPU's quantized matmuls multiply int8 activations with that instruction
+    set's integer dots (quant_matmul_int8, quant_matmul_vnni512, quant_matmul_amx); None: the float kernels. `kv_types`: the KV cache's
     (keys', values') types, which a packed pool's uint8 elements do not say (None: the pool's element type)."""
     if gpu:
         _check_gpu_layouts(mod)

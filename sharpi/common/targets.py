@@ -40,7 +40,7 @@ TARGETS = {spec.name: spec for spec in (
         manifest_entry=schema.record({"kind": schema.one_of("llvm"), "mcpu": schema.text(64, r"[A-Za-z0-9_.+-]+"),
                                       "cpu_features": schema.array(_CPU_FEATURE, 64, unique=True),
                                       "matmuls": schema.one_of("float", "int8"),
-                                      "int8_isa": schema.one_of("avx2", "avx-vnni", "avx512-vnni")},
+                                      "int8_isa": schema.one_of("avx2", "avx-vnni", "avx512-vnni", "amx")},
                                      optional_keys=("int8_isa",))),
     TargetSpec(
         name="cuda", about="NVIDIA GPUs; needs nvcc", device="gpu", runtime="tvm-vm", tvm_device="cuda",

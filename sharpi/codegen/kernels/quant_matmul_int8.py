@@ -178,17 +178,25 @@ def _half_sum8(x, src, b, qtype, inv, half):
     return _rounded(x, src, b, *first_a, inv) + _rounded(x, src, b, *first_b, inv)
 
 
+# The order in which the AMX GEMM (quant_matmul_amx) keeps a block's 8 groups of 4 lanes, in its weights and its
+# activations alike: the groups of elements 0-15 first (lane_element puts them in groups 0, 1, 4 and 5), so that
+# q6_k's two 16-element halves, which have scales of their own, are each one contiguous tile of 16 bytes a row.
+# It is its own inverse: position j holds group AMX_GROUPS[j], and group g lies at position AMX_GROUPS[g].
+AMX_GROUPS = [0, 1, 4, 5, 2, 3, 6, 7]
+
+
 @T.macro
-def quantize_activation_block(x, src, valid, xq, xd8, xo, t, b, qtype, F, paired=False):
+def quantize_activation_block(x, src, valid, xq, xd8, xo, t, b, qtype, F, layout="rows"):
     """Block b of row `src` of x as int8 into row t of xq, in the lanes' element order (ggml's quantize_row_q8_0:
     d = max|x| / 127, q = round(x / d), halves to even); d in the 8 lanes of xd8[b, t] (one vmulps from memory);
     the activation sums times d into xo[f, b, t], per half (F = 2) or per block (F = 1). Rows not `valid`
     (a GEMM tile's padding) come out zero. Vectorized in float32x8 chunks: the scalar form was ~0.1 us a block,
     serial before every decode matmul's parallel loop.
 
-    `paired` (the 512-bit GEMM's layout, quant_matmul_vnni512): xq is an int32 view, and the blocks of a pair
+    `layout` "pairs" (the 512-bit GEMM's, quant_matmul_vnni512): xq is an int32 view, and the blocks of a pair
     alternate in it every 4 bytes (block 2p's group g at int32 16p + 2g, block 2p + 1's at 16p + 2g + 1); d goes
-    to xd8[b, t] once."""
+    to xd8[b, t] once. "tiles" (quant_matmul_amx's): xq is flat int32, a tile of 16 tokens' block b as 8 rows of
+    16 tokens' groups (an AMX B tile), the groups in AMX_GROUPS' order; d to xd8[b, t] once."""
     lanes8 = T.decl_buffer((8,), "float32", scope="global")
     sums8 = T.decl_buffer((2, 8), "float32", scope="global")
     amax = T.decl_buffer((1,), "float32", scope="global")
@@ -198,15 +206,18 @@ def quantize_activation_block(x, src, valid, xq, xd8, xo, t, b, qtype, F, paired
         amax[0] = lane_max(lanes8)
     d = T.decl_buffer((1,), "float32", scope="global")
     d[0] = amax[0] / T.float32(127)
-    if paired:
+    if layout != "rows":
         xd8[b, t] = d[0]
     else:
         xd8[b, t, T.ramp(0, 1, 8)] = T.Broadcast(d[0], 8)
     inv = T.decl_buffer((1,), "float32", scope="global")
     inv[0] = T.Select(amax[0] > T.float32(0), T.float32(1) / d[0], T.float32(0))
-    if paired:
+    if layout == "pairs":
         xq[t, T.ramp((b // 2) * 16 + b % 2, 2, 8)] = T.reinterpret("int32x8", _quantized_block(x, src, b, qtype,
                                                                                               inv[0]))
+    elif layout == "tiles":
+        xq[T.ramp(((t // 16) * xd8.shape[0] + b) * 128 + t % 16, 16, 8)] = T.Shuffle(
+            [T.reinterpret("int32x8", _quantized_block(x, src, b, qtype, inv[0]))], AMX_GROUPS)
     else:
         xq[t, T.ramp(b * BLOCK, 1, BLOCK)] = _quantized_block(x, src, b, qtype, inv[0])
     sums8[0, T.ramp(0, 1, 8)] = _half_sum8(x, src, b, qtype, inv[0], 0)

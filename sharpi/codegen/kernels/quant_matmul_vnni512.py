@@ -117,7 +117,7 @@ def make_gemm_vnni512(qtype: str, N: int, K: int):
         xo = T.decl_buffer((F, NB, tiles * TT), "float32")
         for t in T.parallel(tiles * TT):
             for b in range(NB):
-                quantize_activation_block(x, T.min(t, n - 1), t < n, xq, xd_blocks, xo, t, b, qtype, F, True)
+                quantize_activation_block(x, T.min(t, n - 1), t < n, xq, xd_blocks, xo, t, b, qtype, F, "pairs")
         for c in T.parallel(CHUNKS):
             acc = T.decl_buffer((TT, 16), "float32", scope="global")
             off = T.decl_buffer((TT,), "float32", scope="global")

@@ -4,6 +4,7 @@ legalize the rest, fuse elementwise chains, schedule what is not hand-written (c
 with the Relax VM's code and the kernels."""
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from tvm import relax
 
 from ...common.compile_options import CompileOptions, resolved_kv_types
 from ...common.config import ModelConfig
+from ...common.cpu import usable_cpu_flags
 from ...common.errors import ConfigError
 from ...common.manifest import LIBRARY
 from ...common.targets import TARGETS
@@ -24,24 +26,49 @@ from .base import kernel_names
 _LLVM_TO_CPUINFO = {"sse4.2": "sse4_2", "avx": "avx", "avx2": "avx2", "fma": "fma", "f16c": "f16c",
                     "bmi2": "bmi2", "avx512f": "avx512f", "avx512bw": "avx512bw", "avx512vl": "avx512vl",
                     "avx512dq": "avx512dq", "avx512vnni": "avx512_vnni", "avxvnni": "avx_vnni",
-                    "avx512bf16": "avx512_bf16", "avx512fp16": "avx512_fp16"}
+                    "avx512bf16": "avx512_bf16", "avx512fp16": "avx512_fp16", "amx-tile": "amx_tile",
+                    "amx-int8": "amx_int8"}
+# Features a CPU name may be extended by (`--mcpu NAME+amx-tile+amx-int8`): AMX's, which LLVM's name for a
+# virtual machine's CPU can lack (the Xeon of 2026-12-03 reads as rocketlake) although the OS grants the tiles.
+_EXTRA_FEATURES = ("amx-tile", "amx-int8")
 
 
+@functools.cache
 def host_cpu() -> str:
-    return str(tvm.target.codegen.llvm_get_system_cpu())
+    """LLVM's name for this CPU, with AMX's features added where the OS grants the tiles and the name lacks them."""
+    name = str(tvm.target.codegen.llvm_get_system_cpu())
+    granted = {"amx_tile", "amx_int8"} <= usable_cpu_flags()
+    if granted and not {"amx_tile", "amx_int8"} <= set(required_cpu_features(make_target(name))):
+        name += "".join(f"+{feature}" for feature in _EXTRA_FEATURES)
+    return name
 
 
 def make_target(mcpu: str | None) -> tvm.target.Target:
-    """The LLVM target for a CPU name (default: this machine's); an unknown name is a ConfigError, not LLVM's
-    silent fallback to generic x86-64."""
+    """The LLVM target for a CPU name, optionally extended by features (`NAME+amx-tile+amx-int8`; default: this
+    machine's); an unknown name is a ConfigError, not LLVM's silent fallback to generic x86-64."""
     triple = "x86_64-linux-gnu"
-    if mcpu is not None:
-        known = [str(c) for c in tvm.target.codegen.llvm_get_cpu_archlist(tvm.target.Target({"kind": "llvm",
-                                                                                           "mtriple": triple}))]
-        if mcpu not in known:
-            close = ", ".join(sorted(c for c in known if c.startswith(mcpu[:3]))[:8]) or ", ".join(known[:8])
-            raise ConfigError(f"--mcpu {mcpu!r} is not a CPU LLVM knows; for example: {close}.")
-    return tvm.target.Target({"kind": "llvm", "mtriple": triple, "mcpu": mcpu or host_cpu()})
+    if mcpu is None:
+        mcpu = host_cpu()
+    name, *extra = mcpu.split("+")
+    known = [str(c) for c in tvm.target.codegen.llvm_get_cpu_archlist(tvm.target.Target({"kind": "llvm",
+                                                                                       "mtriple": triple}))]
+    if name not in known:
+        close = ", ".join(sorted(c for c in known if c.startswith(name[:3]))[:8]) or ", ".join(known[:8])
+        raise ConfigError(f"--mcpu {name!r} is not a CPU LLVM knows; for example: {close}.")
+    unknown = [feature for feature in extra if feature not in _EXTRA_FEATURES]
+    if unknown:
+        raise ConfigError(f"--mcpu {mcpu!r}: a CPU name may be extended by {', '.join(_EXTRA_FEATURES)} only, not "
+                          f"{', '.join(unknown)}.")
+    spec = {"kind": "llvm", "mtriple": triple, "mcpu": name}
+    if extra:
+        spec["mattr"] = [f"+{feature}" for feature in extra]
+    return tvm.target.Target(spec)
+
+
+def cpu_name(target: tvm.target.Target) -> str:
+    """The --mcpu that makes `target` again: its CPU name and any features added to it."""
+    extra = [str(a).lstrip("+") for a in target.attrs.get("mattr", [])]
+    return "+".join([str(target.attrs["mcpu"]), *extra])
 
 
 def required_cpu_features(target: tvm.target.Target) -> list[str]:
@@ -55,14 +82,13 @@ def required_cpu_features(target: tvm.target.Target) -> list[str]:
 
 
 def int8_dot_isa(target: tvm.target.Target) -> str | None:
-    """The best instruction set for the integer-dot matmuls that code built for `target` may use: "avx512-vnni"
-    (512-bit vpdpbusd), "avx-vnni" (its 256-bit form without AVX-512), "avx2" (vpmaddubsw + vpmaddwd), or None.
-    AMX is not among them: a CPU that has it (sapphirerapids and later) gets AVX-512 VNNI. No machine of this
-    project has granted AMX's tile state yet (sharpi.common.cpu.amx_granted, the probe such kernels must pass
-    at load), so tile kernels could not be run, let alone tested."""
+    """The best instruction set for the integer-dot matmuls that code built for `target` may use: "amx" (the
+    prefill GEMM on AMX tiles, quant_matmul_amx; the decode GEMV AVX-512 VNNI's), "avx512-vnni" (512-bit
+    vpdpbusd), "avx-vnni" (its 256-bit form without AVX-512), "avx2" (vpmaddubsw + vpmaddwd), or None. Code for
+    AMX loads only where the OS grants the tiles (sharpi.common.cpu.amx_granted, the loader's CPU check)."""
     features = set(required_cpu_features(target))
     if {"avx512_vnni", "avx512bw", "avx512vl"} <= features:
-        return "avx512-vnni"
+        return "amx" if {"amx_tile", "amx_int8"} <= features else "avx512-vnni"
     if {"avx_vnni", "avx2"} <= features:
         return "avx-vnni"
     return "avx2" if "avx2" in features else None
@@ -117,7 +143,7 @@ class LLVMTarget:
 
     def describe(self, options: CompileOptions) -> dict:
         target = make_target(options.mcpu)
-        entry = {"kind": self.spec.name, "mcpu": str(target.attrs["mcpu"]),
+        entry = {"kind": self.spec.name, "mcpu": cpu_name(target),
                  "cpu_features": required_cpu_features(target), "matmuls": options.matmuls}
         if options.matmuls == "int8":
             entry["int8_isa"] = int8_dot_isa(target)

@@ -1,0 +1,166 @@
+"""The prefill GEMM of quant_matmul_int8 on AMX tiles (Intel Sapphire Rapids and later, where the operating system
+grants the tile state: sharpi.common.cpu.amx_granted; the decode GEMV stays AVX-512 VNNI's).
+
+One `tdpbusd` multiplies a tile of 16 weight rows by a tile of 16 tokens over one 32-block: 8192 multiply-adds of
+unsigned weight bytes and int8 activations into a 16 x 16 int32 tile, where the 512-bit GEMM's vpdpbusd does 64.
+A block's products then need its own scales (every 32-block has one, per row and per token), so the tile goes back
+to memory after every block and each row's 16 token sums are converted, scaled by the row's weight scale times the
+tokens' activation scales and added to that row's float accumulator (16 zmm registers for the 16 rows), with the
+block's offset or minimum term: four vector instructions per row and block where the 512-bit GEMM spends 16 x 2.
+q6_k's halves have scales of their own: two tdpbusd of 16 bytes each (AMX_GROUPS puts each half in one piece).
+
+The weights stay in sharpi's layouts: a task unpacks a block of rows once to unsigned bytes (as the other int8
+kernels do: nibbles, fifth and sixth bits; q8_0 offset by 128) into a scratch buffer that every token tile then
+reads as A tiles; the activations are quantized as everywhere (ggml's q8_0 rule) straight into B tiles' layout.
+The integer products are exactly those of the other int8 kernels; only the order of the float sums differs.
+
+The tile configuration is per thread, so every parallel task loads it and releases the tiles at its end.
+"""
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+from ...common.quant_layout import BLOCK, LAYOUTS
+from .common import ceil_div, token_count
+from .quant_matmul import cpu_quants
+from .quant_matmul_int8 import (AMX_GROUPS, INT8_DOT_TYPES, TASKS, _unsigned_quants, _wide_offset,
+                                quantize_activation_block)
+
+TILE = 16                   # tokens of a B tile, weight rows of an A tile, and both sides of the int32 result
+ROW_BLOCK_BYTES = 512 << 10  # unpacked weights a task holds while every token tile passes over them (in L2)
+_WORDS = BLOCK // 4          # int32 groups of 4 bytes a block
+
+
+def _tile_config(halves: int) -> list[int]:
+    """The 64-byte tile configuration as 8 little-endian int64 words. Palette 1; per half h: tile h the int32
+    result (16 rows x 64 bytes), tile 2 + h the weights (16 rows x the half's bytes), tile 4 + h the activations
+    (the half's groups of 4 bytes as rows x 16 tokens x 4 bytes)."""
+    config = bytearray(64)
+    config[0] = 1
+    width = BLOCK // halves
+    for h in range(halves):
+        for tile, colsb, rows in ((h, 64, TILE), (2 + h, width, TILE), (4 + h, 64, width // 4)):
+            config[16 + 2 * tile] = colsb
+            config[48 + tile] = rows
+    return [int.from_bytes(config[8 * i:8 * i + 8], "little") for i in range(8)]
+
+
+def _pick(values, i):
+    """values[i] for a loop variable i (unrolled: each iteration folds to its constant)."""
+    expr = T.int64(values[-1])
+    for j in range(len(values) - 2, -1, -1):
+        expr = T.if_then_else(i == j, T.int64(values[j]), expr)
+    return expr
+
+
+def _amx(name, *args):
+    return T.evaluate(T.call_llvm_intrin("void", f"llvm.x86.{name}", *args))
+
+
+def _unsigned_block(qtype, qs, s, row, b):
+    """int32x8: block b of `row` as unsigned bytes, its groups in AMX_GROUPS' order (q8_0 offset by 128, as in
+    the 512-bit kernels: its offset term is _wide_offset's)."""
+    if qtype == "q8_0":
+        u = qs[row, T.ramp(b * BLOCK, 1, BLOCK)] ^ T.Broadcast(T.int8(-128), BLOCK)
+    else:
+        u = _unsigned_quants(qtype, qs, s, row, b)
+    return T.Shuffle([T.reinterpret("int32x8", u)], AMX_GROUPS)
+
+
+def _offset_term(offset, s, xo, row, b, t0):
+    """float32x16: what block b's offset or minimum adds to `row` for tokens t0 .. t0 + 15 (_wide_offset's
+    fields and coefficient; the activation sums x scales xo are token-minor)."""
+    fields, coefficient = offset
+    total = None
+    for f, field in enumerate(fields):
+        term = T.Broadcast(T.float32(coefficient) * s[field, row, b], TILE) * xo[f, b, T.ramp(t0, 1, TILE)]
+        total = term if total is None else total + term
+    return total
+
+
+@T.macro
+def _drain(cbuf, acc, s, xd, xo, offset, row0, N, b, t0, h, halves):
+    """acc[m] += the int32 tile's row m (16 tokens) x row m's scale (of half h) x the tokens' activation scales,
+    plus, with the last half, row m's offset or minimum terms."""
+    for m in T.unroll(TILE):
+        row = T.meta_var(T.min(row0 + m, N - 1))
+        acc[m, T.ramp(0, 1, TILE)] = acc[m, T.ramp(0, 1, TILE)] + T.Cast(
+            "float32x16", cbuf[m, T.ramp(0, 1, TILE)]) * (xd[b, T.ramp(t0, 1, TILE)]
+                                                          * T.Broadcast(s[h if halves == 2 else 0, row, b], TILE))
+        if h == halves - 1:
+            acc[m, T.ramp(0, 1, TILE)] = acc[m, T.ramp(0, 1, TILE)] + _offset_term(offset, s, xo, row, b, t0)
+
+
+def make_gemm_amx(qtype: str, N: int, K: int):
+    """PrimFunc (x [n, K] f32, *weight parts, y [n, N] f32), n symbolic: quant_matmul_int8.make_gemm_int8's
+    arithmetic on AMX tiles. Tasks take runs of whole 16-row groups; a task unpacks ROW_BLOCK rows at a time,
+    then for each tile of 16 tokens and each group of 16 rows runs a tdpbusd per block (two for q6_k) and drains
+    it into the group's float accumulators."""
+    assert qtype in INT8_DOT_TYPES and K % BLOCK == 0, (qtype, K)
+    NB = K // BLOCK
+    qs_shape, qs_dtype = cpu_quants(qtype, N, K)
+    S = LAYOUTS[qtype][1][2](N, K)[0]
+    halves = 2 if qtype == "q6_k" else 1
+    HALF = BLOCK // halves                    # bytes of one tdpbusd's K
+    offset = _wide_offset(qtype)
+    F = max(1, len(offset[0]))
+    GROUPS = ceil_div(N, TILE)
+    CHUNKS = min(TASKS, GROUPS)
+    GROUPS_PER_TASK = ceil_div(GROUPS, CHUNKS)
+    BLOCK_GROUPS = max(1, min(GROUPS_PER_TASK, ROW_BLOCK_BYTES // (TILE * K)))
+    CONFIG = _tile_config(halves)
+    n = token_count(None)
+    tiles = (n + TILE - 1) // TILE
+
+    @T.prim_func
+    def quant_gemm_amx(var_x: T.handle, qs: T.Buffer(qs_shape, qs_dtype), s: T.Buffer((S, N, NB), "float32"),
+                       var_y: T.handle):
+        T.func_attr({"tirx.noalias": True, "op_pattern": 8})
+        x = T.match_buffer(var_x, (n, K), "float32")
+        y = T.match_buffer(var_y, (n, N), "float32")
+        xq = T.decl_buffer((tiles * NB * _WORDS * TILE,), "int32")    # B tiles: [tile, block, group, token]
+        xd = T.decl_buffer((NB, tiles * TILE), "float32")
+        xo = T.decl_buffer((F, NB, tiles * TILE), "float32")
+        for t in T.parallel(tiles * TILE):
+            for b in range(NB):
+                quantize_activation_block(x, T.min(t, n - 1), t < n, xq, xd, xo, t, b, qtype, F, "tiles")
+        for c in T.parallel(CHUNKS):
+            cfg = T.decl_buffer((8,), "int64", scope="global")
+            cbuf = T.decl_buffer((TILE, TILE), "int32", scope="global")
+            acc = T.decl_buffer((TILE, TILE), "float32", scope="global")
+            w = T.decl_buffer((BLOCK_GROUPS * TILE, NB * _WORDS), "int32")   # A tiles: unpacked rows
+            for i in T.unroll(8):
+                cfg[i] = _pick(CONFIG, i)
+            _amx("ldtilecfg", T.address_of(cfg[0]))
+            groups = T.meta_var(T.min(GROUPS_PER_TASK, GROUPS - c * GROUPS_PER_TASK))
+            for gb in range((groups + BLOCK_GROUPS - 1) // BLOCK_GROUPS):
+                first = T.meta_var((c * GROUPS_PER_TASK + gb * BLOCK_GROUPS) * TILE)   # the block's first row
+                block_groups = T.meta_var(T.min(BLOCK_GROUPS, groups - gb * BLOCK_GROUPS))
+                for r in range(block_groups * TILE):
+                    for b in range(NB):
+                        w[r, T.ramp(b * _WORDS, 1, _WORDS)] = _unsigned_block(qtype, qs, s, T.min(first + r, N - 1),
+                                                                              b)
+                for tt in range(tiles):
+                    for g in range(block_groups):
+                        row0 = T.meta_var(first + g * TILE)
+                        for m in T.unroll(TILE):
+                            acc[m, T.ramp(0, 1, TILE)] = T.Broadcast(T.float32(0), TILE)
+                        for b in range(NB):
+                            for h in T.unroll(halves):
+                                _amx("tilezero", T.int8(h))
+                                _amx("tileloadd64", T.int8(2 + h),
+                                     T.address_of(w[g * TILE, b * _WORDS + h * (HALF // 4)]), T.int64(K))
+                                _amx("tileloadd64", T.int8(4 + h),
+                                     T.address_of(xq[(tt * NB + b) * _WORDS * TILE + h * (HALF // 4) * TILE]),
+                                     T.int64(64))
+                                _amx("tdpbusd", T.int8(h), T.int8(2 + h), T.int8(4 + h))
+                            for h in T.unroll(halves):
+                                _amx("tilestored64", T.int8(h), T.address_of(cbuf[0, 0]), T.int64(64))
+                                _drain(cbuf, acc, s, xd, xo, offset, row0, N, b, tt * TILE, h, halves)
+                        for m in range(TILE):
+                            for t in range(TILE):
+                                if tt * TILE + t < n and row0 + m < N:
+                                    y[tt * TILE + t, row0 + m] = acc[m, t]
+            _amx("tilerelease")
+
+    return quant_gemm_amx
