@@ -212,6 +212,9 @@ def test_the_amx_gemm_runs_on_tiles():
     unpacked weights alone (the accumulators stay in registers)."""
     asm = _build(make_gemm_amx("q6_k", 64, 512)).mod.inspect_source("asm")
     assert all(op in asm for op in ("ldtilecfg", "tdpbusd", "tileloadd", "tilestored", "tilerelease"))
+    # the sized ones: the call's result tiles (4 tasks x 2 blocks in flight x 2 halves x 1 KB), a task's rows
+    sizes = [size for size in workspace_requests(make_gemm_amx("q6_k", 64, 512)) if isinstance(size, int)]
+    assert sorted(sizes) == [16 * 512, 4 * 2 * 2 * 1024], sizes
 
 
 def test_amx_is_a_feature_of_the_cpu_name():

@@ -32,14 +32,14 @@ _WORDS = BLOCK // 4          # int32 groups of 4 bytes a block
 
 
 def _tile_config(halves: int) -> list[int]:
-    """The 64-byte tile configuration as 8 little-endian int64 words. Palette 1; per half h: tile h the int32
-    result (16 rows x 64 bytes), tile 2 + h the weights (16 rows x the half's bytes), tile 4 + h the activations
-    (the half's groups of 4 bytes as rows x 16 tokens x 4 bytes)."""
+    """The 64-byte tile configuration as 8 little-endian int64 words. Palette 1; per half h: tiles h and 2 + h
+    the int32 results of two blocks in flight (16 rows x 64 bytes), tile 4 + h the weights (16 rows x the
+    half's bytes), tile 6 + h the activations (the half's groups of 4 bytes as rows x 16 tokens x 4 bytes)."""
     config = bytearray(64)
     config[0] = 1
     width = BLOCK // halves
     for h in range(halves):
-        for tile, colsb, rows in ((h, 64, TILE), (2 + h, width, TILE), (4 + h, 64, width // 4)):
+        for tile, colsb, rows in ((h, 64, TILE), (2 + h, 64, TILE), (4 + h, width, TILE), (6 + h, 64, width // 4)):
             config[16 + 2 * tile] = colsb
             config[48 + tile] = rows
     return [int.from_bytes(config[8 * i:8 * i + 8], "little") for i in range(8)]
@@ -79,16 +79,41 @@ def _offset_term(offset, s, xo, row, b, t0):
 
 
 @T.macro
-def _drain(cbuf, acc, s, xd, xo, offset, row0, N, b, t0, h, halves):
-    """acc[m] += the int32 tile's row m (16 tokens) x row m's scale (of half h) x the tokens' activation scales,
-    plus, with the last half, row m's offset or minimum terms."""
-    for m in T.unroll(TILE):
-        row = T.meta_var(T.min(row0 + m, N - 1))
+def _multiply(w, xq, results, g, b, tt, NB, K, halves, slot):
+    """Block b of row group g by token tile tt into result tiles `slot` (0 or 1: two blocks are in flight), then
+    into the task's result buffers: a drain reading a tile just stored waits for the store (no forwarding from
+    tile stores), so the loop drains block b while block b + 1's tiles are multiplied and stored."""
+    for h in T.unroll(halves):
+        _amx("tilezero", T.int8(2 * slot + h))
+        _amx("tileloadd64", T.int8(4 + h), T.address_of(w[g * TILE, b * _WORDS + h * (_WORDS // halves)]),
+             T.int64(K))
+        _amx("tileloadd64", T.int8(6 + h),
+             T.address_of(xq[(tt * NB + b) * _WORDS * TILE + h * (_WORDS // halves) * TILE]), T.int64(64))
+        _amx("tdpbusd", T.int8(2 * slot + h), T.int8(4 + h), T.int8(6 + h))
+    for h in T.unroll(halves):
+        _amx("tilestored64", T.int8(2 * slot + h), T.address_of(results[slot, h, 0, 0]), T.int64(64))
+
+
+@T.macro
+def _drain_rows(results, slot, h, acc, first, s, xd, xo, offset, row0, N, b, t0, halves):
+    """acc[m] += result row first + m (16 tokens) x that row's scale (of half h) x the tokens' activation scales,
+    plus, with the last half, the row's offset or minimum terms."""
+    for m in T.unroll(TILE // 2):
+        row = T.meta_var(T.min(row0 + first + m, N - 1))
         acc[m, T.ramp(0, 1, TILE)] = acc[m, T.ramp(0, 1, TILE)] + T.Cast(
-            "float32x16", cbuf[m, T.ramp(0, 1, TILE)]) * (xd[b, T.ramp(t0, 1, TILE)]
-                                                          * T.Broadcast(s[h if halves == 2 else 0, row, b], TILE))
+            "float32x16", results[slot, h, first + m, T.ramp(0, 1, TILE)]) * (
+                xd[b, T.ramp(t0, 1, TILE)] * T.Broadcast(s[h if halves == 2 else 0, row, b], TILE))
         if h == halves - 1:
             acc[m, T.ramp(0, 1, TILE)] = acc[m, T.ramp(0, 1, TILE)] + _offset_term(offset, s, xo, row, b, t0)
+
+
+@T.macro
+def _drain(results, slot, acc_low, acc_high, s, xd, xo, offset, row0, N, b, t0, halves):
+    """Block b's result tiles (in `slot`) into the accumulators: acc_low holds rows 0-7, acc_high rows 8-15 (a
+    stack buffer must be under 1 KB, lanes.py; there LLVM keeps them in registers)."""
+    for h in T.unroll(halves):
+        _drain_rows(results, slot, h, acc_low, 0, s, xd, xo, offset, row0, N, b, t0, halves)
+        _drain_rows(results, slot, h, acc_high, TILE // 2, s, xd, xo, offset, row0, N, b, t0, halves)
 
 
 def make_gemm_amx(qtype: str, N: int, K: int):
@@ -101,7 +126,6 @@ def make_gemm_amx(qtype: str, N: int, K: int):
     qs_shape, qs_dtype = cpu_quants(qtype, N, K)
     S = LAYOUTS[qtype][1][2](N, K)[0]
     halves = 2 if qtype == "q6_k" else 1
-    HALF = BLOCK // halves                    # bytes of one tdpbusd's K
     offset = _wide_offset(qtype)
     F = max(1, len(offset[0]))
     GROUPS = ceil_div(N, TILE)
@@ -121,13 +145,16 @@ def make_gemm_amx(qtype: str, N: int, K: int):
         xq = T.decl_buffer((tiles * NB * _WORDS * TILE,), "int32")    # B tiles: [tile, block, group, token]
         xd = T.decl_buffer((NB, tiles * TILE), "float32")
         xo = T.decl_buffer((F, NB, tiles * TILE), "float32")
+        results = T.decl_buffer((CHUNKS * 2 * halves * TILE * TILE,), "int32")   # each task's result tiles
         for t in T.parallel(tiles * TILE):
             for b in range(NB):
                 quantize_activation_block(x, T.min(t, n - 1), t < n, xq, xd, xo, t, b, qtype, F, "tiles")
         for c in T.parallel(CHUNKS):
             cfg = T.decl_buffer((8,), "int64", scope="global")
-            cbuf = T.decl_buffer((TILE, TILE), "int32", scope="global")
-            acc = T.decl_buffer((TILE, TILE), "float32", scope="global")
+            mine = T.decl_buffer((2, halves, TILE, TILE), "int32", data=results.data,
+                                 elem_offset=c * 2 * halves * TILE * TILE)
+            acc_low = T.decl_buffer((TILE // 2, TILE), "float32", scope="global")
+            acc_high = T.decl_buffer((TILE // 2, TILE), "float32", scope="global")
             w = T.decl_buffer((BLOCK_GROUPS * TILE, NB * _WORDS), "int32")   # A tiles: unpacked rows
             for i in T.unroll(8):
                 cfg[i] = _pick(CONFIG, i)
@@ -143,24 +170,27 @@ def make_gemm_amx(qtype: str, N: int, K: int):
                 for tt in range(tiles):
                     for g in range(block_groups):
                         row0 = T.meta_var(first + g * TILE)
-                        for m in T.unroll(TILE):
-                            acc[m, T.ramp(0, 1, TILE)] = T.Broadcast(T.float32(0), TILE)
-                        for b in range(NB):
-                            for h in T.unroll(halves):
-                                _amx("tilezero", T.int8(h))
-                                _amx("tileloadd64", T.int8(2 + h),
-                                     T.address_of(w[g * TILE, b * _WORDS + h * (HALF // 4)]), T.int64(K))
-                                _amx("tileloadd64", T.int8(4 + h),
-                                     T.address_of(xq[(tt * NB + b) * _WORDS * TILE + h * (HALF // 4) * TILE]),
-                                     T.int64(64))
-                                _amx("tdpbusd", T.int8(h), T.int8(2 + h), T.int8(4 + h))
-                            for h in T.unroll(halves):
-                                _amx("tilestored64", T.int8(h), T.address_of(cbuf[0, 0]), T.int64(64))
-                                _drain(cbuf, acc, s, xd, xo, offset, row0, N, b, tt * TILE, h, halves)
-                        for m in range(TILE):
+                        for m in T.unroll(TILE // 2):
+                            acc_low[m, T.ramp(0, 1, TILE)] = T.Broadcast(T.float32(0), TILE)
+                            acc_high[m, T.ramp(0, 1, TILE)] = T.Broadcast(T.float32(0), TILE)
+                        t0 = T.meta_var(tt * TILE)
+                        _multiply(w, xq, mine, g, 0, tt, NB, K, halves, 0)
+                        for bp in range((NB + 1) // 2):
+                            if 2 * bp + 1 < NB:
+                                _multiply(w, xq, mine, g, 2 * bp + 1, tt, NB, K, halves, 1)
+                            _drain(mine, 0, acc_low, acc_high, s, xd, xo, offset, row0, N, 2 * bp, t0, halves)
+                            if 2 * bp + 1 < NB:
+                                if 2 * bp + 2 < NB:
+                                    _multiply(w, xq, mine, g, 2 * bp + 2, tt, NB, K, halves, 0)
+                                _drain(mine, 1, acc_low, acc_high, s, xd, xo, offset, row0, N, 2 * bp + 1, t0,
+                                       halves)
+                        for m in range(TILE // 2):
                             for t in range(TILE):
-                                if tt * TILE + t < n and row0 + m < N:
-                                    y[tt * TILE + t, row0 + m] = acc[m, t]
+                                if tt * TILE + t < n:
+                                    if row0 + m < N:
+                                        y[tt * TILE + t, row0 + m] = acc_low[m, t]
+                                    if row0 + TILE // 2 + m < N:
+                                        y[tt * TILE + t, row0 + TILE // 2 + m] = acc_high[m, t]
             _amx("tilerelease")
 
     return quant_gemm_amx
