@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(not int8_dot_available(TARGET), reason="the inte
 # every kernel variant this CPU can run: (GEMV maker, GEMM maker, GEMM tile)
 _HOST_ISA = int8_dot_isa(TARGET)
 VARIANTS = {"avx2": (make_gemv_int8, make_gemm_int8, GEMM_TILE)}
-if _HOST_ISA in ("avx-vnni", "avx512-vnni"):
+if _HOST_ISA in ("avx-vnni", "avx512-vnni", "amx"):
     VARIANTS["avx-vnni"] = (lambda q, n, k: make_gemv_int8(q, n, k, "avx-vnni"),
                             lambda q, n, k: make_gemm_int8(q, n, k, "avx-vnni"), GEMM_TILE)
 if _HOST_ISA in ("avx512-vnni", "amx"):

@@ -23,7 +23,8 @@ def build_parser() -> ArgumentParser:
                    help=f"{_taking('cuda_graph')}: run each decode step as one captured CUDA graph (fewer launches)")
     p.add_argument("-o", "--output", default=None, help="artifact directory (default: <gguf name>-<target>)")
     p.add_argument("--mcpu", default=None, help=f"{_taking('mcpu')}: the CPU to compile for (default: this "
-                                                 f"machine's, e.g. znver3)")
+                                                 f"machine's, e.g. znver3); NAME+amx-tile+amx-int8 adds AMX's "
+                                                 f"prefill GEMM to a CPU LLVM names without it")
     p.add_argument("--matmuls", default=None, choices=["int8", "float"],
                    help=f"{_taking('matmuls')}: int8 (the default on CPUs with AVX2): the quantized matmuls multiply "
                         "int8-quantized activations with integer dot products, as llama.cpp does; float: float32 "

@@ -15,6 +15,12 @@ reads as A tiles; the activations are quantized as everywhere (ggml's q8_0 rule)
 The integer products are exactly those of the other int8 kernels; only the order of the float sums differs.
 
 The tile configuration is per thread, so every parallel task loads it and releases the tiles at its end.
+
+On the Xeon of 2026-12-03 (2 threads, 512 tokens) this is 3.1x the 512-bit GEMM on Q4_K 8960 x 1536 (28 ms) and
+2.4x on Q6_K 1536 x 8960 (59 ms). Taken apart, the tile work (loads, tdpbusd, stores) and the drains each take
+about half and do not overlap; storing the next block's tiles after this block's drain instead of before it, and
+the unpacked weights block-major (an A tile 512 contiguous bytes), measured no faster. Fewer drain instructions
+would need activation scales per 256 elements (llama.cpp's q8_K: the weight scales by FMA alone).
 """
 from __future__ import annotations
 

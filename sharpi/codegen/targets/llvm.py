@@ -1,5 +1,6 @@
 """The llvm target: this CPU (or --mcpu). Attach sharpi's kernels (int8 integer-dot matmuls where the CPU has
-AVX2, with AVX-512 VNNI's or AVX-VNNI's dot where it has one; float32 ones otherwise or with --matmuls float),
+AVX2, with AVX-512 VNNI's or AVX-VNNI's dot where it has one and a prefill GEMM on AMX tiles where the OS grants
+them; float32 ones otherwise or with --matmuls float),
 legalize the rest, fuse elementwise chains, schedule what is not hand-written (cpu_schedule), build one library
 with the Relax VM's code and the kernels."""
 from __future__ import annotations
