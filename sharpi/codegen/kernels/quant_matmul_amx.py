@@ -86,9 +86,8 @@ def _offset_term(offset, s, xo, row, b, t0):
 
 @T.macro
 def _multiply(w, xq, results, g, b, tt, NB, K, halves, slot):
-    """Block b of row group g by token tile tt into result tiles `slot` (0 or 1: two blocks are in flight), then
-    into the task's result buffers: a drain reading a tile just stored waits for the store (no forwarding from
-    tile stores), so the loop drains block b while block b + 1's tiles are multiplied and stored."""
+    """Block b of row group g by token tile tt into result tiles `slot` (0 or 1: two blocks are in flight, so
+    that the tile unit may multiply block b + 1 while block b drains), then into the task's result buffers."""
     for h in T.unroll(halves):
         _amx("tilezero", T.int8(2 * slot + h))
         _amx("tileloadd64", T.int8(4 + h), T.address_of(w[g * TILE, b * _WORDS + h * (_WORDS // halves)]),
