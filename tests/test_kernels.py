@@ -27,8 +27,8 @@ def _as_cpu_kernel_takes(qtype, parts, n, k):
     return [parts["qs"].view(dtype).reshape(shape)] + [v for name, v in parts.items() if name != "qs"]
 
 
-def _build(prim):
-    return tvm.compile(tvm.IRModule({"main": prim}), target=TARGET)
+def _build(prim, target=TARGET):
+    return tvm.compile(tvm.IRModule({"main": prim}), target=target)
 
 
 def _t(a):

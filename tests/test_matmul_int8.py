@@ -1,7 +1,8 @@
 """The integer-dot matmuls (quant_matmul_int8, quant_matmul_vnni512 and quant_matmul_amx: the decode GEMV and the
-prefill GEMM, on each instruction set this CPU has) against numpy: the same weights multiplied by the activations quantized as ggml does
-(sharpi.testing.reference.quantize_activations_q8), for every quantized layout, with block counts that take each
-accumulator split, token counts that cut a tile, q8_0's -128, zero blocks and the largest quants."""
+prefill GEMM, on each instruction set this CPU has) against numpy: the same weights multiplied by the activations
+quantized as ggml does (sharpi.testing.reference.quantize_activations_q8), for every quantized layout, with block
+counts that take each accumulator split, token counts that cut a tile, q8_0's -128, zero blocks and the largest
+quants."""
 import numpy as np
 import pytest
 
@@ -226,7 +227,4 @@ def test_amx_is_a_feature_of_the_cpu_name():
     assert int8_dot_isa(make_target("sapphirerapids")) == "amx"
     with pytest.raises(ConfigError, match="may be extended by amx-tile, amx-int8 only"):
         make_target("rocketlake+avx10.1")
-    import tvm
-    built = tvm.compile(tvm.IRModule({"main": make_gemm_amx("q4_0", 32, 256)}), target=make_target("sapphirerapids"))
-    asm = built.mod.inspect_source("asm")
-    assert "tdpbusd" in asm
+    assert "tdpbusd" in _build(make_gemm_amx("q4_0", 32, 256), make_target("sapphirerapids")).mod.inspect_source("asm")

@@ -30,7 +30,7 @@ from ...common.quant_layout import BLOCK, LAYOUTS
 from .common import ceil_div, token_count
 from .quant_matmul import cpu_quants
 from .quant_matmul_int8 import (AMX_GROUPS, INT8_DOT_TYPES, TASKS, _unsigned_quants, _wide_offset,
-                                quantize_activation_block)
+                                quantize_activation_block, tile_offset)
 
 TILE = 16                   # tokens of a B tile, weight rows of an A tile, and both sides of the int32 result
 ROW_BLOCK_BYTES = 512 << 10  # unpacked weights a task holds while every token tile passes over them (in L2)
@@ -73,17 +73,6 @@ def _unsigned_block(qtype, qs, s, row, b):
     return T.Shuffle([T.reinterpret("int32x8", u)], AMX_GROUPS)
 
 
-def _offset_term(offset, s, xo, row, b, t0):
-    """float32x16: what block b's offset or minimum adds to `row` for tokens t0 .. t0 + 15 (_wide_offset's
-    fields and coefficient; the activation sums x scales xo are token-minor)."""
-    fields, coefficient = offset
-    total = None
-    for f, field in enumerate(fields):
-        term = T.Broadcast(T.float32(coefficient) * s[field, row, b], TILE) * xo[f, b, T.ramp(t0, 1, TILE)]
-        total = term if total is None else total + term
-    return total
-
-
 @T.macro
 def _multiply(w, xq, results, g, b, tt, NB, K, halves, slot):
     """Block b of row group g by token tile tt into result tiles `slot` (0 or 1: two blocks are in flight, so
@@ -107,9 +96,9 @@ def _drain_rows(results, slot, h, acc, first, s, xd, xo, offset, row0, N, b, t0,
         row = T.meta_var(T.min(row0 + first + m, N - 1))
         acc[m, T.ramp(0, 1, TILE)] = acc[m, T.ramp(0, 1, TILE)] + T.Cast(
             "float32x16", results[slot, h, first + m, T.ramp(0, 1, TILE)]) * (
-                xd[b, T.ramp(t0, 1, TILE)] * T.Broadcast(s[h if halves == 2 else 0, row, b], TILE))
+                xd[b, T.ramp(t0, 1, TILE)] * T.Broadcast(s[h, row, b], TILE))
         if h == halves - 1:
-            acc[m, T.ramp(0, 1, TILE)] = acc[m, T.ramp(0, 1, TILE)] + _offset_term(offset, s, xo, row, b, t0)
+            acc[m, T.ramp(0, 1, TILE)] = acc[m, T.ramp(0, 1, TILE)] + tile_offset(offset, s, xo, row, b, t0, TILE)
 
 
 @T.macro

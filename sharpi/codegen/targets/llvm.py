@@ -32,14 +32,14 @@ _LLVM_TO_CPUINFO = {"sse4.2": "sse4_2", "avx": "avx", "avx2": "avx2", "fma": "fm
 # Features a CPU name may be extended by (`--mcpu NAME+amx-tile+amx-int8`): AMX's, which LLVM's name for a
 # virtual machine's CPU can lack (the Xeon of 2026-12-03 reads as rocketlake) although the OS grants the tiles.
 _EXTRA_FEATURES = ("amx-tile", "amx-int8")
+_AMX_FLAGS = frozenset(_LLVM_TO_CPUINFO[feature] for feature in _EXTRA_FEATURES)   # what the AMX GEMM needs
 
 
 @functools.cache
 def host_cpu() -> str:
     """LLVM's name for this CPU, with AMX's features added where the OS grants the tiles and the name lacks them."""
     name = str(tvm.target.codegen.llvm_get_system_cpu())
-    granted = {"amx_tile", "amx_int8"} <= usable_cpu_flags()
-    if granted and not {"amx_tile", "amx_int8"} <= set(required_cpu_features(make_target(name))):
+    if _AMX_FLAGS <= usable_cpu_flags() and not _AMX_FLAGS <= set(required_cpu_features(make_target(name))):
         name += "".join(f"+{feature}" for feature in _EXTRA_FEATURES)
     return name
 
@@ -89,7 +89,7 @@ def int8_dot_isa(target: tvm.target.Target) -> str | None:
     AMX loads only where the OS grants the tiles (sharpi.common.cpu.amx_granted, the loader's CPU check)."""
     features = set(required_cpu_features(target))
     if {"avx512_vnni", "avx512bw", "avx512vl"} <= features:
-        return "amx" if {"amx_tile", "amx_int8"} <= features else "avx512-vnni"
+        return "amx" if _AMX_FLAGS <= features else "avx512-vnni"
     if {"avx_vnni", "avx2"} <= features:
         return "avx-vnni"
     return "avx2" if "avx2" in features else None
