@@ -76,18 +76,23 @@ def followup_table(name, rows):
 
 
 def task_table(name, rows, ratio):
-    own = [r for r in rows if not r.get("question") and line_of(r)[1] == "uniform"]
+    """Each task's mean at one compression for every scorer and allocation (where one task loses the suite's gap)."""
+    own = [r for r in rows if not r.get("question")]
     tasks = sorted({r["task"] for r in own})
     print(f"\n### {name}, each task at {ratio}% compression (full cache first; mean score, points)\n")
     print("| scorer | " + " | ".join(tasks) + " |\n| --- | " + " | ".join("---" for _ in tasks) + " |")
-    for scorer in ("full", *SCORER_ORDER):
-        cells = []
-        for task in tasks:
-            scores = [row_score(r) for r in own if r["task"] == task and (r["scorer"] or "full") == scorer
-                      and (r["ratio"] == ratio or scorer == "full")]
-            cells.append(f"{100 * statistics.mean(scores):.0f}" if scores else "-")
-        if any(c != "-" for c in cells):
-            print(f"| {scorer} | " + " | ".join(cells) + " |")
+    for allocation in ("uniform", "scores"):       # pyramid ran on the first round only
+        for scorer in ("full", *SCORER_ORDER):
+            if scorer == "full" and allocation != "uniform":
+                continue
+            cells = []
+            for task in tasks:
+                scores = [row_score(r) for r in own if r["task"] == task and line_of(r) == (scorer, allocation)
+                          and (r["ratio"] == ratio or scorer == "full")]
+                cells.append(f"{100 * statistics.mean(scores):.0f}" if scores else "-")
+            if any(c != "-" for c in cells):
+                label = scorer if allocation == "uniform" else f"{scorer}, {allocation}"
+                print(f"| {label} | " + " | ".join(cells) + " |")
 
 
 def cost_table(name, rows):
