@@ -38,7 +38,7 @@ from sharpi.eval.scoring import match_score, row_score
 from sharpi.eval.summary import prompt_key
 from sharpi.eval.sweep import answer_steps
 from sharpi.eval.tasks import TASKS, build_prompt
-from sharpi.testing.reference import NumpyReference, ReferenceSession
+from sharpi.testing.reference import NumpyReference, ReferenceSession, rope_adjacent, rope_neox
 from sharpi.testing.snapkv import select_row
 
 ALLOCATIONS = ("uniform", "layers", "heads", "layers+heads")
@@ -88,6 +88,51 @@ class RaggedSession(ReferenceSession):
             self.keys[l][h] = np.concatenate([self.keys[l][h], k[h]])
             self.values[l][h] = np.concatenate([self.values[l][h], v[h]])
             self.positions[l][h] = np.concatenate([self.positions[l][h], pos])
+
+
+def expected_attention_scores(ref: NumpyReference, ids, base: "RaggedSession", n_future: int = 512,
+                              sinks: int = 4, query_bias: bool = True) -> np.ndarray:
+    """Expected Attention (Devoto et al., arXiv 2510.00636; kvpress's ExpectedAttentionPress) for the prompt
+    `ids` whose cache `base` holds: [layers, kv_heads, n].
+
+    The future queries of a layer's head are modelled as a Gaussian: the mean and covariance of its pre-RoPE
+    queries over the prompt (the first `sinks` positions left out), rotated by RoPE's rotation averaged over the
+    next `n_future` positions. A key's expected attention logit is then scale * mu.k + scale^2 / 2 * k.Sigma.k (the
+    Gaussian's moment generating function), softmaxed over the prompt, averaged over the KV head's query heads and
+    multiplied by the norm of the position's value; sinks take the maximum. The queries come from the numpy forward
+    of the whole prompt, with q norms (which kvpress's version refuses) and with q biases unless `query_bias` is
+    False (kvpress's version projects with the weight alone)."""
+    cfg = ref.config
+    captured = []
+    ref.forward(ids, capture=captured)
+    n, d = len(ids), cfg.head_dim
+    rope = rope_neox if cfg.rope_layout == "neox" else rope_adjacent
+    scale = ref._scale() or d ** -0.5
+    group = cfg.n_heads // cfg.n_kv_heads
+    future = np.arange(n, n + n_future)
+    out = np.zeros((cfg.n_layers, cfg.n_kv_heads, n), np.float32)
+    for l, (q, _, _) in enumerate(captured):
+        theta = (ref.local_rope_theta or cfg.rope_theta) if ref.is_local(l) else cfg.rope_theta
+        q = rope(q[sinks:], -np.arange(sinks, n) * 1.0, theta).astype(np.float64)   # undo RoPE: [T, H, D]
+        if not query_bias and cfg.qkv_bias and not cfg.qk_norm:
+            q -= ref.weights[f"blk.{l}.attn_q.bias"].reshape(cfg.n_heads, d)
+        mu = q.mean(0)                                                             # [H, D]
+        centred = q - mu
+        cov = np.einsum("thi,thj->hij", centred, centred) / len(q)                 # [H, D, D]
+        eye = np.broadcast_to(np.eye(d, dtype=np.float32)[None], (n_future, d, d))
+        rot = rope(eye, future, theta).mean(0).astype(np.float64).T                # column j: mean rotation of e_j
+        mu = mu @ rot.T
+        cov = np.einsum("ij,hjk,lk->hil", rot, cov, rot)
+        for h in range(cfg.n_kv_heads):
+            k = base.keys[l][h][sinks:n].astype(np.float64)                          # [S, D]
+            heads = slice(h * group, (h + 1) * group)
+            logits = scale * mu[heads] @ k.T + scale * scale / 2 * np.einsum("si,hij,sj->hs", k, cov[heads], k)
+            p = np.exp(logits - logits.max(-1, keepdims=True))
+            p /= p.sum(-1, keepdims=True)
+            row = p.mean(0) * np.linalg.norm(base.values[l][h][sinks:n], axis=-1)
+            out[l, h, sinks:] = row
+            out[l, h, :sinks] = row.max()
+    return out
 
 
 def head_counts(scores: np.ndarray, budget: int, allocation: str) -> np.ndarray:
@@ -150,7 +195,10 @@ def run_prompt(ref, model, task, length, depth, trial, ratios, steps, stop_ids, 
         prefilled.prefill(ids)
         base = RaggedSession.from_engine(ref, prefilled)
         prefill_s = time.perf_counter() - start
-        scores = model.scorer(scorer).scores(prefilled, np.asarray(ids))[:, :, :n]     # [L, KVH, n]
+        if scorer in ("expected", "expected-kvpress"):
+            scores = expected_attention_scores(ref, ids, base, query_bias=scorer == "expected")
+        else:
+            scores = model.scorer(scorer).scores(prefilled, np.asarray(ids))[:, :, :n]     # [L, KVH, n]
     full = base.ragged_copy([[np.arange(n)] * scores.shape[1] for _ in range(scores.shape[0])])
     rows = [_row(task, depth, trial, 0, "full", model.detokenize(greedy(full, question, steps, stop_ids)),
                  answers, n, prefill_s)]
@@ -213,7 +261,9 @@ def main(argv=None) -> None:
     p.add_argument("--depths", default="25,75")
     p.add_argument("--trials", type=int, default=1)
     p.add_argument("--ratios", default="50,75")
-    p.add_argument("--scorer", default="keydiff", help="the query-agnostic scorer (sharpi eval's --scorers names)")
+    p.add_argument("--scorer", default="keydiff", help="the query-agnostic scorer (sharpi eval's --scorers names, or expected: Expected "
+                   "Attention computed here from the numpy forward's queries; expected-kvpress: without the q "
+                   "bias, as kvpress computes it)")
     p.add_argument("--out", required=True, help="results JSON, resumed if it exists (with --trials 0: its report)")
     args = p.parse_args(argv)
     out = Path(args.out)

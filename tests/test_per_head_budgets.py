@@ -58,3 +58,40 @@ def test_keep_sets_hold_each_heads_count_and_the_recent_positions(scores):
             rows = kept[l][h]
             assert len(rows) == counts[l, h] and (np.diff(rows) > 0).all()
             assert set(range(N - per_head.RECENCY, N)) <= set(rows.tolist())
+
+
+@pytest.mark.parametrize("query_bias", [True, False])
+def test_expected_attention_is_the_gaussian_expectation_of_the_queries_moved_to_the_next_position(
+        tmp_path, query_bias):
+    """With one future position, Expected Attention's rotation is that position's own: each pre-RoPE query moved
+    there is the post-RoPE query rotated on by (n - t), whose mean and covariance give the logits
+    scale * mu.k + scale^2 / 2 * k.Sigma.k directly, without the averaged rotation matrix the scorer builds."""
+    from tiny_gguf import write_tiny_llama
+    from sharpi.testing.reference import NumpyReference, rope_neox
+
+    ref = NumpyReference(write_tiny_llama(tmp_path / "tiny.gguf", arch="qwen2", qkv_bias=True))
+    cfg, sinks = ref.config, 4
+    assert cfg.qkv_bias and cfg.rope_layout == "neox"
+    ids = np.random.default_rng(1).integers(1, cfg.vocab_size, 40)
+    session = per_head.RaggedSession(ref)
+    session.feed(ids)
+    scores = per_head.expected_attention_scores(ref, ids, session, n_future=1, sinks=sinks, query_bias=query_bias)
+    n, group, scale = len(ids), cfg.n_heads // cfg.n_kv_heads, cfg.head_dim ** -0.5
+    captured = []
+    ref.forward(ids, capture=captured)
+    for l, (q, _, _) in enumerate(captured):
+        q = q[sinks:].astype(np.float64)
+        if not query_bias:                    # the bias rotated to each query's position, taken away
+            bias = np.broadcast_to(ref.weights[f"blk.{l}.attn_q.bias"].reshape(cfg.n_heads, -1), q.shape)
+            q = q - rope_neox(bias.astype(np.float32), np.arange(sinks, n), cfg.rope_theta)
+        moved = rope_neox(q.astype(np.float32), n - np.arange(sinks, n), cfg.rope_theta).astype(np.float64)
+        mu = moved.mean(0)
+        cov = np.einsum("thi,thj->hij", moved - mu, moved - mu) / len(moved)
+        for h in range(cfg.n_kv_heads):
+            k = session.keys[l][h][sinks:].astype(np.float64)
+            heads = slice(h * group, (h + 1) * group)
+            logits = scale * mu[heads] @ k.T + scale ** 2 / 2 * np.einsum("si,hij,sj->hs", k, cov[heads], k)
+            p = np.exp(logits - logits.max(-1, keepdims=True))
+            expected = (p / p.sum(-1, keepdims=True)).mean(0) * np.linalg.norm(session.values[l][h][sinks:], axis=-1)
+            np.testing.assert_allclose(scores[l, h, sinks:], expected, rtol=1e-3, atol=1e-7)
+            assert (scores[l, h, :sinks] == scores[l, h, sinks:].max()).all()
