@@ -104,7 +104,8 @@ def add_snapkv_flags(parser) -> None:
     parser.add_argument("--snapkv-granularity", default=None, help="kv-head (default) or shared")
     parser.add_argument("--snapkv-sinks", default=None, help="first positions always kept (0)")
     parser.add_argument("--snapkv-allocation", default=None,
-                        help="the budget per layer: uniform (default) or pyramid (PyramidKV: more in early layers)")
+                        help="the budget per layer: uniform (default), pyramid (PyramidKV: more in early layers) "
+                             "or scores (one threshold over every layer's scores, KVzip's)")
 
 
 def snapkv_knobs(args) -> dict:
