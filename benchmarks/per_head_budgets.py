@@ -38,7 +38,7 @@ from sharpi.eval.scoring import match_score, row_score
 from sharpi.eval.summary import prompt_key
 from sharpi.eval.sweep import answer_steps
 from sharpi.eval.tasks import TASKS, build_prompt
-from sharpi.testing.reference import NumpyReference, ReferenceSession, rope_adjacent, rope_neox
+from sharpi.testing.reference import NumpyReference, ReferenceSession
 from sharpi.testing.snapkv import select_row
 
 ALLOCATIONS = ("uniform", "layers", "heads", "layers+heads")
@@ -106,21 +106,23 @@ def expected_attention_scores(ref: NumpyReference, ids, base: "RaggedSession", n
     captured = []
     ref.forward(ids, capture=captured)
     n, d = len(ids), cfg.head_dim
-    rope = rope_neox if cfg.rope_layout == "neox" else rope_adjacent
     scale = ref._scale() or d ** -0.5
     group = cfg.n_heads // cfg.n_kv_heads
-    future = np.arange(n, n + n_future)
+    eye = np.broadcast_to(np.eye(d, dtype=np.float32)[None], (n_future, d, d))
+    rotations = {}                                   # per (base, position scale): local and global layers differ
     out = np.zeros((cfg.n_layers, cfg.n_kv_heads, n), np.float32)
     for l, (q, _, _) in enumerate(captured):
-        theta = (ref.local_rope_theta or cfg.rope_theta) if ref.is_local(l) else cfg.rope_theta
-        q = rope(q[sinks:], -np.arange(sinks, n) * 1.0, theta).astype(np.float64)   # undo RoPE: [T, H, D]
+        rope, theta, pos_scale = ref.rope_for(l)
+        q = rope(q[sinks:], -np.arange(sinks, n) * pos_scale, theta).astype(np.float64)   # undo RoPE: [T, H, D]
         if not query_bias and cfg.qkv_bias and not cfg.qk_norm:
             q -= ref.weights[f"blk.{l}.attn_q.bias"].reshape(cfg.n_heads, d)
         mu = q.mean(0)                                                             # [H, D]
         centred = q - mu
         cov = np.einsum("thi,thj->hij", centred, centred) / len(q)                 # [H, D, D]
-        eye = np.broadcast_to(np.eye(d, dtype=np.float32)[None], (n_future, d, d))
-        rot = rope(eye, future, theta).mean(0).astype(np.float64).T                # column j: mean rotation of e_j
+        if (theta, pos_scale) not in rotations:     # column j: e_j's rotation averaged over the next positions
+            future = np.arange(n, n + n_future) * pos_scale
+            rotations[theta, pos_scale] = rope(eye, future, theta).mean(0).astype(np.float64).T
+        rot = rotations[theta, pos_scale]
         mu = mu @ rot.T
         cov = np.einsum("ij,hjk,lk->hil", rot, cov, rot)
         for h in range(cfg.n_kv_heads):
@@ -261,9 +263,10 @@ def main(argv=None) -> None:
     p.add_argument("--depths", default="25,75")
     p.add_argument("--trials", type=int, default=1)
     p.add_argument("--ratios", default="50,75")
-    p.add_argument("--scorer", default="keydiff", help="the query-agnostic scorer (sharpi eval's --scorers names, or expected: Expected "
-                   "Attention computed here from the numpy forward's queries; expected-kvpress: without the q "
-                   "bias, as kvpress computes it)")
+    p.add_argument("--scorer", default="keydiff",
+                   help="the query-agnostic scorer (sharpi eval's --scorers names, or expected: Expected Attention "
+                        "computed here from the numpy forward's queries; expected-kvpress: without the q bias, as "
+                        "kvpress computes it)")
     p.add_argument("--out", required=True, help="results JSON, resumed if it exists (with --trials 0: its report)")
     args = p.parse_args(argv)
     out = Path(args.out)

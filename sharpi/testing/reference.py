@@ -162,12 +162,16 @@ class NumpyReference:
         if cfg.qk_norm:                                    # qwen3, gemma3: per head, before RoPE
             q = rms_norm(q, W[p + "attn_q_norm.weight"], cfg.rms_eps)
             k = rms_norm(k, W[p + "attn_k_norm.weight"], cfg.rms_eps)
-        if self.is_local(l):
-            theta, rpos = self.local_rope_theta or cfg.rope_theta, np.asarray(pos)
-        else:
-            theta, rpos = cfg.rope_theta, np.asarray(pos) * self.global_pos_scale
-        rope = rope_neox if cfg.rope_layout == "neox" else rope_adjacent
+        rope, theta, pos_scale = self.rope_for(l)
+        rpos = np.asarray(pos) * pos_scale
         return rope(q, rpos, theta), rope(k, rpos, theta), v
+
+    def rope_for(self, l: int):
+        """Layer l's RoPE as (rope function, base, position scale): a position p rotates as rope(x, p * scale, base)."""
+        rope = rope_neox if self.config.rope_layout == "neox" else rope_adjacent
+        if self.is_local(l):
+            return rope, self.local_rope_theta or self.config.rope_theta, 1.0
+        return rope, self.config.rope_theta, self.global_pos_scale
 
     def _finish_layer(self, l, x, attn):
         """The attention's output projection and the gated FFN, each joining the residual (RMS-normed first with
