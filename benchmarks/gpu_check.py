@@ -7,8 +7,9 @@ script here first, e.g. under a Python 3.12 venv with numpy, tokenizers and jinj
     python benchmarks/gpu_check.py prepare [--model smollm2-135m] [--arch sm_90] [--dir .gpu]
 
 compiles the model for cuda five times (plain, with --cuda-graph, with a bf16 KV cache instead of f16, with a
-q8_0 one, and with q4_ch keys and q4_0 values; the weights are the same), and the speed model (gemma3-270m) twice,
-whose weights do not travel (the machine fills random ones of the same shapes: its run measures speed only); computes the reference figures (the
+q8_0 one, and with q4_ch keys and q4_0 values; the weights are the same), and the speed models (gemma3-270m,
+qwen2.5-coder-0.5b) twice each, whose weights do not travel (the machine fills random ones of the same shapes:
+their runs measure speed only); computes the reference figures (the
 float32 numpy reference's top-1 over the golden text; the CPU artifact's greedy tokens and SnapKV keep sets; for
 the q8_0 and q4_ch variants the same figures with the cache rounded as it stores it: the numpy reference with
 NumpyReference.kv_types, a CPU artifact with that cache), packs TVM's runtime without its compiler
@@ -27,7 +28,11 @@ overlapping the CPU's on >= 99% of slots (q8_0: 98%, q4_ch: 95%); and
 decode speed, for each variant; and the speed model's decode speed. It prints a table and writes
 $OUT/gpu_check.json; exit status 0 when every check passed.
 The earlier calls run `receive`, which reports the parts present and, once the runtime part is there, whether the
-runtime imports and sees the GPU (the first, cheapest check of this plan's assumptions).
+runtime imports and sees the GPU (the first, cheapest check of this plan's assumptions); the first part alone
+is enough for `speed`, which measures the speed models (benchmarks/gpu_speed.py) so that the first call's machine
+time measures something too. `run` then measures the checked model's speed (with and without SnapKV and CUDA
+graphs at 512 and 4096 tokens, a per-kernel profile, decode_batch at B = 1..128) and a PyTorch roofline, each
+section under a deadline (`--seconds`), writing its JSON after every section.
 """
 from __future__ import annotations
 
@@ -60,7 +65,7 @@ ROUNDED_REFERENCES = ("q8_0", "q4_ch")      # variants checked against reference
 # q4_ch's greedy check holds the first greedy_tokens of each prompt only
 BARS = {"top1": 0.99, "overlap": 0.99}
 ROUNDED_BARS = {"q8_0": {"top1": 0.98, "overlap": 0.98}, "q4_ch": {"top1": 0.90, "overlap": 0.95, "greedy_tokens": 8}}
-SPEED_VARIANTS = ("speed-plain", "speed-graph")   # the speed model's, weights generated on the GPU machine
+SPEED_BUILDS = ("plain", "graph")          # each speed model's, weights generated on the GPU machine
 WORK = Path("/tmp/sharpi-gpu-check")        # where `run` assembles things on the GPU machine
 NEAR_TIE = 1e-3                             # as sharpi.testing.backends.NEAR_TIE (not importable before setup)
 SNAPKV_PROMPT, SNAPKV_BUDGET, SNAPKV_STEPS = 1040, 256, 16
@@ -89,16 +94,18 @@ def prepare(args) -> int:
         art = sharpi.compile(args.model, **target, cuda_graph=variant == "graph" and not args.cpu,
                              **_kv_types(variant), output=stage / variant)
         assert (art / "weights.bin").read_bytes() == (stage / "plain" / "weights.bin").read_bytes()
-    for variant in SPEED_VARIANTS:
-        print(f"compiling {args.speed_model} for {target} ({variant})", flush=True)
-        sharpi.compile(args.speed_model, **target, cuda_graph=variant == "speed-graph" and not args.cpu,
-                       output=stage / variant)
+    speed_models = [m for m in args.speed_models.split(",") if m]
+    for name in speed_models:
+        for build in SPEED_BUILDS:
+            print(f"compiling {name} for {target} ({build}; speed only)", flush=True)
+            sharpi.compile(name, **target, cuda_graph=build == "graph" and not args.cpu,
+                           output=stage / _speed_dir(name, build))
     golden = json.loads(GOLDEN.read_text())
     # the exact path (float32 matmuls and KV): the CPU's default int8 matmuls would be a reference of other arithmetic
     cpu = sharpi.load(sharpi.compile(args.model, target="llvm", matmuls="float", output=stage / "cpu"))
     prompt = prompt_ids(cpu, SNAPKV_PROMPT)
     numpy_reference = NumpyReference(fetch(args.model, show_progress=False))
-    reference = {"model": args.model, "speed_model": args.speed_model, "arch": args.arch,
+    reference = {"model": args.model, "speed_models": speed_models, "arch": args.arch,
                  "cpu_backend": cpu.backend, **_references(cpu, numpy_reference, golden, prompt),
                  "speed_prompt_ids": prompt_ids(cpu, SPEED_PROMPT), "rounded": {}}
     for variant in ROUNDED_REFERENCES:
@@ -113,6 +120,14 @@ def prepare(args) -> int:
     _pack(bundle, stage, args)
     shutil.rmtree(stage)
     return 0
+
+
+def _speed_dir(model: str, build: str) -> str:
+    return f"speed-{model}-{build}"
+
+
+def _speed_dirs(reference: dict) -> list[str]:
+    return [_speed_dir(m, b) for m in reference["speed_models"] for b in SPEED_BUILDS]
 
 
 def _kv_types(variant: str) -> dict:
@@ -193,8 +208,9 @@ def _pack(bundle: Path, stage: Path, args) -> None:
     first.mkdir()
     with tarfile.open(first / "runtime.tar.gz", "w:gz") as tar:
         tar.add(site, arcname="site")
+    reference = json.loads((stage / "reference.json").read_text())
     with tarfile.open(first / "meta.tar.gz", "w:gz") as tar:
-        for variant in VARIANTS + SPEED_VARIANTS:
+        for variant in VARIANTS + tuple(_speed_dirs(reference)):
             for name in ("manifest.json", "model.so", "tokenizer.json"):
                 tar.add(stage / variant / name, arcname=f"{variant}/{name}")
     shutil.copy(stage / "reference.json", first / "reference.json")
@@ -285,23 +301,26 @@ def _preload_cudart() -> str | None:
     return None
 
 
+def _unpack_meta(bundle: Path) -> dict:
+    """The artifacts' kernels, manifests and tokenizers from the first part; the reference figures."""
+    with tarfile.open(bundle / "p1" / "meta.tar.gz") as tar:
+        tar.extractall(WORK)
+    return json.loads((bundle / "p1" / "reference.json").read_text())
+
+
 def _assemble(bundle: Path) -> dict:
     index = json.loads((bundle / "p1" / "index.json").read_text())
     missing = [f"p{i + 1}" for i in range(index["parts"]) if not (bundle / f"p{i + 1}").is_dir()]
     if missing:
         raise SystemExit(f"parts missing on this machine: {missing} (the machine was given back between calls?)")
-    with tarfile.open(bundle / "p1" / "meta.tar.gz") as tar:
-        tar.extractall(WORK)
+    reference = _unpack_meta(bundle)
     weights = WORK / "plain" / "weights.bin"
     with open(weights, "wb") as out:
         for i in range(index["parts"]):
             out.write((bundle / f"p{i + 1}" / f"weights.{i:03d}").read_bytes())
     for variant in VARIANTS[1:]:
         shutil.copy(weights, WORK / variant / "weights.bin")
-    _random_weights(WORK / SPEED_VARIANTS[0])
-    for variant in SPEED_VARIANTS[1:]:
-        shutil.copy(WORK / SPEED_VARIANTS[0] / "weights.bin", WORK / variant / "weights.bin")
-    return json.loads((bundle / "p1" / "reference.json").read_text())
+    return reference
 
 
 def _random_weights(directory: Path) -> None:
@@ -323,14 +342,23 @@ def _random_weights(directory: Path) -> None:
 
 
 def run(args) -> int:
+    deadline = time.monotonic() + args.seconds
     bundle = Path(args.dir)
     _setup_runtime(bundle)
     reference = _assemble(bundle)
     import numpy as np
     import sharpi
 
+    import gpu_speed
+
+    out = Path(args.out or ".")
+    out.mkdir(parents=True, exist_ok=True)
     results = {"python": sys.version.split()[0], "model": reference["model"], "arch": reference["arch"],
-               "cpu_reference": reference["cpu_backend"], "variants": {}}
+               "cpu_reference": reference["cpu_backend"], "machine": gpu_speed.machine(), "variants": {}}
+
+    def save():
+        (out / "gpu_check.json").write_text(json.dumps(results, indent=1))
+
     for variant in VARIANTS:
         row = results["variants"][variant] = {}
         # a variant whose cache rounds is held to figures computed with the same rounding
@@ -352,25 +380,83 @@ def run(args) -> int:
             row[name]["seconds"] = round(time.perf_counter() - t, 2)
             print(f"{variant:5} {name:14} {json.dumps(row[name])[:300]}", flush=True)
         model = None
-    results["speed_model"] = {"model": reference["speed_model"], "weights": "random, same shapes"}
-    for variant in SPEED_VARIANTS:
-        t = time.perf_counter()
-        try:
-            model = sharpi.load(WORK / variant, verify=False)
-            from sharpi.cli.bench import prompt_ids
-            speed = _speed(model, {"speed_prompt_ids": prompt_ids(model, SPEED_PROMPT)}, np)
-            results["speed_model"][variant] = {"backend": model.backend, **speed}
-        except Exception as exc:            # noqa: BLE001
-            results["speed_model"][variant] = {"error": f"{type(exc).__name__}: {exc}"}
-        results["speed_model"][variant]["seconds"] = round(time.perf_counter() - t, 2)
-        print(f"{variant:11} {json.dumps(results['speed_model'][variant])[:300]}", flush=True)
-        model = None
+        save()
     results["passed"] = all(_passed(row) for row in results["variants"].values())
+    save()
+    _print_table(results)
+    sizes = gpu_speed.QUICK if args.quick else gpu_speed.Sizes()
+    results["speed"] = {}
+    _measure_speed(results["speed"], WORK / "plain", WORK / "graph", deadline, save, sizes, sizes.profiles_checked)
+    _section(results["speed"], "decode_batch", lambda: gpu_speed.batch_decode(WORK / "plain", deadline, sizes), save)
+    if not args.skip_speed_models:
+        _measure_speed_models(results, reference, deadline, save, sizes)
+    _section(results, "torch_roofline", lambda: gpu_speed.torch_roofline(min(60.0, deadline - time.monotonic())),
+             save)
+    print(json.dumps({k: results[k] for k in ("machine", "torch_roofline")}, indent=1))
+    return 0 if results["passed"] else 1
+
+
+def speed(args) -> int:
+    """The speed models alone (random weights): what the first device call measures while the rest travels."""
+    deadline = time.monotonic() + args.seconds
+    bundle = Path(args.dir)
+    _setup_runtime(bundle)
+    reference = _unpack_meta(bundle)
+    import gpu_speed
+
     out = Path(args.out or ".")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_check.json").write_text(json.dumps(results, indent=1))
-    _print_table(results)
-    return 0 if results["passed"] else 1
+    results = {"python": sys.version.split()[0], "machine": gpu_speed.machine()}
+    print(json.dumps(results["machine"]), flush=True)
+
+    def save():
+        (out / "gpu_speed.json").write_text(json.dumps(results, indent=1))
+
+    _measure_speed_models(results, reference, deadline, save, gpu_speed.QUICK if args.quick else gpu_speed.Sizes())
+    return 0
+
+
+def _measure_speed_models(results: dict, reference: dict, deadline: float, save, sizes) -> None:
+    rows = results["speed_models"] = {"weights": "random, the real shapes"}
+    for name in reference["speed_models"]:
+        plain, graph = (WORK / _speed_dir(name, build) for build in SPEED_BUILDS)
+        if not (plain / "weights.bin").is_file():
+            _random_weights(plain)
+        shutil.copy(plain / "weights.bin", graph / "weights.bin")      # the same parameter table
+        rows[name] = {}
+        _measure_speed(rows[name], plain, graph, deadline, save, sizes, sizes.profiles_speed, verify=False)
+
+
+def _measure_speed(rows: dict, plain: Path, graph: Path, deadline: float, save, sizes, profiles, **load) -> None:
+    """gpu_speed's suite for a model's plain and CUDA-graph artifacts, and the plain one's kernel profiles."""
+    import sharpi
+
+    import gpu_speed
+
+    weight_bytes = (plain / "weights.bin").stat().st_size
+    for build, directory in (("plain", plain), ("graph", graph)):
+        model = None
+
+        def measure(directory=directory):
+            nonlocal model
+            model = sharpi.load(directory, **load)
+            return gpu_speed.suite(model, weight_bytes, deadline, sizes)
+        _section(rows, build, measure, save)
+        if build == "plain" and model is not None:
+            _section(rows, "profile", lambda: [gpu_speed.kernel_profile(model, n, f) for n, f in profiles
+                                               if time.monotonic() < deadline], save)
+        model = None
+
+
+def _section(rows: dict, key: str, measure, save) -> None:
+    """rows[key] = measure(), or the error it raised; printed and saved either way (a cut call keeps it)."""
+    t = time.perf_counter()
+    try:
+        rows[key] = measure()
+    except Exception as exc:                # noqa: BLE001 - the sections after it still run
+        rows[key] = {"error": f"{type(exc).__name__}: {exc}"}
+    print(f"{key} ({time.perf_counter() - t:.1f} s): {json.dumps(rows[key])[:1500]}", flush=True)
+    save()
 
 
 def _teacher_forced(model, reference, np) -> dict:
@@ -488,11 +574,6 @@ def _print_table(results: dict) -> None:
                       "speed": lambda: f"prefill {v['prefill_tok_s']:.0f} tok/s, decode {v['decode_tok_s']:.0f} "
                                        f"tok/s (target 1000)"}[name]
             print(f"   {name:15} {status:5} {v.get('error') or detail()}")
-    speed = results.get("speed_model", {})
-    for variant in SPEED_VARIANTS:
-        v = speed.get(variant, {})
-        print(f"-- {speed.get('model')} ({variant}, random weights): " + (v.get("error") or
-              f"prefill {v['prefill_tok_s']:.0f} tok/s, decode {v['decode_tok_s']:.0f} tok/s"))
     print("ALL PASSED" if results["passed"] else "SOME CHECKS FAILED")
 
 
@@ -501,20 +582,26 @@ def main(argv=None) -> int:
     sub = p.add_subparsers(dest="verb", required=True)
     pp = sub.add_parser("prepare", help="here: compile, compute references, pack the parts")
     pp.add_argument("--model", default="smollm2-135m")
-    pp.add_argument("--speed-model", default="gemma3-270m", help="measured for speed only, with random weights")
+    pp.add_argument("--speed-models", default="gemma3-270m,qwen2.5-coder-0.5b",
+                    help="measured for speed only, with random weights (comma-separated)")
     pp.add_argument("--arch", default="sm_90", help="the GPU's architecture (H100/H200: sm_90)")
     pp.add_argument("--python", default="3.12", help="the GPU machine's Python version")
     pp.add_argument("--cpu", action="store_true",
                     help="compile for llvm instead, to try this script here (everything but CUDA) before a device call")
     pp.add_argument("--part-mib", type=int, default=60, help="largest part (a device call carries at most 64 MiB)")
-    for name in ("receive", "run"):
+    for name in ("receive", "speed", "run"):
         sp = sub.add_parser(name)
-        if name == "run":
+        if name != "receive":
             sp.add_argument("--out", default=None)
+            sp.add_argument("--seconds", type=float, default=300 if name == "run" else 150,
+                            help="the speed sections start no cell after this many seconds")
+            sp.add_argument("--quick", action="store_true", help="small sizes: the CPU rehearsal's")
+        if name == "run":
+            sp.add_argument("--skip-speed-models", action="store_true", help="`speed` measured them already")
     for sp in sub.choices.values():
         sp.add_argument("--dir", default=".gpu")
     args = p.parse_args(argv)
-    return {"prepare": prepare, "receive": receive, "run": run}[args.verb](args)
+    return {"prepare": prepare, "receive": receive, "speed": speed, "run": run}[args.verb](args)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@
 
 The VM's instrument hook times every call it makes (kernels and VM builtins) during one call of the chosen
 function, after a warm-up prompt; the table sums them by name. The hook costs a little per call, so builtins
-(allocation, tuple access) look larger than they are; kernel times are accurate to a few microseconds.
+(allocation, tuple access) look larger than they are; kernel times are accurate to a few microseconds. On a GPU
+the hook waits for the device before and after each call (`sync`), so a kernel's time is its launch and run.
 """
 from __future__ import annotations
 
@@ -17,14 +18,17 @@ import numpy as np
 import sharpi
 
 
-def profile(artifact: str, tokens: int, function: str) -> tuple[dict, float]:
-    model = sharpi.load(artifact)
+def profile(model, tokens: int, function: str, sync=None) -> tuple[dict, float]:
+    """{name: [seconds, calls]} of one `function` call after `tokens` random prompt tokens, and its wall time.
+    `sync`: waits for the device (a GPU's kernels run asynchronously), called around every instrumented call."""
     backend = model.engine.backend    # the TVM backend: its VM and forward()
     vm = backend._vm
     totals: dict[str, list] = collections.defaultdict(lambda: [0.0, 0])
     started: dict[str, float] = {}
 
     def instrument(func, name, before, ret, *args):
+        if sync is not None:
+            sync()
         if before:
             started[name] = time.perf_counter()
         else:
@@ -66,7 +70,7 @@ def main() -> None:
     p.add_argument("--function", default="decode", choices=["prefill", "decode", "prefill_snapkv"])
     p.add_argument("--top", type=int, default=25)
     args = p.parse_args()
-    totals, wall = profile(args.artifact, args.tokens, args.function)
+    totals, wall = profile(sharpi.load(args.artifact), args.tokens, args.function)
     total = sum(t for t, _ in totals.values())
     kernels = sum(n for name, (_, n) in totals.items() if not name.startswith(("vm.", "runtime.")))
     print(f"{args.function} after {args.tokens} tokens: {wall * 1e3:.1f} ms wall (instrumented), "
