@@ -122,37 +122,3 @@ def test_nvcc_divides_correctly_rounded_under_tvms_fast_math():
                                 compiler="nvcc").decode()
     assert "div.rn" in ptx and "rcp.rn" in ptx and "approx.ftz.f32" in ptx     # ex2.approx: fast exp kept
     assert "div.approx" not in ptx and "div.full" not in ptx and "rcp.approx" not in ptx
-
-
-@pytest.mark.parametrize("qtype", ["q4_1", "q4_k", "q6_k"])
-def test_weight_kernels_take_scale_fields_as_views_at_an_offset(qtype):
-    """attach_kernels hands the GPU matmul each scale field as a view into the layout's [S, N, K/32] buffer; TVM's
-    argument checks refused the views past the first (byte_offset != 0) on an H200. accept_scale_views declares
-    them at a symbolic offset: built unscheduled for the CPU (the same argument checks and indexing), the kernel
-    given views of one buffer equals the unmodified kernel given each field as a tensor of its own, which itself
-    refuses the views."""
-    import tvm
-
-    from sharpi.codegen.kernels.gpu.quant_matmul import make_gpu_matmul
-    from sharpi.codegen.targets.cuda import accept_scale_views
-    from sharpi.common.quant_layout import LAYOUTS
-
-    n, k, tokens, name = 64, 256, 3, f"gpu_matmul_{qtype}_64_256"
-    plain = make_gpu_matmul(qtype, n, k)
-    separate, viewed = (tvm.compile(f, target="llvm")
-                        for f in (plain, accept_scale_views(tvm.IRModule({name: plain}))[name]))
-    rng = np.random.default_rng(0)
-    (_, qs_dtype, qs_shape), (_, _, scale_shape) = LAYOUTS[qtype]
-    fields = scale_shape(n, k)[0]
-    qs = tvm.runtime.tensor(rng.integers(0, 2**31, qs_shape(n, k)).astype(qs_dtype))
-    scales = rng.normal(size=(fields, n, k // 32)).astype("float32")
-    x = tvm.runtime.tensor(rng.normal(size=(tokens, k)).astype("float32"))
-    want, got = (tvm.runtime.empty((tokens, n), "float32", tvm.cpu()) for _ in range(2))
-    separate(x, qs, *[tvm.runtime.tensor(np.ascontiguousarray(plane)) for plane in scales], want)
-    whole = tvm.runtime.tensor(scales)
-    views = [whole._create_view((n, k // 32), "float32", relative_byte_offset=f * n * (k // 32) * 4)
-             for f in range(fields)]
-    viewed(x, qs, *views, got)
-    assert fields >= 2 and np.array_equal(got.numpy(), want.numpy())
-    with pytest.raises(Exception, match="byte_offset"):
-        separate(x, qs, *views, want)

@@ -128,34 +128,9 @@ def fatbin_entries(blob: bytes) -> list[tuple[str, int]]:
 
 def lower(mod: tvm.IRModule, cfg: ModelConfig, cuda_graph: bool = False,
           kv_types: tuple[str, str] | None = None) -> tvm.IRModule:
-    mod = accept_scale_views(attach_kernels(mod, cfg, gpu=True, kv_types=kv_types))
+    mod = attach_kernels(mod, cfg, gpu=True, kv_types=kv_types)
     if cuda_graph:
         mod = mark_decode_inputs_static(mod)
-    return mod
-
-
-# the GPU matmul and embedding kernels' scale fields after the first: views into the middle of a layout's [S, N, K/32]
-# scale buffer (attach_kernels._gpu_parts)
-_OFFSET_FIELD = re.compile(r"(\b(scale[1-9]\d*): T\.Buffer\((\([^()]*(?:\([^()]*\)[^()]*)*\)), (\"float32\")\))")
-_WEIGHT_KERNELS = ("gpu_matmul_", "gpu_embedding_")
-
-
-def accept_scale_views(mod: tvm.IRModule) -> tvm.IRModule:
-    """The weight kernels with each scale field after the first declared at a symbolic element offset. Those fields
-    arrive as views at a byte offset into their buffer, which TVM's argument checks refuse ("Invalid
-    scale1.byte_offset ... expected 0", seen on an H200) unless the buffer's offset is symbolic; then the kernel
-    indexes from data + byte_offset, as CUDA's pointers allow. (Vulkan's runtime binds a view at its offset and
-    needs none of this.) TVM 0.27 has no Python TIR mutator to swap a parameter's buffer, so the kernel goes
-    through TVMScript: its printed form with `offset_factor=1` on those parameters, parsed back."""
-    for gv, func in list(mod.functions_items()):
-        if not isinstance(func, tvm.tirx.PrimFunc) or not gv.name_hint.startswith(_WEIGHT_KERNELS):
-            continue
-        text = func.script()
-        rewritten, count = _OFFSET_FIELD.subn(r"\2: T.Buffer(\3, \4, offset_factor=1)", text)
-        if not count:
-            continue
-        parsed = tvm.script.from_source(rewritten)
-        mod[gv] = parsed.with_attrs(func.attrs) if func.attrs else parsed
     return mod
 
 
