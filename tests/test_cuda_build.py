@@ -122,3 +122,68 @@ def test_nvcc_divides_correctly_rounded_under_tvms_fast_math():
                                 compiler="nvcc").decode()
     assert "div.rn" in ptx and "rcp.rn" in ptx and "approx.ftz.f32" in ptx     # ex2.approx: fast exp kept
     assert "div.approx" not in ptx and "div.full" not in ptx and "rcp.approx" not in ptx
+
+
+@pytest.mark.parametrize("qtype", ["q4_1", "q4_k", "q6_k"])
+def test_whole_scale_buffers_read_the_same_as_views_of_their_planes(qtype):
+    """CUDA's weight kernels take the whole [S, N, K/32] scale buffer once per field (a view of a plane at a
+    nonzero byte offset is refused by TVM's argument checks: seen on an H200); Vulkan's take the planes as views.
+    Built unscheduled for the CPU, the two read the same scales: equal outputs, for the matmul and the embedding."""
+    import tvm
+
+    from sharpi.codegen.kernels.gpu.elementwise import make_gpu_embedding
+    from sharpi.codegen.kernels.gpu.quant_matmul import make_gpu_matmul
+    from sharpi.common.quant_layout import LAYOUTS
+
+    rows, cols, tokens = 64, 256, 3
+    rng = np.random.default_rng(0)
+    (_, qs_dtype, qs_shape), (_, _, scale_shape) = LAYOUTS[qtype]
+    fields = scale_shape(rows, cols)[0]
+    qs = tvm.runtime.tensor(rng.integers(0, 2**31, qs_shape(rows, cols)).astype(qs_dtype))
+    scales = rng.normal(size=(fields, rows, cols // 32)).astype("float32")
+    planes = [tvm.runtime.tensor(np.ascontiguousarray(plane)) for plane in scales]
+    whole = [tvm.runtime.tensor(scales)] * fields
+    x = tvm.runtime.tensor(rng.normal(size=(tokens, cols)).astype("float32"))
+    ids = tvm.runtime.tensor(np.array([5, 0, rows - 1], "int32"))
+    for make, first, width in ((make_gpu_matmul, x, rows), (make_gpu_embedding, ids, cols)):
+        outputs = []
+        for whole_scales, given in ((False, planes), (True, whole)):
+            kernel = tvm.compile(make(qtype, rows, cols, whole_scales=whole_scales), target="llvm")
+            out = tvm.runtime.empty((tokens, width), "float32", tvm.cpu())
+            kernel(first, qs, *given, out)
+            outputs.append(out.numpy())
+        assert fields >= 2 and np.array_equal(*outputs) and np.abs(outputs[0]).max() > 0
+
+
+def _offset_views(mod) -> list:
+    """memory.view calls in `mod`'s Relax functions with a nonzero byte offset."""
+    import tvm
+    from tvm import relax
+
+    found = []
+
+    def visit(expr):
+        if isinstance(expr, relax.Call) and expr.op.same_as(tvm.ir.Op.get("relax.memory.view")):
+            offset = getattr(expr.args[3], "value", None)     # an IntImm; R.null_value() when none was given
+            if offset is not None and int(offset) != 0:
+                found.append(expr)
+    for _, func in mod.functions_items():
+        if isinstance(func, relax.Function):
+            relax.analysis.post_order_visit(func, visit)
+    return found
+
+
+def test_cuda_lowering_passes_no_weight_view_at_an_offset(tmp_path):
+    """The cuda target's Relax module hands its kernels no view at a nonzero byte offset (TVM fuses the weight
+    kernels with what follows, so every fused kernel would inherit an offset parameter); Vulkan's does (q4_1's
+    second scale field), which shows the walk finds them."""
+    from sharpi.codegen.targets import cuda, vulkan
+    from sharpi.common.compile_options import CompileOptions
+    from sharpi.compiler import front_half
+    from tiny_gguf import write_tiny_llama
+
+    path = write_tiny_llama(tmp_path / "tiny.gguf", matrix_type="Q4_1")
+    front = front_half(path, CompileOptions(), ("float16", "float16"), False, None)
+    assert not _offset_views(cuda.lower(front.mod, front.cfg))
+    front = front_half(path, CompileOptions(), ("float16", "float16"), False, None)
+    assert _offset_views(vulkan.attach_kernels(front.mod, front.cfg, gpu=True))

@@ -24,7 +24,7 @@ from ....common.quant_layout import BLOCK, LAYOUTS, QUANTIZED
 from ..common import token_count
 from ..quant_matmul import dense_value, dequant
 from ..rope import rope_pairs
-from .quant_matmul import GPU_LAYOUTS
+from .quant_matmul import GPU_LAYOUTS, scale_fields
 
 ROPE_THREADS = 128
 
@@ -86,16 +86,16 @@ def _i64(v):
     return tirx.IntImm("int64", v) if isinstance(v, int) else v
 
 
-def gpu_weight_parts(qtype: str, rows: int, cols: int):
-    """The weight parts as GPU kernels take them (placeholders), and value(row, col) -> f32 expression."""
+def gpu_weight_parts(qtype: str, rows: int, cols: int, whole_scales: bool = False):
+    """The weight parts as GPU kernels take them (placeholders; the scale fields as scale_fields declares them),
+    and value(row, col) -> f32 expression."""
     if qtype in QUANTIZED:
-        (_, qs_dtype, qs_shape), (_, _, s_shape) = LAYOUTS[qtype]
+        (_, qs_dtype, qs_shape) = LAYOUTS[qtype][0]
         qs = te.placeholder(tuple(_i64(d) for d in qs_shape(rows, cols)), qs_dtype, name="qs")
-        fields = [te.placeholder((_i64(rows), _i64(cols // BLOCK)), "float32", name=f"scale{f}")
-                  for f in range(s_shape(rows, cols)[0])]
+        fields, read_scale = scale_fields(qtype, rows, cols, whole_scales)
 
         def value(row, col):
-            return dequant(qtype, qs, lambda f, r, b: fields[f][r, b], row, col // _i64(BLOCK), col % _i64(BLOCK))
+            return dequant(qtype, qs, read_scale, row, col // _i64(BLOCK), col % _i64(BLOCK))
 
         return [qs, *fields], value
     parts = [te.placeholder(tuple(_i64(d) for d in shape(rows, cols)), dtype, name=name)
@@ -103,15 +103,15 @@ def gpu_weight_parts(qtype: str, rows: int, cols: int):
     return parts, lambda row, col: dense_value(qtype, parts[0], row, col)
 
 
-def make_gpu_embedding(qtype: str, vocab: int, dim: int) -> tirx.PrimFunc:
-    """PrimFunc (ids [n] int32, qs, scale field 0[, field 1] ([vocab, dim/32] each), y [n, dim] f32) for quantized
+def make_gpu_embedding(qtype: str, vocab: int, dim: int, whole_scales: bool = False) -> tirx.PrimFunc:
+    """PrimFunc (ids [n] int32, qs, scale fields (scale_fields(whole=whole_scales)), y [n, dim] f32) for quantized
     types, (ids, w, y) for dense ones; unscheduled (dlight's Fallback rule schedules it)."""
     if qtype not in GPU_LAYOUTS:
         raise CompileError(f"Weights of type {qtype} have no GPU embedding kernel yet (GPU layouts: "
                            f"{', '.join(GPU_LAYOUTS)}).")
     n = tirx.Var("n", "int64")
     ids = te.placeholder((n,), "int32", name="ids")
-    parts, value = gpu_weight_parts(qtype, vocab, dim)
+    parts, value = gpu_weight_parts(qtype, vocab, dim, whole_scales)
     y = te.compute((n, _i64(dim)), lambda t, d: value(T.Cast("int64", ids[t]), d), name="embedding")
     func = te.create_prim_func([ids, *parts, y])
     return (func.with_attr("dlight.do_not_tensorize", True)

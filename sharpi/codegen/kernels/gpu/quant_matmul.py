@@ -14,35 +14,52 @@ from ..quant_matmul import dense_value, dequant
 GPU_LAYOUTS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k", "f32", "f16")
 
 
-def make_gpu_matmul(qtype: str, n_out: int, k_in: int, tokens: int | None = None) -> tirx.PrimFunc:
-    """PrimFunc (x [n, K] f32, qs, scale fields 0..S-1 ([N, K/32] each), y [n, N] f32) for quantized types,
-    (x, w, y) for dense ones; unscheduled (dlight schedules it). The fields are the planes of the layout's
-    [S, N, K/32] scale buffer, passed as zero-copy views."""
+def scale_fields(qtype: str, rows: int, cols: int, whole: bool = False):
+    """The scale fields of a quantized weight as a GPU kernel's parameters, and read(f, row, block) -> f32.
+
+    Each field is a buffer of its own: dlight's rules need every read region to be one element per block
+    iterator, which two fields read from one buffer are not. `whole` False: field f is [rows, cols/32], the f-th
+    plane of the layout's [S, rows, cols/32] scale buffer, passed as a zero-copy view (Vulkan's runtime binds it at
+    its offset). `whole` True: every field is that whole buffer, passed S times, and field f reads plane f (CUDA:
+    TVM's argument checks refuse a view at a nonzero byte offset, in every kernel TVM fuses from this one too)."""
+    (_, _, s_shape) = LAYOUTS[qtype][1]
+    count = s_shape(rows, cols)[0]
+    plane = (_i64(rows), _i64(cols // BLOCK))
+    fields = [te.placeholder(((_i64(count),) if whole else ()) + plane, "float32", name=f"scale{f}")
+              for f in range(count)]
+    if whole:
+        return fields, lambda f, row, b: fields[f][_i64(f), row, b]
+    return fields, lambda f, row, b: fields[f][row, b]
+
+
+def _i64(v):
+    """Every index int64: dlight's Matmul rule breaks on int32 constants beside an int64 dim."""
+    return tirx.IntImm("int64", v) if isinstance(v, int) else v
+
+
+def make_gpu_matmul(qtype: str, n_out: int, k_in: int, tokens: int | None = None,
+                    whole_scales: bool = False) -> tirx.PrimFunc:
+    """PrimFunc (x [n, K] f32, qs, scale fields 0..S-1, y [n, N] f32) for quantized types, (x, w, y) for dense
+    ones; unscheduled (dlight schedules it). The fields as scale_fields(whole=whole_scales) declares them."""
     if qtype not in GPU_LAYOUTS:
         raise CompileError(f"Weights of type {qtype} have no GPU matmul kernel yet (GPU layouts: "
                            f"{', '.join(GPU_LAYOUTS)}).")
-    def i64(v):   # every index int64: dlight's Matmul rule breaks on int32 constants beside an int64 dim
-        return tirx.IntImm("int64", v) if isinstance(v, int) else v
-
+    i64 = _i64
     n = tirx.Var("n", "int64") if tokens is None else i64(tokens)
     x = te.placeholder((n, i64(k_in)), "float32", name="x")
     if qtype in QUANTIZED:
-        # the quants, then each scale field as a buffer of its own: dlight's rules need every read region to be
-        # one element per block iterator, which two fields read from one [S, N, K/32] buffer are not
-        (_, qs_dtype, qs_shape), (_, _, s_shape) = LAYOUTS[qtype]
-        fields = s_shape(n_out, k_in)[0]
-        parts = [te.placeholder(tuple(i64(d) for d in qs_shape(n_out, k_in)), qs_dtype, name="qs")]
-        parts += [te.placeholder((i64(n_out), i64(k_in // BLOCK)), "float32", name=f"scale{f}")
-                  for f in range(fields)]
+        (_, qs_dtype, qs_shape) = LAYOUTS[qtype][0]
+        fields, read_scale = scale_fields(qtype, n_out, k_in, whole_scales)
+        parts = [te.placeholder(tuple(i64(d) for d in qs_shape(n_out, k_in)), qs_dtype, name="qs"), *fields]
     else:
         parts = [te.placeholder(tuple(i64(d) for d in shape(n_out, k_in)), dtype, name=name)
                  for name, dtype, shape in LAYOUTS[qtype]]
     k = te.reduce_axis((i64(0), i64(k_in)), name="k")
     if qtype in QUANTIZED:
-        qs, fields = parts[0], parts[1:]
+        qs = parts[0]
 
         def weight(j, kk):
-            return dequant(qtype, qs, lambda f, row, b: fields[f][row, b], j, kk // i64(BLOCK), kk % i64(BLOCK))
+            return dequant(qtype, qs, read_scale, j, kk // i64(BLOCK), kk % i64(BLOCK))
     else:
         (w,) = parts
 
