@@ -125,9 +125,9 @@ def test_nvcc_divides_correctly_rounded_under_tvms_fast_math():
 
 
 @pytest.mark.parametrize("qtype", ["q4_1", "q4_k", "q6_k"])
-def test_whole_scale_buffers_read_the_same_as_views_of_their_planes(qtype):
-    """CUDA's weight kernels take the whole [S, N, K/32] scale buffer once per field (a view of a plane at a
-    nonzero byte offset is refused by TVM's argument checks: seen on an H200); Vulkan's take the planes as views.
+def test_scale_prefixes_read_the_same_as_views_of_their_planes(qtype):
+    """CUDA's weight kernels take scale field f as planes 0..f of the [S, N, K/32] scale buffer (a view of plane f
+    at a nonzero byte offset is refused by TVM's argument checks: seen on an H200); Vulkan's take the planes.
     Built unscheduled for the CPU, the two read the same scales: equal outputs, for the matmul and the embedding."""
     import tvm
 
@@ -142,13 +142,13 @@ def test_whole_scale_buffers_read_the_same_as_views_of_their_planes(qtype):
     qs = tvm.runtime.tensor(rng.integers(0, 2**31, qs_shape(rows, cols)).astype(qs_dtype))
     scales = rng.normal(size=(fields, rows, cols // 32)).astype("float32")
     planes = [tvm.runtime.tensor(np.ascontiguousarray(plane)) for plane in scales]
-    whole = [tvm.runtime.tensor(scales)] * fields
+    prefixes = [tvm.runtime.tensor(np.ascontiguousarray(scales[:f + 1])) for f in range(fields)]
     x = tvm.runtime.tensor(rng.normal(size=(tokens, cols)).astype("float32"))
     ids = tvm.runtime.tensor(np.array([5, 0, rows - 1], "int32"))
     for make, first, width in ((make_gpu_matmul, x, rows), (make_gpu_embedding, ids, cols)):
         outputs = []
-        for whole_scales, given in ((False, planes), (True, whole)):
-            kernel = tvm.compile(make(qtype, rows, cols, whole_scales=whole_scales), target="llvm")
+        for scale_prefixes, given in ((False, planes), (True, prefixes)):
+            kernel = tvm.compile(make(qtype, rows, cols, scale_prefixes=scale_prefixes), target="llvm")
             out = tvm.runtime.empty((tokens, width), "float32", tvm.cpu())
             kernel(first, qs, *given, out)
             outputs.append(out.numpy())

@@ -50,10 +50,10 @@ def _prim_constant(prim_value):
 @relax.expr_functor.mutator
 class KernelAttacher(relax.PyExprMutator):
     def __init__(self, mod: tvm.IRModule, cfg: ModelConfig, gpu: bool = False, int8_isa: str | None = None,
-                 kv_types: tuple[str, str] | None = None, whole_scales: bool = False):
+                 kv_types: tuple[str, str] | None = None, scale_prefixes: bool = False):
         super().__init__(mod)
         self.mod_, self.cfg, self.gpu, self.int8_isa = mod, cfg, gpu, int8_isa
-        self.kv_types, self.whole_scales = kv_types, whole_scales
+        self.kv_types, self.scale_prefixes = kv_types, scale_prefixes
         self.kernels: dict[tuple, tvm.ir.GlobalVar] = {}
 
     def run(self) -> tvm.IRModule:
@@ -158,7 +158,7 @@ class KernelAttacher(relax.PyExprMutator):
         tokens = _static_int(call.ty.shape[0])
         if self.gpu:
             gv = self.kernel(("gpu_matmul", qtype, n_out, k_in, tokens),
-                             lambda: make_gpu_matmul(qtype, n_out, k_in, tokens, self.whole_scales))
+                             lambda: make_gpu_matmul(qtype, n_out, k_in, tokens, self.scale_prefixes))
             return relax.call_tir(gv, [call.args[0], *self._gpu_parts(qtype, parts, n_out, k_in)], call.ty)
         if self.int8_isa is not None and qtype in INT8_DOT_TYPES:
             gv = self._int8_matmul(qtype, n_out, k_in, decode=tokens == 1)
@@ -198,7 +198,7 @@ class KernelAttacher(relax.PyExprMutator):
         vocab, dim = (int(d) for d in w_ty.shape)
         if self.gpu:
             gv = self.kernel(("gpu_embedding", qtype, vocab, dim),
-                             lambda: gpu_elementwise.make_gpu_embedding(qtype, vocab, dim, self.whole_scales))
+                             lambda: gpu_elementwise.make_gpu_embedding(qtype, vocab, dim, self.scale_prefixes))
             return relax.call_tir(gv, [call.args[1], *self._gpu_parts(qtype, parts, vocab, dim)], call.ty)
         gv = self.kernel(("embedding", qtype, vocab, dim), lambda: make_embedding(qtype, vocab, dim))
         return relax.call_tir(gv, [call.args[1], *self._cpu_parts(qtype, parts, vocab, dim)], call.ty)
@@ -216,14 +216,15 @@ class KernelAttacher(relax.PyExprMutator):
 
     def _gpu_parts(self, qtype, parts, n_out, k_in):
         """The weight parts as the GPU kernels take them (kernels.gpu.quant_matmul.scale_fields): the quants, then
-        each scale field as a zero-copy view of its plane of the [S, N, K/32] buffer, or with whole_scales that
-        buffer once per field."""
+        each scale field as a zero-copy view of its plane of the [S, N, K/32] buffer, or with scale_prefixes a view
+        of planes 0..f at offset 0."""
         if qtype not in QUANTIZED:
             return parts
         qs, scales = parts
         fields, plane = int(scales.ty.shape[0]), (n_out, k_in // 32)
-        if self.whole_scales:
-            return [qs, *[scales] * fields]
+        if self.scale_prefixes:
+            return [qs, *[self.builder_.emit(relax.op.memory.view(scales, shape=(f + 1, *plane), dtype="float32"))
+                          for f in range(fields)]]
         views = [self.builder_.emit(relax.op.memory.view(scales, shape=plane, dtype="float32",
                                                          relative_byte_offset=f * n_out * (k_in // 32) * 4))
                  for f in range(fields)]
@@ -347,14 +348,14 @@ def _check_gpu_layouts(mod: tvm.IRModule) -> None:
 
 
 def attach_kernels(mod: tvm.IRModule, cfg: ModelConfig, gpu: bool = False, int8_isa: str | None = None,
-                   kv_types: tuple[str, str] | None = None, whole_scales: bool = False) -> tvm.IRModule:
+                   kv_types: tuple[str, str] | None = None, scale_prefixes: bool = False) -> tvm.IRModule:
     """Replace the named ops with the CPU kernels, or with the GPU kernels when `gpu`; `int8_isa` ("avx2",
     "avx-vnni", "avx512-vnni", "amx"): the CPU's quantized matmuls multiply int8 activations with that instruction
     set's integer dots (quant_matmul_int8, quant_matmul_vnni512, quant_matmul_amx); None: the float kernels. `kv_types`: the KV cache's
     (keys', values') types, which a packed pool's uint8 elements do not say (None: the pool's element type).
-    `whole_scales`: the GPU weight kernels take each scale field as the whole scale buffer, not a view of its
-    plane (kernels.gpu.quant_matmul.scale_fields says why CUDA needs it)."""
+    `scale_prefixes`: the GPU weight kernels take scale field f as a view of planes 0..f at offset 0, not of plane
+    f at its offset (kernels.gpu.quant_matmul.scale_fields says why CUDA needs it)."""
     if gpu:
         _check_gpu_layouts(mod)
-    mod = KernelAttacher(mod, cfg, gpu, int8_isa, kv_types, whole_scales).run()
+    mod = KernelAttacher(mod, cfg, gpu, int8_isa, kv_types, scale_prefixes).run()
     return relax.transform.DeadCodeElimination()(mod)

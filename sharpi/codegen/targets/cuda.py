@@ -128,7 +128,7 @@ def fatbin_entries(blob: bytes) -> list[tuple[str, int]]:
 
 def lower(mod: tvm.IRModule, cfg: ModelConfig, cuda_graph: bool = False,
           kv_types: tuple[str, str] | None = None) -> tvm.IRModule:
-    mod = attach_kernels(mod, cfg, gpu=True, kv_types=kv_types, whole_scales=True)
+    mod = attach_kernels(mod, cfg, gpu=True, kv_types=kv_types, scale_prefixes=True)
     if cuda_graph:
         mod = mark_decode_inputs_static(mod)
     return mod

@@ -86,13 +86,13 @@ def _i64(v):
     return tirx.IntImm("int64", v) if isinstance(v, int) else v
 
 
-def gpu_weight_parts(qtype: str, rows: int, cols: int, whole_scales: bool = False):
+def gpu_weight_parts(qtype: str, rows: int, cols: int, scale_prefixes: bool = False):
     """The weight parts as GPU kernels take them (placeholders; the scale fields as scale_fields declares them),
     and value(row, col) -> f32 expression."""
     if qtype in QUANTIZED:
         (_, qs_dtype, qs_shape) = LAYOUTS[qtype][0]
         qs = te.placeholder(tuple(_i64(d) for d in qs_shape(rows, cols)), qs_dtype, name="qs")
-        fields, read_scale = scale_fields(qtype, rows, cols, whole_scales)
+        fields, read_scale = scale_fields(qtype, rows, cols, scale_prefixes)
 
         def value(row, col):
             return dequant(qtype, qs, read_scale, row, col // _i64(BLOCK), col % _i64(BLOCK))
@@ -103,15 +103,15 @@ def gpu_weight_parts(qtype: str, rows: int, cols: int, whole_scales: bool = Fals
     return parts, lambda row, col: dense_value(qtype, parts[0], row, col)
 
 
-def make_gpu_embedding(qtype: str, vocab: int, dim: int, whole_scales: bool = False) -> tirx.PrimFunc:
-    """PrimFunc (ids [n] int32, qs, scale fields (scale_fields(whole=whole_scales)), y [n, dim] f32) for quantized
+def make_gpu_embedding(qtype: str, vocab: int, dim: int, scale_prefixes: bool = False) -> tirx.PrimFunc:
+    """PrimFunc (ids [n] int32, qs, scale fields (scale_fields(prefixes=scale_prefixes)), y [n, dim] f32) for quantized
     types, (ids, w, y) for dense ones; unscheduled (dlight's Fallback rule schedules it)."""
     if qtype not in GPU_LAYOUTS:
         raise CompileError(f"Weights of type {qtype} have no GPU embedding kernel yet (GPU layouts: "
                            f"{', '.join(GPU_LAYOUTS)}).")
     n = tirx.Var("n", "int64")
     ids = te.placeholder((n,), "int32", name="ids")
-    parts, value = gpu_weight_parts(qtype, vocab, dim, whole_scales)
+    parts, value = gpu_weight_parts(qtype, vocab, dim, scale_prefixes)
     y = te.compute((n, _i64(dim)), lambda t, d: value(T.Cast("int64", ids[t]), d), name="embedding")
     func = te.create_prim_func([ids, *parts, y])
     return (func.with_attr("dlight.do_not_tensorize", True)

@@ -14,20 +14,22 @@ from ..quant_matmul import dense_value, dequant
 GPU_LAYOUTS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k", "f32", "f16")
 
 
-def scale_fields(qtype: str, rows: int, cols: int, whole: bool = False):
+def scale_fields(qtype: str, rows: int, cols: int, prefixes: bool = False):
     """The scale fields of a quantized weight as a GPU kernel's parameters, and read(f, row, block) -> f32.
 
     Each field is a buffer of its own: dlight's rules need every read region to be one element per block
-    iterator, which two fields read from one buffer are not. `whole` False: field f is [rows, cols/32], the f-th
-    plane of the layout's [S, rows, cols/32] scale buffer, passed as a zero-copy view (Vulkan's runtime binds it at
-    its offset). `whole` True: every field is that whole buffer, passed S times, and field f reads plane f (CUDA:
-    TVM's argument checks refuse a view at a nonzero byte offset, in every kernel TVM fuses from this one too)."""
+    iterator, which two fields read from one buffer are not. `prefixes` False: field f is [rows, cols/32], the
+    f-th plane of the layout's [S, rows, cols/32] scale buffer, passed as a zero-copy view at the plane's offset
+    (Vulkan's runtime binds it there). `prefixes` True: field f is [f + 1, rows, cols/32], planes 0..f, a view at
+    offset 0, and reads its last plane (CUDA: TVM's argument checks refuse a view at a nonzero byte offset, in
+    the kernels TVM fuses from these too; the whole buffer once per field would not do, since fusion merges
+    identical arguments into one buffer)."""
     (_, _, s_shape) = LAYOUTS[qtype][1]
     count = s_shape(rows, cols)[0]
     plane = (_i64(rows), _i64(cols // BLOCK))
-    fields = [te.placeholder(((_i64(count),) if whole else ()) + plane, "float32", name=f"scale{f}")
+    fields = [te.placeholder(((_i64(f + 1),) if prefixes else ()) + plane, "float32", name=f"scale{f}")
               for f in range(count)]
-    if whole:
+    if prefixes:
         return fields, lambda f, row, b: fields[f][_i64(f), row, b]
     return fields, lambda f, row, b: fields[f][row, b]
 
@@ -38,9 +40,9 @@ def _i64(v):
 
 
 def make_gpu_matmul(qtype: str, n_out: int, k_in: int, tokens: int | None = None,
-                    whole_scales: bool = False) -> tirx.PrimFunc:
+                    scale_prefixes: bool = False) -> tirx.PrimFunc:
     """PrimFunc (x [n, K] f32, qs, scale fields 0..S-1, y [n, N] f32) for quantized types, (x, w, y) for dense
-    ones; unscheduled (dlight schedules it). The fields as scale_fields(whole=whole_scales) declares them."""
+    ones; unscheduled (dlight schedules it). The fields as scale_fields(prefixes=scale_prefixes) declares them."""
     if qtype not in GPU_LAYOUTS:
         raise CompileError(f"Weights of type {qtype} have no GPU matmul kernel yet (GPU layouts: "
                            f"{', '.join(GPU_LAYOUTS)}).")
@@ -49,7 +51,7 @@ def make_gpu_matmul(qtype: str, n_out: int, k_in: int, tokens: int | None = None
     x = te.placeholder((n, i64(k_in)), "float32", name="x")
     if qtype in QUANTIZED:
         (_, qs_dtype, qs_shape) = LAYOUTS[qtype][0]
-        fields, read_scale = scale_fields(qtype, n_out, k_in, whole_scales)
+        fields, read_scale = scale_fields(qtype, n_out, k_in, scale_prefixes)
         parts = [te.placeholder(tuple(i64(d) for d in qs_shape(n_out, k_in)), qs_dtype, name="qs"), *fields]
     else:
         parts = [te.placeholder(tuple(i64(d) for d in shape(n_out, k_in)), dtype, name=name)
