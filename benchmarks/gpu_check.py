@@ -63,14 +63,19 @@ ROUNDED_REFERENCES = ("q8_0", "q4_ch")      # variants checked against reference
 # rounds as it does on 0.950 of the golden text (max |d log-prob| 0.58); Vulkan 0.940 (0.943 against the CPU's), keep
 # sets 0.974, and its greedy tokens leave the CPU's after 10, 18 and 29 of 32 (benchmarks/kv_quant_vulkan.py), so
 # q4_ch's greedy check holds the first greedy_tokens of each prompt only
-BARS = {"top1": 0.99, "overlap": 0.99}
-ROUNDED_BARS = {"q8_0": {"top1": 0.98, "overlap": 0.98}, "q4_ch": {"top1": 0.90, "overlap": 0.95, "greedy_tokens": 8}}
+# The scorers' keep sets after a rounded cache move further again: on the H200 kvzip's kept 0.979 (q8_0) and 0.922
+# (q4_ch) of the CPU's slots, the probe 0.986 and 0.947; the CPU's own int8-matmul artifact keeps of its float32
+# one's (benchmarks/keep_set_noise.py) kvzip 0.953 / 0.891, the probe 0.966 / 0.914, keydiff 0.970 / 0.915, SnapKV's
+# pyramid 0.974 / 0.944 (f16: 0.963 to 0.987). The rounded bars ask the GPU to agree with the CPU's float path at
+# least as well as the CPU's other arithmetic does; a wrong kernel keeps about a quarter (256 of 1040 slots).
+BARS = {"top1": 0.99, "overlap": 0.99, "scorers": 0.98}
+ROUNDED_BARS = {"q8_0": {"top1": 0.98, "overlap": 0.98, "scorers": 0.95},
+                "q4_ch": {"top1": 0.90, "overlap": 0.95, "scorers": 0.89, "greedy_tokens": 8}}
 SPEED_BUILDS = ("plain", "graph")          # each speed model's, weights generated on the GPU machine
 WORK = Path("/tmp/sharpi-gpu-check")        # where `run` assembles things on the GPU machine
 NEAR_TIE = 1e-3                             # as sharpi.testing.backends.NEAR_TIE (not importable before setup)
 SNAPKV_PROMPT, SNAPKV_BUDGET, SNAPKV_STEPS = 1040, 256, 16
 SCORER_CHECKS = (("kvzip", "uniform"), ("probe", "uniform"), ("keydiff", "uniform"), ("snapkv", "pyramid"))
-SCORER_OVERLAP = 0.98        # keep sets of ranks that near-tie may differ a little in bf16 keys
 GREEDY_TOKENS = 32
 SPEED_PROMPT, SPEED_TOKENS, SPEED_REPEATS = 512, 256, 3
 
@@ -563,7 +568,8 @@ def _scorers(model, reference, np) -> dict:
         total = sum(len(y) for b in want for y in b)
         lengths_equal = [len(a[0]) for a in got] == [len(b[0]) for b in want]
         rows[f"{name}/{allocation}"] = {"overlap": same / max(total, 1), "lengths_equal": lengths_equal}
-    return {**rows, "passed": all(r["overlap"] >= SCORER_OVERLAP and r["lengths_equal"] for r in rows.values())}
+    bar = reference["bars"]["scorers"]      # keep sets of ranks that near-tie differ a little (bf16 keys, rounding)
+    return {**rows, "bar": bar, "passed": all(r["overlap"] >= bar and r["lengths_equal"] for r in rows.values())}
 
 
 def _speed(model, reference, np) -> dict:
@@ -595,7 +601,7 @@ def _print_table(results: dict) -> None:
     print(f"\nGPU check of {results['model']} ({results['arch']}); reference {results['cpu_reference']}")
     for variant, row in results["variants"].items():
         print(f"-- {variant}: {row.get('load', {}).get('backend', row.get('load'))}")
-        for name in ("teacher_forced", "greedy", "snapkv", "speed"):
+        for name in ("teacher_forced", "greedy", "snapkv", "scorers", "speed"):
             v = row.get(name)
             if v is None:
                 print(f"   {name:15} NOT RUN")
@@ -604,6 +610,8 @@ def _print_table(results: dict) -> None:
             detail = {"teacher_forced": lambda: f"top-1 {v['top1_agreement']:.4f} over {v['tokens']} tokens",
                       "greedy": lambda: f"{sum(r['agrees'] for r in v['prompts'])}/{len(v['prompts'])} prompts",
                       "snapkv": lambda: f"overlap {v['overlap']:.4f}, decode agrees {v['decode_agrees']}",
+                      "scorers": lambda: "overlaps " + ", ".join(f"{k} {r['overlap']:.3f}" for k, r in v.items()
+                                                                 if isinstance(r, dict)) + f" (bar {v['bar']})",
                       "speed": lambda: f"prefill {v['prefill_tok_s']:.0f} tok/s, decode {v['decode_tok_s']:.0f} "
                                        f"tok/s (target 1000)"}[name]
             print(f"   {name:15} {status:5} {v.get('error') or detail()}")

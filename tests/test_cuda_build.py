@@ -95,7 +95,7 @@ def test_cuda_logits_match_cpu(smollm2_cuda_artifact, smollm2, golden):
                                                   ("q4_ch", "q4_0", "kvq4_ch_q4_0")])
 def test_kv_cache_types_build_for_cuda(kv_k, kv_v, kernel_part, tmp_path):
     """--kv-dtype bf16, and q4_0 keys with q8_0 values (both quantized readers and writers in one build), on the
-    cuda target: nvcc builds the attention (prefill, decode, batched), append, compaction and SnapKV kernels for the
+    cuda target: nvcc builds the attention (prefill, split decode, batched), append, compaction and SnapKV kernels for the
     pool (a quantized one read and written as 32-bit words, the same TIR the Vulkan tests run on lavapipe with
     every pairing of types); run only on a GPU machine, with the rest of the CUDA checks."""
     from sharpi.common.manifest import Manifest
@@ -103,7 +103,9 @@ def test_kv_cache_types_build_for_cuda(kv_k, kv_v, kernel_part, tmp_path):
     artifact = sharpi.compile(str(path), target="cuda", kv_dtype_k=kv_k, kv_dtype_v=kv_v, output=tmp_path / kv_k)
     m = Manifest.read(artifact)
     assert m.kv_dtype == {"bf16": "bfloat16"}.get(kv_k, kv_k)
-    kernels = {f"{name}_{kernel_part}" for name in ("paged_attention", "paged_attention_1", "paged_attention_batch",
+    from sharpi.codegen.targets.cuda import DECODE_SPLITS
+    kernels = {f"{name}_{kernel_part}" for name in ("paged_attention", f"paged_attention_split_{DECODE_SPLITS}",
+                                                    "paged_attention_batch",
                                                     "kv_append", "kv_append_batch", "kv_compact", "snapkv_row_stats",
                                                     "snapkv_score")}
     assert kernels <= set(m.kernels), m.kernels

@@ -8,7 +8,8 @@ import tvm
 from tvm import relax
 
 import sharpi
-from sharpi.codegen.kernels.gpu.attention import make_gpu_kv_append, make_gpu_paged_attention
+from sharpi.codegen.kernels.gpu.attention import (make_gpu_attention_combine, make_gpu_kv_append,
+                                                  make_gpu_paged_attention)
 from sharpi.codegen.kernels.gpu.elementwise import make_gpu_embedding, make_gpu_rope, rope_turns
 from sharpi.codegen.targets.vulkan import build_plan
 from sharpi.common.quant_layout import dequantize_layout
@@ -18,6 +19,7 @@ from test_kernels import _attention_reference, _weight
 from vulkan_device import plan_runner
 
 HEADS, KV_HEADS, PAGE, LAYERS, LAYER = 6, 2, 16, 3, 1
+SPLITS = 4      # the split decode's workgroups per head: more than some cases' tiles, so some splits see no slot
 
 
 
@@ -34,7 +36,8 @@ def _layer():
 
 def _attention_module(head_dim, pages, max_pages, window=0):
     """Relax functions append_{prefill,decode}(pool, k, v, page_table, kv_lens) -> pool (written in place) and
-    attend_{prefill,decode}(q, pool, page_table, kv_lens) -> out; prefill has a symbolic token count."""
+    attend_{prefill,decode,split}(q, pool, page_table, kv_lens) -> out; prefill has a symbolic token count, split
+    is decode by SPLITS workgroups a head and the combining kernel."""
     bb = relax.BlockBuilder()
     pool_ty = _tensor((pages, 2, KV_HEADS, PAGE, head_dim))
     scale = head_dim ** -0.5
@@ -59,6 +62,18 @@ def _attention_module(head_dim, pages, max_pages, window=0):
                 out = bb.emit_output(relax.call_tir(attend, [q, pool, table, lens, _layer()],
                                                     _tensor((n, HEADS, head_dim))))
             bb.emit_func_output(out)
+    split = bb.add_func(make_gpu_paged_attention(HEADS, KV_HEADS, head_dim, PAGE, scale, 1, window=window,
+                                                 splits=SPLITS), "attention_split")
+    combine = bb.add_func(make_gpu_attention_combine(HEADS, head_dim, SPLITS, 1), "attention_combine")
+    q = relax.Var("q", _tensor((1, HEADS, head_dim)))
+    pool, table, lens = (relax.Var("pool", pool_ty), relax.Var("page_table", _tensor((LAYERS, max_pages), "int32")),
+                         relax.Var("kv_lens", _tensor((LAYERS,), "int32")))
+    with bb.function("attend_split", [q, pool, table, lens]):
+        with bb.dataflow():
+            partial = bb.emit(relax.call_tir(split, [q, pool, table, lens, _layer()],
+                                             _tensor((1, HEADS, SPLITS, head_dim + 2))))
+            out = bb.emit_output(relax.call_tir(combine, [partial], _tensor((1, HEADS, head_dim))))
+        bb.emit_func_output(out)
     return bb.get()
 
 
@@ -111,9 +126,10 @@ def test_kv_append_and_paged_attention_on_vulkan(attention, rng):
         np.testing.assert_array_equal(appended, _scatter(pool, table, held, k_all[held:], v_all[held:]))
         pool = appended
         q = rng.standard_normal((new, HEADS, head_dim)).astype(np.float32)
-        out = runner.run(f"attend_{function}", q, pool, table, lens)
-        np.testing.assert_allclose(out, _attention_reference(q, k_all, v_all, held), rtol=1e-4, atol=2e-5,
-                                   err_msg=f"{function} held={held} new={new} head_dim={head_dim}")
+        for name in (function, "split") if function == "decode" else (function,):
+            out = runner.run(f"attend_{name}", q, pool, table, lens)
+            np.testing.assert_allclose(out, _attention_reference(q, k_all, v_all, held), rtol=1e-4, atol=2e-5,
+                                       err_msg=f"{name} held={held} new={new} head_dim={head_dim}")
 
 
 def test_kv_append_writes_the_new_slots(attention, rng):
@@ -139,9 +155,10 @@ def test_sliding_window_attention_on_vulkan(tmp_path, rng):
         k_all, v_all = rng.standard_normal((2, held + new, KV_HEADS, head_dim)).astype(np.float32)
         pool = _scatter(np.zeros((pages, 2, KV_HEADS, PAGE, head_dim), np.float32), table, 0, k_all, v_all)
         q = rng.standard_normal((new, HEADS, head_dim)).astype(np.float32)
-        out = runner.run(f"attend_{function}", q, pool, table, lens)
-        np.testing.assert_allclose(out, windowed_reference(q, k_all, v_all, held, window), rtol=1e-4, atol=2e-5,
-                                   err_msg=f"{function} held={held} new={new}")
+        for name in (function, "split") if function == "decode" else (function,):
+            out = runner.run(f"attend_{name}", q, pool, table, lens)
+            np.testing.assert_allclose(out, windowed_reference(q, k_all, v_all, held, window), rtol=1e-4,
+                                       atol=2e-5, err_msg=f"{name} held={held} new={new}")
 
 
 def test_attention_workgroups_fit_webgpu_limits():

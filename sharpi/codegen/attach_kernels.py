@@ -50,10 +50,10 @@ def _prim_constant(prim_value):
 @relax.expr_functor.mutator
 class KernelAttacher(relax.PyExprMutator):
     def __init__(self, mod: tvm.IRModule, cfg: ModelConfig, gpu: bool = False, int8_isa: str | None = None,
-                 kv_types: tuple[str, str] | None = None, scale_prefixes: bool = False):
+                 kv_types: tuple[str, str] | None = None, scale_prefixes: bool = False, decode_splits: int = 0):
         super().__init__(mod)
         self.mod_, self.cfg, self.gpu, self.int8_isa = mod, cfg, gpu, int8_isa
-        self.kv_types, self.scale_prefixes = kv_types, scale_prefixes
+        self.kv_types, self.scale_prefixes, self.decode_splits = kv_types, scale_prefixes, decode_splits
         self.kernels: dict[tuple, tvm.ir.GlobalVar] = {}
 
     def run(self) -> tvm.IRModule:
@@ -266,6 +266,8 @@ class KernelAttacher(relax.PyExprMutator):
         scale = _prim_constant(scale)
         kv = self._kv(pool)
         shape = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, ops.PAGE_SIZE, scale)
+        if self.gpu and self.decode_splits and tokens == 1 and not batched:
+            return self._split_decode_attention(shape, kv, window, [q, pool, page_table, kv_lens, layer], ty)
         if self.gpu:
             def make():
                 return gpu_attention.make_gpu_paged_attention(*shape, tokens, kv_dtype=kv, window=window,
@@ -280,6 +282,19 @@ class KernelAttacher(relax.PyExprMutator):
                           f"w{window}" if window else None), make)
         return self._kv_call(gv, kv, [q, pool, page_table, kv_lens, layer], 1, ty, in_place=False)
 
+
+    def _split_decode_attention(self, shape, kv, window: int, args: list, ty):
+        """One token's attention by decode_splits workgroups a query head, then their combination
+        (kernels.gpu.attention's flash-decoding pair)."""
+        splits, cfg = self.decode_splits, self.cfg
+        gv = self.kernel(("paged_attention_split", splits, _kv_key(kv), f"w{window}" if window else None),
+                         lambda: gpu_attention.make_gpu_paged_attention(*shape, 1, kv_dtype=kv, window=window,
+                                                                        splits=splits))
+        partial_ty = relax.TensorType((1, cfg.n_heads, splits, cfg.head_dim + 2), "float32")
+        partial = self.builder_.emit(self._kv_call(gv, kv, args, 1, partial_ty, in_place=False))
+        combine = self.kernel(("attention_combine", splits),
+                              lambda: gpu_attention.make_gpu_attention_combine(cfg.n_heads, cfg.head_dim, splits, 1))
+        return relax.call_tir(combine, [partial], ty)
 
     def _snapkv_score(self, args, ty):
         q, pool, page_table, kv_lens, layer, window, scale = args
@@ -348,14 +363,16 @@ def _check_gpu_layouts(mod: tvm.IRModule) -> None:
 
 
 def attach_kernels(mod: tvm.IRModule, cfg: ModelConfig, gpu: bool = False, int8_isa: str | None = None,
-                   kv_types: tuple[str, str] | None = None, scale_prefixes: bool = False) -> tvm.IRModule:
+                   kv_types: tuple[str, str] | None = None, scale_prefixes: bool = False,
+                   decode_splits: int = 0) -> tvm.IRModule:
     """Replace the named ops with the CPU kernels, or with the GPU kernels when `gpu`; `int8_isa` ("avx2",
     "avx-vnni", "avx512-vnni", "amx"): the CPU's quantized matmuls multiply int8 activations with that instruction
     set's integer dots (quant_matmul_int8, quant_matmul_vnni512, quant_matmul_amx); None: the float kernels. `kv_types`: the KV cache's
     (keys', values') types, which a packed pool's uint8 elements do not say (None: the pool's element type).
     `scale_prefixes`: the GPU weight kernels take scale field f as a view of planes 0..f at offset 0, not of plane
-    f at its offset (kernels.gpu.quant_matmul.scale_fields says why CUDA needs it)."""
+    f at its offset (kernels.gpu.quant_matmul.scale_fields says why CUDA needs it). `decode_splits` > 0: a
+    single sequence's one-token attention by that many workgroups a query head and a combining kernel."""
     if gpu:
         _check_gpu_layouts(mod)
-    mod = KernelAttacher(mod, cfg, gpu, int8_isa, kv_types, scale_prefixes).run()
+    mod = KernelAttacher(mod, cfg, gpu, int8_isa, kv_types, scale_prefixes, decode_splits).run()
     return relax.transform.DeadCodeElimination()(mod)

@@ -126,9 +126,15 @@ def fatbin_entries(blob: bytes) -> list[tuple[str, int]]:
     return entries
 
 
+# Workgroups per query head of a one-token decode's attention: its heads alone (9 for SmolLM2) leave most of a big
+# GPU's multiprocessors (132 on an H200) idle while each walks thousands of slots; a split without slots costs next
+# to nothing. Vulkan's decode (lavapipe, a CPU) keeps one workgroup a head.
+DECODE_SPLITS = 32
+
+
 def lower(mod: tvm.IRModule, cfg: ModelConfig, cuda_graph: bool = False,
           kv_types: tuple[str, str] | None = None) -> tvm.IRModule:
-    mod = attach_kernels(mod, cfg, gpu=True, kv_types=kv_types, scale_prefixes=True)
+    mod = attach_kernels(mod, cfg, gpu=True, kv_types=kv_types, scale_prefixes=True, decode_splits=DECODE_SPLITS)
     if cuda_graph:
         mod = mark_decode_inputs_static(mod)
     return mod

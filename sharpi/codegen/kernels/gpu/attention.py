@@ -122,17 +122,72 @@ def make_gpu_kv_append(kv_heads: int, head_dim: int, page_size: int, tokens: int
 
 def make_gpu_paged_attention(heads: int, kv_heads: int, head_dim: int, page_size: int, scale: float,
                              tokens: int | None = None, kv_dtype="float32", window: int = 0,
-                             batched: bool = False) -> tirx.PrimFunc:
+                             batched: bool = False, splits: int = 0) -> tirx.PrimFunc:
     """PrimFunc (q [n, H, D], pool, page_table, kv_lens, layer, out [n, H, D]): causal attention per query head.
     Workgroup memory: (D + 3 * TX) * 4 bytes, at most 4 KiB for D <= 256. With a sliding `window` (> 0) query t
     sees only the last `window` of its slots, and tiles wholly before them are skipped. batched: token t is
-    sequence t's and sees its slots [0, kv_lens[t, layer]] (page_tables [n, L, MP]). kv_dtype as kv_append's."""
+    sequence t's and sees its slots [0, kv_lens[t, layer]] (page_tables [n, L, MP]). kv_dtype as kv_append's.
+
+    splits > 0 (flash-decoding, for decode: one token's workgroups alone leave a large GPU idle, H of them for
+    thousands of slots): the visible tiles are shared among `splits` workgroups per query head, and the kernel
+    writes each one's unnormalised output, running max and sum into partial [n, H, splits, D + 2] (out's place
+    in the signature) for make_gpu_attention_combine."""
     n = token_count(tokens)
     rows = GpuRows.of(kv_dtype, kv_heads, page_size, head_dim)
     pages, layers, max_pages = _pool_vars()
     group = heads // kv_heads
     TX, DPT = _threads(head_dim)
     table_shape, lens_shape, slot_of, page_of = _tables(batched, n, layers, max_pages)
+    ways = max(splits, 1)
+    out_shape = (n, heads, splits, head_dim + 2) if splits else (n, heads, head_dim)
+
+    @T.macro
+    def attend(q, pool, page_table, layer, t, h, kvh, total, first, last, q_sh, score, prob, page_sh, acc, dot, st, tx):
+        """Online softmax over the tiles [first, last) of the query's visible slots: acc holds the unnormalised
+        output of the dims this invocation owns, st[0] the running max and st[1] the running sum."""
+        for c in T.unroll(DPT):
+            if c * TX + tx < head_dim:
+                q_sh[c * TX + tx] = q[t, h, c * TX + tx] * T.float32(scale)
+            acc[c] = T.float32(0)
+        st[0] = T.float32(NEG_INF)
+        st[1] = T.float32(0)
+        T.tvm_storage_sync("shared")
+        for tile in range(first, last):
+            # 1. this invocation's slot: its page (read by every slot the query sees, so masked slots of the
+            # tile still name a page the layer holds), and its score
+            if tile * TX + tx < total:
+                page_sh[tx] = page_of(page_table, layer, t, (tile * TX + tx) // page_size)
+            if visible(tile * TX + tx, total, window):
+                dot[0] = T.float32(0)
+                for d in range(head_dim // rows.dot_step):
+                    for e in T.unroll(rows.dot_step):
+                        dot[0] = dot[0] + q_sh[d * rows.dot_step + e] * rows.load(
+                            pool, 0, T.Cast("int64", page_sh[tx]), kvh, (tile * TX + tx) % page_size,
+                            d * rows.dot_step + e)
+                score[tx] = dot[0]
+            else:
+                score[tx] = T.float32(NEG_INF)
+            T.tvm_storage_sync("shared")
+            # 2. online softmax: the tile max (redundantly in every invocation), then p of own slot
+            st[2] = st[0]
+            for j in range(TX):
+                st[2] = T.max(st[2], score[j])
+            st[3] = T.exp(st[0] - st[2])
+            st[0] = st[2]
+            prob[tx] = T.exp(score[tx] - st[0])     # masked slots: exp(-3e38 - m) == 0
+            T.tvm_storage_sync("shared")
+            # 3. rescale and accumulate p * v for the dims this invocation owns
+            st[1] = st[1] * st[3]
+            for c in T.unroll(DPT):
+                acc[c] = acc[c] * st[3]
+            for j in range(T.min(T.int64(TX), total - tile * TX)):
+                st[1] = st[1] + prob[j]
+                for c in T.unroll(DPT):
+                    if c * TX + tx < head_dim:
+                        acc[c] = acc[c] + prob[j] * rows.load(pool, 1, T.Cast("int64", page_sh[j]), kvh,
+                                                              (tile * TX + j) % page_size, c * TX + tx)
+            # the next tile overwrites score, prob and page_sh
+            T.tvm_storage_sync("shared")
 
     @T.prim_func
     def gpu_paged_attention(var_q: T.handle, var_pool: T.handle, var_pt: T.handle, var_lens: T.handle,
@@ -142,8 +197,8 @@ def make_gpu_paged_attention(heads: int, kv_heads: int, head_dim: int, page_size
         pool = T.match_buffer(var_pool, rows.pool_shape(pages), rows.pool_dtype)
         page_table = T.match_buffer(var_pt, table_shape, "int32")
         kv_lens = T.match_buffer(var_lens, lens_shape, "int32")
-        out = T.match_buffer(var_out, (n, heads, head_dim), "float32")
-        for b in T.thread_binding(n * heads, thread="blockIdx.x"):
+        out = T.match_buffer(var_out, out_shape, "float32")
+        for b in T.thread_binding(n * heads * ways, thread="blockIdx.x"):
             for tx in T.thread_binding(TX, thread="threadIdx.x"):
                 q_sh = T.alloc_buffer((head_dim,), "float32", scope="shared")
                 score = T.alloc_buffer((TX,), "float32", scope="shared")
@@ -153,58 +208,69 @@ def make_gpu_paged_attention(heads: int, kv_heads: int, head_dim: int, page_size
                 dot = T.alloc_buffer((1,), "float32", scope="local")
                 # running max, running sum, tile max, correction of the previous tiles
                 st = T.alloc_buffer((4,), "float32", scope="local")
-                t = T.meta_var(b // heads)
-                h = T.meta_var(b % heads)
-                kvh = T.meta_var(b % heads // group)
+                t = T.meta_var(b // ways // heads)
+                h = T.meta_var(b // ways % heads)
+                kvh = T.meta_var(b // ways % heads // group)
                 total = T.meta_var(slot_of(kv_lens, layer, t) + 1)   # visible slots
-                for c in T.unroll(DPT):
-                    if c * TX + tx < head_dim:
-                        q_sh[c * TX + tx] = q[t, h, c * TX + tx] * T.float32(scale)
-                    acc[c] = T.float32(0)
-                st[0] = T.float32(NEG_INF)
-                st[1] = T.float32(0)
-                T.tvm_storage_sync("shared")
                 # truncdiv: total is positive, but TVM cannot know (it comes from kv_lens), and its floordiv by a
                 # divisor that is no power of two lowers with an offset of 2^31 that overflows WGSL's i32
-                for tile in range(first_tile(total, window, TX), T.truncdiv(total + TX - 1, TX)):
-                    # 1. this invocation's slot: its page (read by every slot the query sees, so masked slots of
-                    # the tile still name a page the layer holds), and its score
-                    if tile * TX + tx < total:
-                        page_sh[tx] = page_of(page_table, layer, t, (tile * TX + tx) // page_size)
-                    if visible(tile * TX + tx, total, window):
-                        dot[0] = T.float32(0)
-                        for d in range(head_dim // rows.dot_step):
-                            for e in T.unroll(rows.dot_step):
-                                dot[0] = dot[0] + q_sh[d * rows.dot_step + e] * rows.load(
-                                    pool, 0, T.Cast("int64", page_sh[tx]), kvh, (tile * TX + tx) % page_size,
-                                    d * rows.dot_step + e)
-                        score[tx] = dot[0]
-                    else:
-                        score[tx] = T.float32(NEG_INF)
-                    T.tvm_storage_sync("shared")
-                    # 2. online softmax: the tile max (redundantly in every invocation), then p of own slot
-                    st[2] = st[0]
-                    for j in range(TX):
-                        st[2] = T.max(st[2], score[j])
-                    st[3] = T.exp(st[0] - st[2])
-                    st[0] = st[2]
-                    prob[tx] = T.exp(score[tx] - st[0])     # masked slots: exp(-3e38 - m) == 0
-                    T.tvm_storage_sync("shared")
-                    # 3. rescale and accumulate p * v for the dims this invocation owns
-                    st[1] = st[1] * st[3]
+                start = T.meta_var(first_tile(total, window, TX))
+                end = T.meta_var(T.truncdiv(total + TX - 1, TX))
+                if splits > 0:
+                    # split b % ways takes its share of the tiles (a trip count uniform in the workgroup)
+                    share = T.meta_var(T.truncdiv(end - start + ways - 1, ways))
+                    lo = T.meta_var(T.min(start + b % ways * share, end))
+                    attend(q, pool, page_table, layer, t, h, kvh, total, lo, T.min(lo + share, end), q_sh, score, prob,
+                           page_sh, acc, dot, st, tx)
                     for c in T.unroll(DPT):
-                        acc[c] = acc[c] * st[3]
-                    for j in range(T.min(T.int64(TX), total - tile * TX)):
-                        st[1] = st[1] + prob[j]
-                        for c in T.unroll(DPT):
-                            if c * TX + tx < head_dim:
-                                acc[c] = acc[c] + prob[j] * rows.load(pool, 1, T.Cast("int64", page_sh[j]), kvh,
-                                                                      (tile * TX + j) % page_size, c * TX + tx)
-                    # the next tile overwrites score, prob and page_sh
-                    T.tvm_storage_sync("shared")
+                        if c * TX + tx < head_dim:
+                            out[t, h, b % ways, c * TX + tx] = acc[c]
+                    if tx == 0:
+                        out[t, h, b % ways, head_dim] = st[0]
+                        out[t, h, b % ways, head_dim + 1] = st[1]
+                else:
+                    attend(q, pool, page_table, layer, t, h, kvh, total, start, end, q_sh, score, prob, page_sh, acc, dot,
+                           st, tx)
+                    for c in T.unroll(DPT):
+                        if c * TX + tx < head_dim:
+                            out[t, h, c * TX + tx] = acc[c] / st[1]
+
+    return _named(gpu_paged_attention, f"gpu_paged_attention{'_batch' if batched else ''}"
+                  f"{f'_split{splits}' if splits else ''}_{heads}_{kv_heads}_{head_dim}_{page_size}", tokens)
+
+
+def make_gpu_attention_combine(heads: int, head_dim: int, splits: int, tokens: int | None = None) -> tirx.PrimFunc:
+    """PrimFunc (partial [n, H, splits, D + 2], out [n, H, D]): the splits of make_gpu_paged_attention(splits=)
+    merged, out = sum_s acc_s e^(m_s - m) / sum_s l_s e^(m_s - m) with m the largest m_s (a split without slots
+    has m_s = -3e38 and l_s = 0, and weighs nothing). One workgroup per (token, query head)."""
+    n = token_count(tokens)
+    TX, DPT = _threads(head_dim)
+
+    @T.prim_func
+    def gpu_attention_combine(var_partial: T.handle, var_out: T.handle):
+        T.func_attr(ATTRS)
+        partial = T.match_buffer(var_partial, (n, heads, splits, head_dim + 2), "float32")
+        out = T.match_buffer(var_out, (n, heads, head_dim), "float32")
+        for b in T.thread_binding(n * heads, thread="blockIdx.x"):
+            for tx in T.thread_binding(TX, thread="threadIdx.x"):
+                st = T.alloc_buffer((3,), "float32", scope="local")        # max, sum, a split's weight
+                acc = T.alloc_buffer((DPT,), "float32", scope="local")
+                t = T.meta_var(b // heads)
+                h = T.meta_var(b % heads)
+                st[0] = partial[t, h, 0, head_dim]
+                for s in range(1, splits):
+                    st[0] = T.max(st[0], partial[t, h, s, head_dim])
+                st[1] = T.float32(0)
+                for c in T.unroll(DPT):
+                    acc[c] = T.float32(0)
+                for s in range(splits):
+                    st[2] = T.exp(partial[t, h, s, head_dim] - st[0])
+                    st[1] = st[1] + partial[t, h, s, head_dim + 1] * st[2]
+                    for c in T.unroll(DPT):
+                        if c * TX + tx < head_dim:
+                            acc[c] = acc[c] + partial[t, h, s, c * TX + tx] * st[2]
                 for c in T.unroll(DPT):
                     if c * TX + tx < head_dim:
                         out[t, h, c * TX + tx] = acc[c] / st[1]
 
-    return _named(gpu_paged_attention,
-                  f"gpu_paged_attention{'_batch' if batched else ''}_{heads}_{kv_heads}_{head_dim}_{page_size}", tokens)
+    return _named(gpu_attention_combine, f"gpu_attention_combine_{heads}_{head_dim}_{splits}", tokens)
