@@ -80,7 +80,9 @@ def kernel_profile(model, tokens: int, function: str) -> dict:
             "kernel_calls": sum(n for _, n in kernels.values()),
             "builtin_ms": sum(t for t, _ in builtins.values()) * 1e3,
             "builtin_calls": sum(n for _, n in builtins.values()),
-            "top": [[name, round(t * 1e3, 4), n] for name, (t, n) in top]}
+            "top": [[name, round(t * 1e3, 4), n] for name, (t, n) in top],
+            "top_builtins": [[name, round(t * 1e3, 4), n]
+                             for name, (t, n) in sorted(builtins.items(), key=lambda kv: -kv[1][1])[:8]]}
 
 
 def batch_decode(directory: Path, deadline: float, sizes: Sizes, **load_options) -> list[dict]:
