@@ -14,7 +14,9 @@ float32 numpy reference's top-1 over the golden text; the CPU artifact's greedy 
 the q8_0 and q4_ch variants the same figures with the cache rounded as it stores it: the numpy reference with
 NumpyReference.kv_types, a CPU artifact with that cache), packs TVM's runtime without its compiler
 (libtvm_compiler.so is 250 MB; the runtime a few MB) with a cp312
-build of apache-tvm-ffi, and splits it all into parts of at most --part-mib, one per device call. It prints the
+build of apache-tvm-ffi, and splits it all into parts of at most --part-mib, one per device call (the repo's
+tracked files travel with each call too, ~25 MiB: cut the working tree to sharpi/ and these scripts for the
+calls, `git ls-files -d -z | xargs -0 git checkout --` after, as benchmarks/gpu.md did). It prints the
 calls: each carries one part (`carry: [".gpu/pN"]`); earlier parts stay on the warm machine, so the calls must
 follow each other within its idle time (30 s). The last call runs
 
@@ -389,13 +391,9 @@ def run(args) -> int:
 
     import gpu_speed
 
-    out = Path(args.out or ".")
-    out.mkdir(parents=True, exist_ok=True)
     results = {"python": sys.version.split()[0], "model": reference["model"], "arch": reference["arch"],
                "cpu_reference": reference["cpu_backend"], "machine": gpu_speed.machine(), "variants": {}}
-
-    def save():
-        (out / "gpu_check.json").write_text(json.dumps(results, indent=1))
+    save = _saver(args, "gpu_check.json", results)
 
     for variant in VARIANTS:
         row = results["variants"][variant] = {}
@@ -442,16 +440,19 @@ def speed(args) -> int:
     reference = _unpack_meta(bundle)
     import gpu_speed
 
-    out = Path(args.out or ".")
-    out.mkdir(parents=True, exist_ok=True)
     results = {"python": sys.version.split()[0], "machine": gpu_speed.machine()}
     print(json.dumps(results["machine"]), flush=True)
-
-    def save():
-        (out / "gpu_speed.json").write_text(json.dumps(results, indent=1))
+    save = _saver(args, "gpu_speed.json", results)
 
     _measure_speed_models(results, reference, deadline, save, gpu_speed.QUICK if args.quick else gpu_speed.Sizes())
     return 0
+
+
+def _saver(args, name: str, results: dict):
+    """A function writing `results` to --out/name (made if missing), for the call to run after every section."""
+    out = Path(args.out or ".")
+    out.mkdir(parents=True, exist_ok=True)
+    return lambda: (out / name).write_text(json.dumps(results, indent=1))
 
 
 def _measure_speed_models(results: dict, reference: dict, deadline: float, save, sizes) -> None:
@@ -629,7 +630,8 @@ def main(argv=None) -> int:
     pp.add_argument("--python", default="3.12", help="the GPU machine's Python version")
     pp.add_argument("--cpu", action="store_true",
                     help="compile for llvm instead, to try this script here (everything but CUDA) before a device call")
-    pp.add_argument("--part-mib", type=int, default=60, help="largest part (a device call carries at most 64 MiB)")
+    pp.add_argument("--part-mib", type=int, default=50,
+                    help="largest part (a device call carries at most 64 MiB, the working tree included)")
     for name in ("receive", "speed", "run"):
         sp = sub.add_parser(name)
         if name != "receive":

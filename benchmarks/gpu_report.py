@@ -26,7 +26,8 @@ def check_table(results: dict) -> list[str]:
             variant,
             cell("teacher_forced", lambda v: f"{v['top1_agreement']:.4f} (bar {v['bar']})"),
             cell("greedy", lambda v: f"{sum(r['agrees'] for r in v['prompts'])}/{len(v['prompts'])}"),
-            cell("snapkv", lambda v: f"{v['overlap']:.4f} (bar {v['bar']}), {'agrees' if v['decode_agrees'] else 'DIFFERS'}"),
+            cell("snapkv", lambda v: f"{v['overlap']:.4f} (bar {v['bar']}), "
+                                     f"{'agrees' if v['decode_agrees'] else 'DIFFERS'}"),
             cell("scorers", lambda v: f"{lowest[0]:.3f} {lowest[1]} (bar {v.get('bar', 0.98)})"),
             "yes" if all(row.get(c, {}).get("passed") for c in CHECKS) else "**no**"]) + " |")
     return lines

@@ -170,7 +170,8 @@ for n in (512, 4096):
     k, v = torch.randn_like(q), torch.randn_like(q)
     out[f"sdpa_prefill_{n}_ms_per_layer"] = timed(lambda: f(q, k, v, is_causal=True)) * 1e3
     out[f"sdpa_decode_{n}_ms_per_layer"] = timed(lambda: f(q[:, :, -1:], k, v)) * 1e3
-x = torch.randn(1, 896, dtype=torch.float16, device="cuda"); w = torch.randn(4864, 896, dtype=torch.float16, device="cuda")
+x = torch.randn(1, 896, dtype=torch.float16, device="cuda")
+w = torch.randn(4864, 896, dtype=torch.float16, device="cuda")
 out["matvec_896x4864_f16_us"] = timed(lambda: x @ w.T, 200) * 1e6
 out["empty_kernel_launch_us"] = timed(lambda: torch.cuda._sleep(0), 500) * 1e6
 print(json.dumps(out))

@@ -95,8 +95,8 @@ def test_cuda_logits_match_cpu(smollm2_cuda_artifact, smollm2, golden):
                                                   ("q4_ch", "q4_0", "kvq4_ch_q4_0")])
 def test_kv_cache_types_build_for_cuda(kv_k, kv_v, kernel_part, tmp_path):
     """--kv-dtype bf16, and q4_0 keys with q8_0 values (both quantized readers and writers in one build), on the
-    cuda target: nvcc builds the attention (prefill, split decode, batched), append, compaction and SnapKV kernels for the
-    pool (a quantized one read and written as 32-bit words, the same TIR the Vulkan tests run on lavapipe with
+    cuda target: nvcc builds the attention (prefill, split decode, batched), append, compaction and SnapKV kernels
+    for the pool (a quantized one read and written as 32-bit words, the same TIR the Vulkan tests run on lavapipe with
     every pairing of types); run only on a GPU machine, with the rest of the CUDA checks."""
     from sharpi.common.manifest import Manifest
     path = write_tiny_llama(tmp_path / "tiny.gguf", head_dim=32)

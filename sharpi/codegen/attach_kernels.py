@@ -282,7 +282,6 @@ class KernelAttacher(relax.PyExprMutator):
                           f"w{window}" if window else None), make)
         return self._kv_call(gv, kv, [q, pool, page_table, kv_lens, layer], 1, ty, in_place=False)
 
-
     def _split_decode_attention(self, shape, kv, window: int, args: list, ty):
         """One token's attention by decode_splits workgroups a query head, then their combination
         (kernels.gpu.attention's flash-decoding pair)."""

@@ -17,6 +17,8 @@ paged_attention: out[t, h] = softmax(q[t, h] . K[s] * scale) V over the slots s 
       3. every invocation accumulates p * v over the tile for the output dims it owns (d = i, i + TX, ...).
     The tile loop's trip count depends only on the workgroup (kv_lens and the token), so the barriers stay in
     uniform control flow, as WGSL requires. Slots past the visible range get probability 0 and are never read.
+    Split (CUDA's one-token decode): the tiles are shared among several workgroups a head, each writing its
+    unnormalised output, max and sum, and attention_combine merges them (flash-decoding).
 
 All three are hand-scheduled (explicit thread bindings) and marked "tirx.is_scheduled" so dlight leaves them be.
 Shape variables carry names: the Vulkan plan binds each kernel's scalar arguments by the name of the shape
@@ -142,7 +144,8 @@ def make_gpu_paged_attention(heads: int, kv_heads: int, head_dim: int, page_size
     out_shape = (n, heads, splits, head_dim + 2) if splits else (n, heads, head_dim)
 
     @T.macro
-    def attend(q, pool, page_table, layer, t, h, kvh, total, first, last, q_sh, score, prob, page_sh, acc, dot, st, tx):
+    def attend(q, pool, page_table, layer, t, h, kvh, total, first, last,
+               q_sh, score, prob, page_sh, acc, dot, st, tx):
         """Online softmax over the tiles [first, last) of the query's visible slots: acc holds the unnormalised
         output of the dims this invocation owns, st[0] the running max and st[1] the running sum."""
         for c in T.unroll(DPT):
@@ -220,8 +223,8 @@ def make_gpu_paged_attention(heads: int, kv_heads: int, head_dim: int, page_size
                     # split b % ways takes its share of the tiles (a trip count uniform in the workgroup)
                     share = T.meta_var(T.truncdiv(end - start + ways - 1, ways))
                     lo = T.meta_var(T.min(start + b % ways * share, end))
-                    attend(q, pool, page_table, layer, t, h, kvh, total, lo, T.min(lo + share, end), q_sh, score, prob,
-                           page_sh, acc, dot, st, tx)
+                    attend(q, pool, page_table, layer, t, h, kvh, total, lo, T.min(lo + share, end),
+                           q_sh, score, prob, page_sh, acc, dot, st, tx)
                     for c in T.unroll(DPT):
                         if c * TX + tx < head_dim:
                             out[t, h, b % ways, c * TX + tx] = acc[c]
@@ -229,8 +232,8 @@ def make_gpu_paged_attention(heads: int, kv_heads: int, head_dim: int, page_size
                         out[t, h, b % ways, head_dim] = st[0]
                         out[t, h, b % ways, head_dim + 1] = st[1]
                 else:
-                    attend(q, pool, page_table, layer, t, h, kvh, total, start, end, q_sh, score, prob, page_sh, acc, dot,
-                           st, tx)
+                    attend(q, pool, page_table, layer, t, h, kvh, total, start, end,
+                           q_sh, score, prob, page_sh, acc, dot, st, tx)
                     for c in T.unroll(DPT):
                         if c * TX + tx < head_dim:
                             out[t, h, c * TX + tx] = acc[c] / st[1]
