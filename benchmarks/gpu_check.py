@@ -448,6 +448,27 @@ def speed(args) -> int:
     return 0
 
 
+def profile(args) -> int:
+    """Where a speed model's decode step goes with and without its CUDA graph (the first part alone): the VM calls
+    a step makes, timed with the device synchronised around each (gpu_speed.kernel_profile)."""
+    bundle = Path(args.dir)
+    _setup_runtime(bundle)
+    reference = _unpack_meta(bundle)
+    import sharpi
+
+    import gpu_speed
+
+    plain, graph = (WORK / _speed_dir(args.model or reference["speed_models"][-1], b) for b in SPEED_BUILDS)
+    _random_weights(plain)
+    shutil.copy(plain / "weights.bin", graph / "weights.bin")
+    results = {"model": plain.name}
+    save = _saver(args, "gpu_profile.json", results)
+    for build, directory in (("plain", plain), ("graph", graph)):
+        _section(results, build, lambda: gpu_speed.kernel_profile(sharpi.load(directory, verify=False), 512, "decode"),
+                 save)
+    return 0
+
+
 def _saver(args, name: str, results: dict):
     """A function writing `results` to --out/name (made if missing), for the call to run after every section."""
     out = Path(args.out or ".")
@@ -632,8 +653,10 @@ def main(argv=None) -> int:
                     help="compile for llvm instead, to try this script here (everything but CUDA) before a device call")
     pp.add_argument("--part-mib", type=int, default=50,
                     help="largest part (a device call carries at most 64 MiB, the working tree included)")
-    for name in ("receive", "speed", "run"):
+    for name in ("receive", "speed", "run", "profile"):
         sp = sub.add_parser(name)
+        if name == "profile":
+            sp.add_argument("--model", default=None, help="a speed model (default: the last)")
         if name != "receive":
             sp.add_argument("--out", default=None)
             sp.add_argument("--seconds", type=float, default=300 if name == "run" else 150,
@@ -644,7 +667,7 @@ def main(argv=None) -> int:
     for sp in sub.choices.values():
         sp.add_argument("--dir", default=".gpu")
     args = p.parse_args(argv)
-    return {"prepare": prepare, "receive": receive, "speed": speed, "run": run}[args.verb](args)
+    return {"prepare": prepare, "receive": receive, "speed": speed, "run": run, "profile": profile}[args.verb](args)
 
 
 if __name__ == "__main__":
