@@ -83,7 +83,7 @@ def plot(results: dict, extra: dict | None, path: Path) -> None:
     series = {results["model"]: results.get("speed", {})}
     series.update({k: v for k, v in (extra or results).get("speed_models", {}).items() if k != "weights"})
     fig, ax = plt.subplots(figsize=(9, 4))
-    labels, width = [], 0.12
+    width = 0.12
     cells = [(512, 0), (4096, 0), (4096, 1024)]
     for i, (model, speed) in enumerate(series.items()):
         for j, build in enumerate(("plain", "graph")):

@@ -13,18 +13,11 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
-
 import sharpi
 from sharpi.cli.bench import prompt_ids
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_check  # noqa: E402  (benchmarks/ is no package)
-
-
-def overlap(got: list, want: list) -> float:
-    same = sum(np.intersect1d(x, y).size for a, b in zip(got, want) for x, y in zip(a, b))
-    return same / sum(len(y) for b in want for y in b)
 
 
 def main() -> None:
@@ -41,7 +34,8 @@ def main() -> None:
             prompt = prompt_ids(model, gpu_check.SNAPKV_PROMPT)
             sets[matmuls] = {f"{name}/{allocation}": gpu_check._compressed_keep_sets(model, prompt, name, allocation)
                              for name, allocation in gpu_check.SCORER_CHECKS}
-        results[variant] = {key: overlap(sets["int8"][key], want) for key, want in sets["float"].items()}
+        results[variant] = {key: gpu_check.keep_set_overlap(sets["int8"][key], want)
+                            for key, want in sets["float"].items()}
         print(variant, json.dumps(results[variant]), flush=True)
 
 

@@ -24,7 +24,7 @@ from ....common.quant_layout import BLOCK, LAYOUTS, QUANTIZED
 from ..common import token_count
 from ..quant_matmul import dense_value, dequant
 from ..rope import rope_pairs
-from .quant_matmul import GPU_LAYOUTS, scale_fields
+from .quant_matmul import GPU_LAYOUTS, i64, scale_fields
 
 ROPE_THREADS = 128
 
@@ -81,24 +81,19 @@ def make_gpu_rope(heads: int, head_dim: int, theta: float, layout: str = "norm",
     return gpu_rope.with_attr("global_symbol", name)
 
 
-def _i64(v):
-    """Every index int64, as in make_gpu_matmul (dlight breaks on int32 constants beside int64 dims)."""
-    return tirx.IntImm("int64", v) if isinstance(v, int) else v
-
-
 def gpu_weight_parts(qtype: str, rows: int, cols: int, scale_prefixes: bool = False):
     """The weight parts as GPU kernels take them (placeholders; the scale fields as scale_fields declares them),
     and value(row, col) -> f32 expression."""
     if qtype in QUANTIZED:
         (_, qs_dtype, qs_shape) = LAYOUTS[qtype][0]
-        qs = te.placeholder(tuple(_i64(d) for d in qs_shape(rows, cols)), qs_dtype, name="qs")
+        qs = te.placeholder(tuple(i64(d) for d in qs_shape(rows, cols)), qs_dtype, name="qs")
         fields, read_scale = scale_fields(qtype, rows, cols, scale_prefixes)
 
         def value(row, col):
-            return dequant(qtype, qs, read_scale, row, col // _i64(BLOCK), col % _i64(BLOCK))
+            return dequant(qtype, qs, read_scale, row, col // i64(BLOCK), col % i64(BLOCK))
 
         return [qs, *fields], value
-    parts = [te.placeholder(tuple(_i64(d) for d in shape(rows, cols)), dtype, name=name)
+    parts = [te.placeholder(tuple(i64(d) for d in shape(rows, cols)), dtype, name=name)
              for name, dtype, shape in LAYOUTS[qtype]]
     return parts, lambda row, col: dense_value(qtype, parts[0], row, col)
 
@@ -112,7 +107,7 @@ def make_gpu_embedding(qtype: str, vocab: int, dim: int, scale_prefixes: bool = 
     n = tirx.Var("n", "int64")
     ids = te.placeholder((n,), "int32", name="ids")
     parts, value = gpu_weight_parts(qtype, vocab, dim, scale_prefixes)
-    y = te.compute((n, _i64(dim)), lambda t, d: value(T.Cast("int64", ids[t]), d), name="embedding")
+    y = te.compute((n, i64(dim)), lambda t, d: value(T.Cast("int64", ids[t]), d), name="embedding")
     func = te.create_prim_func([ids, *parts, y])
     return (func.with_attr("dlight.do_not_tensorize", True)
             .with_attr("global_symbol", f"gpu_embedding_{qtype}_{vocab}_{dim}"))

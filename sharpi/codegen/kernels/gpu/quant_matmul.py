@@ -26,15 +26,15 @@ def scale_fields(qtype: str, rows: int, cols: int, prefixes: bool = False):
     identical arguments into one buffer)."""
     (_, _, s_shape) = LAYOUTS[qtype][1]
     count = s_shape(rows, cols)[0]
-    plane = (_i64(rows), _i64(cols // BLOCK))
-    fields = [te.placeholder(((_i64(f + 1),) if prefixes else ()) + plane, "float32", name=f"scale{f}")
+    plane = (i64(rows), i64(cols // BLOCK))
+    fields = [te.placeholder(((i64(f + 1),) if prefixes else ()) + plane, "float32", name=f"scale{f}")
               for f in range(count)]
     if prefixes:
-        return fields, lambda f, row, b: fields[f][_i64(f), row, b]
+        return fields, lambda f, row, b: fields[f][i64(f), row, b]
     return fields, lambda f, row, b: fields[f][row, b]
 
 
-def _i64(v):
+def i64(v):
     """Every index int64: dlight's Matmul rule breaks on int32 constants beside an int64 dim."""
     return tirx.IntImm("int64", v) if isinstance(v, int) else v
 
@@ -46,7 +46,6 @@ def make_gpu_matmul(qtype: str, n_out: int, k_in: int, tokens: int | None = None
     if qtype not in GPU_LAYOUTS:
         raise CompileError(f"Weights of type {qtype} have no GPU matmul kernel yet (GPU layouts: "
                            f"{', '.join(GPU_LAYOUTS)}).")
-    i64 = _i64
     n = tirx.Var("n", "int64") if tokens is None else i64(tokens)
     x = te.placeholder((n, i64(k_in)), "float32", name="x")
     if qtype in QUANTIZED:
