@@ -20,11 +20,9 @@ from tvm import te, tirx
 from tvm.script import tirx as T
 
 from ....common.errors import CompileError
-from ....common.quant_layout import BLOCK, LAYOUTS, QUANTIZED
 from ..common import token_count
-from ..quant_matmul import dense_value, dequant
 from ..rope import rope_pairs
-from .quant_matmul import GPU_LAYOUTS, i64, scale_fields
+from .quant_matmul import GPU_LAYOUTS, gpu_weight_parts, i64
 
 ROPE_THREADS = 128
 
@@ -79,23 +77,6 @@ def make_gpu_rope(heads: int, head_dim: int, theta: float, layout: str = "norm",
 
     name = f"gpu_rope_{layout}_{heads}_{head_dim}" + ("" if tokens is None else f"_{tokens}")
     return gpu_rope.with_attr("global_symbol", name)
-
-
-def gpu_weight_parts(qtype: str, rows: int, cols: int, scale_prefixes: bool = False):
-    """The weight parts as GPU kernels take them (placeholders; the scale fields as scale_fields declares them),
-    and value(row, col) -> f32 expression."""
-    if qtype in QUANTIZED:
-        (_, qs_dtype, qs_shape) = LAYOUTS[qtype][0]
-        qs = te.placeholder(tuple(i64(d) for d in qs_shape(rows, cols)), qs_dtype, name="qs")
-        fields, read_scale = scale_fields(qtype, rows, cols, scale_prefixes)
-
-        def value(row, col):
-            return dequant(qtype, qs, read_scale, row, col // i64(BLOCK), col % i64(BLOCK))
-
-        return [qs, *fields], value
-    parts = [te.placeholder(tuple(i64(d) for d in shape(rows, cols)), dtype, name=name)
-             for name, dtype, shape in LAYOUTS[qtype]]
-    return parts, lambda row, col: dense_value(qtype, parts[0], row, col)
 
 
 def make_gpu_embedding(qtype: str, vocab: int, dim: int, scale_prefixes: bool = False) -> tirx.PrimFunc:

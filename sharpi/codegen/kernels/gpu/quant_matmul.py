@@ -39,6 +39,23 @@ def i64(v):
     return tirx.IntImm("int64", v) if isinstance(v, int) else v
 
 
+def gpu_weight_parts(qtype: str, rows: int, cols: int, scale_prefixes: bool = False):
+    """The weight parts as the GPU weight kernels (matmul, embedding) take them (placeholders; the scale fields as
+    scale_fields declares them), and value(row, col) -> the f32 weight expression."""
+    if qtype in QUANTIZED:
+        (_, qs_dtype, qs_shape) = LAYOUTS[qtype][0]
+        qs = te.placeholder(tuple(i64(d) for d in qs_shape(rows, cols)), qs_dtype, name="qs")
+        fields, read_scale = scale_fields(qtype, rows, cols, scale_prefixes)
+
+        def value(row, col):
+            return dequant(qtype, qs, read_scale, row, col // i64(BLOCK), col % i64(BLOCK))
+
+        return [qs, *fields], value
+    parts = [te.placeholder(tuple(i64(d) for d in shape(rows, cols)), dtype, name=name)
+             for name, dtype, shape in LAYOUTS[qtype]]
+    return parts, lambda row, col: dense_value(qtype, parts[0], row, col)
+
+
 def make_gpu_matmul(qtype: str, n_out: int, k_in: int, tokens: int | None = None,
                     scale_prefixes: bool = False) -> tirx.PrimFunc:
     """PrimFunc (x [n, K] f32, qs, scale fields 0..S-1, y [n, N] f32) for quantized types, (x, w, y) for dense
@@ -48,27 +65,11 @@ def make_gpu_matmul(qtype: str, n_out: int, k_in: int, tokens: int | None = None
                            f"{', '.join(GPU_LAYOUTS)}).")
     n = tirx.Var("n", "int64") if tokens is None else i64(tokens)
     x = te.placeholder((n, i64(k_in)), "float32", name="x")
-    if qtype in QUANTIZED:
-        (_, qs_dtype, qs_shape) = LAYOUTS[qtype][0]
-        fields, read_scale = scale_fields(qtype, n_out, k_in, scale_prefixes)
-        parts = [te.placeholder(tuple(i64(d) for d in qs_shape(n_out, k_in)), qs_dtype, name="qs"), *fields]
-    else:
-        parts = [te.placeholder(tuple(i64(d) for d in shape(n_out, k_in)), dtype, name=name)
-                 for name, dtype, shape in LAYOUTS[qtype]]
+    parts, weight = gpu_weight_parts(qtype, n_out, k_in, scale_prefixes)
     k = te.reduce_axis((i64(0), i64(k_in)), name="k")
-    if qtype in QUANTIZED:
-        qs = parts[0]
-
-        def weight(j, kk):
-            return dequant(qtype, qs, read_scale, j, kk // i64(BLOCK), kk % i64(BLOCK))
-    else:
-        (w,) = parts
-
-        def weight(j, kk):
-            return dense_value(qtype, w, j, kk)
-
     # dequantize as its own stage (dlight inlines it into the matmul as a prologue, as MLC-LLM's kernels do)
-    w_f32 = te.compute((i64(n_out), i64(k_in)), weight, name="dequantize")
+    # (the lambda names the loops j and kk: TE names them after its parameters)
+    w_f32 = te.compute((i64(n_out), i64(k_in)), lambda j, kk: weight(j, kk), name="dequantize")
     y = te.compute((n, i64(n_out)), lambda t, j: te.sum(x[t, k] * w_f32[j, k], axis=k), name="matmul")
     func = te.create_prim_func([x, *parts, y])
     name = f"gpu_matmul_{qtype}_{n_out}_{k_in}" + ("" if tokens is None else f"_{tokens}")
