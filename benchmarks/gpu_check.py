@@ -7,18 +7,23 @@ script here first, e.g. under a Python 3.12 venv with numpy, tokenizers and jinj
     python benchmarks/gpu_check.py prepare [--model smollm2-135m] [--arch sm_90] [--dir .gpu]
 
 compiles the model for cuda five times (plain, with --cuda-graph, with a bf16 KV cache instead of f16, with a
-q8_0 one, and with q4_ch keys and q4_0 values; the weights are the same), and the speed models (gemma3-270m,
-qwen2.5-coder-0.5b) twice each, whose weights do not travel (the machine fills random ones of the same shapes:
-their runs measure speed only); computes the reference figures (the
-float32 numpy reference's top-1 over the golden text; the CPU artifact's greedy tokens and SnapKV keep sets; for
-the q8_0 and q4_ch variants the same figures with the cache rounded as it stores it: the numpy reference with
-NumpyReference.kv_types, a CPU artifact with that cache), packs TVM's runtime without its compiler
-(libtvm_compiler.so is 250 MB; the runtime a few MB) with a cp312
-build of apache-tvm-ffi, and splits it all into parts of at most --part-mib, one per device call (the repo's
-tracked files travel with each call too, ~25 MiB: cut the working tree to sharpi/ and these scripts for the
-calls, `git ls-files -d -z | xargs -0 git checkout --` after, as benchmarks/gpu.md did). It prints the
-calls: each carries one part (`carry: [".gpu/pN"]`); earlier parts stay on the warm machine, so the calls must
-follow each other within its idle time (30 s). The last call runs
+q8_0 one, and with q4_ch keys and q4_0 values; the weights are the same; `--vulkan`: for vulkan three times, plain,
+q8_0 and q4_ch, packing wgpu's wheels beside TVM's runtime, and `run` stops after the checks), and the speed
+models (gemma3-270m, qwen2.5-coder-0.5b) twice each, whose weights do not travel (the machine fills random ones of
+the same shapes: their runs measure speed only); computes the reference figures (the float32 numpy reference's
+top-1 over the golden text; the CPU artifact's greedy tokens and SnapKV keep sets; for the q8_0 and q4_ch variants
+the same figures with the cache rounded as it stores it: the numpy reference with NumpyReference.kv_types, a CPU
+artifact with that cache), packs TVM's runtime without its compiler (libtvm_compiler.so is 250 MB; the runtime a
+few MB) with a cp312 build of apache-tvm-ffi, and splits it all into parts of at most --part-mib, one per device
+call (the repo's tracked files travel with each call too, ~25 MiB: cut the working tree to sharpi/, .gitignore
+and these scripts for the calls, `git ls-files -d -z | xargs -0 git checkout --` after, as benchmarks/gpu.md
+did; never while a job writes tracked files, which the cut deletes and the checkout puts back as committed). The
+bundle must sit in a folder .gitignore ignores (.gpu/: one only .git/info/exclude ignores is removed there
+between calls). It prints the calls: each carries one part (`carry: [".gpu/pN"]`); earlier parts stay on the
+warm machine, so the calls must follow each other within its idle time (30 s). A `--vulkan` bundle's calls
+first unpack the device README's Debian packages (Vulkan's loader and the GL dispatch libraries NVIDIA's ICD
+loads) and name NVIDIA's ICD (gpu.md has the commands); its `receive` lists the Vulkan adapters. The last call
+runs
 
     python3 benchmarks/gpu_check.py run --dir .gpu --out $OUT
 
@@ -53,6 +58,12 @@ ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "data" / "smollm2-135m-instruct-q4_1.json"
 # the cuda artifact; with --cuda-graph; with --kv-dtype bf16, q8_0; with --kv-dtype-k q4_ch --kv-dtype-v q4_0
 VARIANTS = ("plain", "graph", "bf16", "q8_0", "q4_ch")
+# `prepare --vulkan`: WGSL has no bfloat16 and Vulkan no CUDA graph
+VULKAN_VARIANTS = ("plain", "q8_0", "q4_ch")
+# what the Vulkan backend needs beside sharpi on the GPU machine: wgpu (wgpu-native inside) and its imports, as
+# wheels for that machine's Python. Vulkan's loader and the GL dispatch libraries NVIDIA's ICD needs are not there
+# either: the device README's Debian packages, unpacked into / by the calls (benchmarks/gpu.md has the commands)
+WGPU_WHEELS = ("wgpu", "cffi", "pycparser", "rendercanvas", "sniffio")
 # a variant's (keys', values') KV types (the others: the target's default, f16)
 VARIANT_KV = {"bf16": ("bf16", "bf16"), "q8_0": ("q8_0", "q8_0"), "q4_ch": ("q4_ch", "q4_0")}
 ROUNDED_REFERENCES = ("q8_0", "q4_ch")      # variants checked against references that round the cache as they do
@@ -95,8 +106,10 @@ def prepare(args) -> int:
     stage.mkdir(parents=True)
     # the rehearsal on the CPU asks for float32 matmuls, the GPU's arithmetic (the CPU's default int8 ones agree
     # with the float32 reference's top-1 on ~98% of the golden text, under the check's 99%)
-    target = {"target": "llvm", "matmuls": "float"} if args.cpu else {"target": "cuda", "arch": args.arch}
-    for variant in VARIANTS:
+    target = {"target": "llvm", "matmuls": "float"} if args.cpu else \
+        {"target": "vulkan"} if args.vulkan else {"target": "cuda", "arch": args.arch}
+    variants = VULKAN_VARIANTS if args.vulkan else VARIANTS
+    for variant in variants:
         print(f"compiling {args.model} for {target} ({variant})", flush=True)
         art = sharpi.compile(args.model, **target, cuda_graph=variant == "graph" and not args.cpu,
                              **_kv_types(variant), output=stage / variant)
@@ -112,10 +125,11 @@ def prepare(args) -> int:
     cpu = sharpi.load(sharpi.compile(args.model, target="llvm", matmuls="float", output=stage / "cpu"))
     prompt = prompt_ids(cpu, SNAPKV_PROMPT)
     numpy_reference = NumpyReference(fetch(args.model, show_progress=False))
-    reference = {"model": args.model, "speed_models": speed_models, "arch": args.arch,
+    reference = {"model": args.model, "target": target["target"], "variants": variants,
+                 "speed_models": speed_models, "arch": "vulkan" if args.vulkan else args.arch,
                  "cpu_backend": cpu.backend, **_references(cpu, numpy_reference, golden, prompt),
                  "speed_prompt_ids": prompt_ids(cpu, SPEED_PROMPT), "rounded": {}}
-    for variant in ROUNDED_REFERENCES:
+    for variant in (v for v in ROUNDED_REFERENCES if v in variants):
         print(f"references with a {'/'.join(VARIANT_KV[variant])} cache", flush=True)
         rounded = sharpi.load(sharpi.compile(args.model, target="llvm", matmuls="float", **_kv_types(variant),
                                              output=stage / f"cpu-{variant}"))
@@ -131,6 +145,11 @@ def prepare(args) -> int:
 
 def _speed_dir(model: str, build: str) -> str:
     return f"speed-{model}-{build}"
+
+
+def _variants(reference: dict) -> tuple[str, ...]:
+    """The variants a bundle holds (bundles from before `--vulkan` named none: the CUDA five)."""
+    return tuple(reference.get("variants", VARIANTS))
 
 
 def _speed_dirs(reference: dict) -> list[str]:
@@ -183,7 +202,7 @@ def _margins(logits) -> list[float]:
     return (top2[:, 1] - top2[:, 0]).tolist()
 
 
-def _runtime_tree(stage: Path, python_version: str) -> Path:
+def _runtime_tree(stage: Path, python_version: str, vulkan: bool = False) -> Path:
     """TVM's Python package without its compiler library, plus apache-tvm-ffi and ml_dtypes (TVM's own
     dependencies: ml_dtypes gives numpy the bfloat16 a bf16 KV pool is read back as) built for the GPU machine's
     Python (downloaded as wheels: the ones installed here are built for this Python)."""
@@ -199,7 +218,8 @@ def _runtime_tree(stage: Path, python_version: str) -> Path:
                     "--python-version", python_version, "--implementation", "cp",
                     "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_24_x86_64",
                     "--platform", "manylinux_2_17_x86_64", "-d", str(wheels),
-                    f"apache-tvm-ffi=={tvm_ffi.__version__}", f"ml_dtypes=={ml_dtypes.__version__}"], check=True)
+                    f"apache-tvm-ffi=={tvm_ffi.__version__}", f"ml_dtypes=={ml_dtypes.__version__}",
+                    *(_pinned(name) for name in (WGPU_WHEELS if vulkan else ()))], check=True)
     import zipfile
     for wheel in wheels.glob("*.whl"):
         zipfile.ZipFile(wheel).extractall(site)
@@ -209,8 +229,17 @@ def _runtime_tree(stage: Path, python_version: str) -> Path:
     return site
 
 
+def _pinned(name: str) -> str:
+    """`name==the version installed here` (the wheels that run here with sharpi's Vulkan tests), or the name."""
+    import importlib.metadata
+    try:
+        return f"{name}=={importlib.metadata.version(name)}"
+    except importlib.metadata.PackageNotFoundError:
+        return name
+
+
 def _pack(bundle: Path, stage: Path, args) -> None:
-    site = _runtime_tree(stage, args.python)
+    site = _runtime_tree(stage, args.python, vulkan=args.vulkan)
     first = bundle / "p1"
     first.mkdir()
     with tarfile.open(first / "runtime.tar.gz", "w:gz") as tar:
@@ -227,14 +256,15 @@ def _pack(bundle: Path, stage: Path, args) -> None:
 
 
 def _pack_meta(first: Path, stage: Path) -> None:
-    """Every artifact's kernels, manifest and tokenizer in one xz tar, each distinct file once (the variants of one
-    model share a tokenizer; Gemma's is 33 MB): copies.json names where the others are copied from."""
+    """Every artifact's files but its weights (the kernels: model.so, or a vulkan artifact's plan and shaders; the
+    manifest and tokenizer) in one xz tar, each distinct file once (the variants of one model share a tokenizer;
+    Gemma's is 33 MB): copies.json names where the others are copied from."""
     reference = json.loads((stage / "reference.json").read_text())
     seen, copies = {}, {}
     with tarfile.open(first / "meta.tar.xz", "w:xz") as tar:
-        for variant in VARIANTS + tuple(_speed_dirs(reference)):
-            for name in ("manifest.json", "model.so", "tokenizer.json"):
-                path, arcname = stage / variant / name, f"{variant}/{name}"
+        for variant in _variants(reference) + tuple(_speed_dirs(reference)):
+            for path in sorted(p for p in (stage / variant).iterdir() if p.name != "weights.bin"):
+                arcname = f"{variant}/{path.name}"
                 digest = hashlib.sha256(path.read_bytes()).hexdigest()
                 if digest in seen:
                     copies[arcname] = seen[digest]
@@ -296,6 +326,9 @@ def receive(args) -> int:
         dev = tvm.cuda(0)
         print(f"cuda device: exist={dev.exist} name={dev.device_name if dev.exist else None} "
               f"compute={dev.compute_version if dev.exist else None}")
+        if json.loads((bundle / "p1" / "reference.json").read_text()).get("target") == "vulkan":
+            from sharpi.runtime.wgpu_device import list_adapters
+            print("vulkan adapters:", [(a["name"], a["type"]) for a in list_adapters()])
     return 0
 
 
@@ -358,7 +391,7 @@ def _assemble(bundle: Path) -> dict:
             out.write(data)
     if digest.hexdigest() != index["weights_sha256"]:
         raise SystemExit("the weights assembled from the parts are not the ones packed (a part changed in transit?)")
-    for variant in VARIANTS[1:]:
+    for variant in _variants(reference)[1:]:
         shutil.copy(weights, WORK / variant / "weights.bin")
     return reference
 
@@ -395,7 +428,7 @@ def run(args) -> int:
                "cpu_reference": reference["cpu_backend"], "machine": gpu_speed.machine(), "variants": {}}
     save = _saver(args, "gpu_check.json", results)
 
-    for variant in VARIANTS:
+    for variant in _variants(reference):
         row = results["variants"][variant] = {}
         # a variant whose cache rounds is held to figures computed with the same rounding
         rounded = reference.get("rounded", {}).get(variant)
@@ -420,6 +453,8 @@ def run(args) -> int:
     results["passed"] = all(_passed(row) for row in results["variants"].values())
     save()
     _print_table(results)
+    if reference.get("target") == "vulkan":         # the speed suite below measures TVM's CUDA runtime
+        return 0 if results["passed"] else 1
     sizes = gpu_speed.QUICK if args.quick else gpu_speed.Sizes()
     results["speed"] = {}
     _measure_speed(results["speed"], WORK / "plain", WORK / "graph", deadline, save, sizes, sizes.profiles_checked)
@@ -656,8 +691,13 @@ def main(argv=None) -> int:
                     help="measured for speed only, with random weights (comma-separated)")
     pp.add_argument("--arch", default="sm_90", help="the GPU's architecture (H100/H200: sm_90)")
     pp.add_argument("--python", default="3.12", help="the GPU machine's Python version")
-    pp.add_argument("--cpu", action="store_true",
-                    help="compile for llvm instead, to try this script here (everything but CUDA) before a device call")
+    where = pp.add_mutually_exclusive_group()
+    where.add_argument("--cpu", action="store_true",
+                       help="compile for llvm instead, to try this script here (everything but CUDA) before a "
+                            "device call")
+    where.add_argument("--vulkan", action="store_true",
+                       help="compile for vulkan instead (WGSL through wgpu on the machine's Vulkan driver): the checks "
+                            "without the CUDA speed suite, for the variants WGSL has (no bf16, no graph)")
     pp.add_argument("--part-mib", type=int, default=50,
                     help="largest part (a device call carries at most 64 MiB, the working tree included)")
     for name in ("receive", "speed", "run", "profile"):

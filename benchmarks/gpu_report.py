@@ -112,14 +112,17 @@ def main() -> None:
     print(f"Machine: {m.get('gpu')}, driver {m.get('driver')}, {m.get('memory_total_mib')} MiB, {m.get('cpus')} CPUs; "
           f"Python {results['python']}.\n")
     print("\n".join(check_table(results)))
-    print()
-    print("\n".join(speed_table(results, extra)))
+    speed, batch = speed_table(results, extra), batch_table(results)
+    if len(speed) > 2:              # a `--vulkan` run, or one cut short, has the checks' speed column alone
+        print()
+        print("\n".join(speed))
     print("\n".join(profile_lines(results["model"], results.get("speed", {}).get("profile"))))
-    for name, speed in (extra or results).get("speed_models", {}).items():
+    for name, models in (extra or results).get("speed_models", {}).items():
         if name != "weights":
-            print("\n".join(profile_lines(f"{name} (random weights)", speed.get("profile"))))
-    print("\ndecode_batch (SmolLM2, plain build, 128-token prompts):\n")
-    print("\n".join(batch_table(results)))
+            print("\n".join(profile_lines(f"{name} (random weights)", models.get("profile"))))
+    if len(batch) > 2:
+        print("\ndecode_batch (SmolLM2, plain build, 128-token prompts):\n")
+        print("\n".join(batch))
     if "torch_roofline" in results:
         print(f"\nPyTorch on the same GPU: {json.dumps(results['torch_roofline'])}")
     if args.plot:
