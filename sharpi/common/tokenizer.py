@@ -13,6 +13,7 @@ GGUF needed at run time).
 from __future__ import annotations
 
 import numbers
+import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -22,9 +23,11 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.decoders import DecodeStream
 
 from . import schema
-from .errors import ConfigError, TokenizerError
+from .errors import ConfigError, ContextLengthError, TokenizerError
 
 MAX_CHAT_TEMPLATE = 1 << 20         # characters; real templates are a few KB
+PIECE_CHARS = 1 << 16               # a long text's pieces when checking it against a limit (~40 ms each)
+PIECE_SLACK = 4                     # ids a cut between two pieces may add
 TOKENIZER_MODELS = ("gpt2", "llama")
 
 # GGUF token types (llama.cpp's llama_token_type)
@@ -215,40 +218,78 @@ GEMMA_CHAT_TEMPLATE = (
 
 
 class Tokenizer:
-    """tokenize / detokenize with llama.cpp's conventions (special tokens parsed when special=True)."""
+    """tokenize / detokenize with llama.cpp's conventions (special tokens parsed when special=True). Safe to use
+    from several threads at once: each way of matching special tokens has its own `tokenizers` object, and no
+    call changes any state."""
 
     def __init__(self, hf, info: TokenizerInfo):
-        self._hf = hf
+        self._hf = hf                      # special tokens matched in the text (special=True); decoding
+        self._hf_plain = None              # a copy that reads special tokens' texts as text, made on first use
+        self._plain_lock = threading.Lock()
         self.info = info
         self._special_ids = {i for i, t in hf.get_added_tokens_decoder().items() if t.special}
         self._vocab_size = hf.get_vocab_size(with_added_tokens=True)   # costs ~1 ms on a 262144-token vocabulary
+        self._longest_token = None
 
     @property
     def vocab_size(self) -> int:
         return self._vocab_size
 
-    def tokenize(self, text: str, add_bos: bool | None = None, special: bool = False) -> list[int]:
-        """Text to ids. add_bos=None follows the GGUF's add_bos_token flag; special=True parses special tokens."""
+    def tokenize(self, text: str, add_bos: bool | None = None, special: bool = False,
+                 limit: int | None = None) -> list[int]:
+        """Text to ids. add_bos=None follows the GGUF's add_bos_token flag; special=True parses special tokens.
+        limit: a PromptTooLongError (a ContextLengthError) for a text of more than `limit` ids, BOS included,
+        found without tokenizing the whole of a text far over it (see _check_within)."""
         if not isinstance(text, str):
             raise TokenizerError(f"tokenize() takes a str, got {type(text).__name__}.")
-        if special:
-            ids = self._hf.encode(text, add_special_tokens=False).ids
-        else:
-            ids = self._encode_without_special_parsing(text)
         if add_bos is None:
             add_bos = self.info.add_bos
-        if add_bos and self.info.bos_id is not None:
-            ids = [self.info.bos_id] + ids
+        bos = [self.info.bos_id] if add_bos and self.info.bos_id is not None else []
+        encoder = self._encoder(special)
+        if limit is not None:
+            self._check_within(encoder, text, limit - len(bos))
+        ids = bos + encoder.encode(text, add_special_tokens=False).ids
+        if limit is not None and len(ids) > limit:
+            raise PromptTooLongError(len(ids), limit, exact=True)
         return ids
 
-    def _encode_without_special_parsing(self, text: str) -> list[int]:
-        # The tokenizers library always matches added tokens; to treat "<|im_start|>" in user text as plain
-        # text (llama.cpp's special=False), encode with added-token matching switched off for this call.
-        self._hf.encode_special_tokens = True
-        try:
-            return self._hf.encode(text, add_special_tokens=False).ids
-        finally:
-            self._hf.encode_special_tokens = False
+    def _encoder(self, special: bool):
+        if special:
+            return self._hf
+        if self._hf_plain is None:
+            with self._plain_lock:
+                if self._hf_plain is None:
+                    # The tokenizers library always matches added tokens unless encode_special_tokens is set; a
+                    # flag toggled around each call on a shared object is wrong under threads, so the plain
+                    # encoder is a copy with the flag set once (llama.cpp's special=False: "<|im_start|>" in user
+                    # text is text).
+                    plain = HFTokenizer.from_str(self._hf.to_str())
+                    plain.encode_special_tokens = True
+                    self._hf_plain = plain
+        return self._hf_plain
+
+    @property
+    def longest_token(self) -> int:
+        """The most characters of text one token can stand for: its piece's length (a byte-level piece has a
+        character a byte, a SentencePiece piece at least a character for each it covers)."""
+        if self._longest_token is None:
+            self._longest_token = max(len(piece) for piece in self._hf.get_vocab(with_added_tokens=True))
+        return self._longest_token
+
+    def _check_within(self, encoder, text: str, limit: int) -> None:
+        """A PromptTooLongError if `text` is sure to be more than `limit` ids, decided cheaply: a text longer than
+        limit x longest_token characters is refused untokenized; a long one is tokenized in pieces (cut before a
+        space) until their ids pass the limit. Cutting can change a few ids at each cut (a SentencePiece piece's
+        space prefix, a token that spanned it), so the pieces must pass the limit by PIECE_SLACK ids a cut."""
+        if len(text) > max(limit, 0) * self.longest_token:
+            raise PromptTooLongError(-(-len(text) // self.longest_token), limit)
+        if len(text) <= limit * 4:          # at most ~4x the ids of typical text: tokenized whole, cheaply
+            return
+        count = 0
+        for cuts, piece in enumerate(_pieces(text, PIECE_CHARS)):
+            count += len(encoder.encode(piece, add_special_tokens=False).ids)
+            if count > limit + PIECE_SLACK * cuts:
+                raise PromptTooLongError(count - PIECE_SLACK * cuts, limit)
 
     def detokenize(self, ids, special: bool = True) -> str:
         """Ids to text; special=True renders special tokens as their text so tokenize/detokenize round-trip."""
@@ -308,6 +349,30 @@ class TextStream:
         piece = self._stream.step(self._tokenizer._hf, token_id) or ""
         self.text += piece
         return piece
+
+
+class PromptTooLongError(ContextLengthError):
+    """A text of more ids than a limit: `tokens` is their count when `exact`, else a lower bound on it."""
+
+    def __init__(self, tokens: int, limit: int, exact: bool = False):
+        self.tokens, self.limit, self.exact = tokens, limit, exact
+        count = f"{tokens}" if exact else f"at least {tokens}"
+        super().__init__(f"The text has {count} tokens, more than the {limit} allowed.")
+
+
+def _pieces(text: str, size: int):
+    """`text` in pieces of about `size` characters, each cut just before a space that follows a non-space (where
+    a pre-tokenizer splits words), or at `size` where the last eighth of the piece has no such space."""
+    start = 0
+    while start < len(text):
+        end = start + size
+        if end < len(text):
+            cut = text.rfind(" ", end - size // 8, end)
+            while cut > start and text[cut - 1].isspace():
+                cut = text.rfind(" ", end - size // 8, cut)
+            end = cut if cut > start else end
+        yield text[start:end]
+        start = end
 
 
 def token_ids(ids, what: str) -> list[int]:

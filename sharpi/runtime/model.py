@@ -81,8 +81,10 @@ class Model:
     def manifest(self) -> Manifest:
         return self.engine.manifest
 
-    def tokenize(self, text: str, add_bos: bool | None = None, special: bool = False) -> list[int]:
-        return self.info.tokenize(text, add_bos=add_bos, special=special)
+    def tokenize(self, text: str, add_bos: bool | None = None, special: bool = False,
+                 limit: int | None = None) -> list[int]:
+        """Text to ids (sharpi.common.tokenizer.Tokenizer.tokenize: limit refuses a text of more ids)."""
+        return self.info.tokenize(text, add_bos=add_bos, special=special, limit=limit)
 
     def detokenize(self, ids, special: bool = True) -> str:
         return self.info.detokenize(ids, special=special)

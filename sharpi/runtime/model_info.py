@@ -3,7 +3,6 @@ chat template, its context, and the SnapKV settings a request's knobs resolve to
 HTTP front on a machine (or in a process) without the model uses one alone."""
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 from ..common.config import ModelConfig
@@ -23,16 +22,14 @@ class ModelInfo:
         if self.tokenizer.vocab_size > self.config.vocab_size:
             raise ArtifactError(f"{self.path}/tokenizer.json has {self.tokenizer.vocab_size} tokens, more than the "
                                 f"model's {self.config.vocab_size}; compile it again.")
-        # Tokenizing without special tokens flips a flag on the shared tokenizer for the call.
-        self._tokenizer_lock = threading.Lock()
 
     @property
     def max_context(self) -> int:
         return self.manifest.max_context
 
-    def tokenize(self, text: str, add_bos: bool | None = None, special: bool = False) -> list[int]:
-        with self._tokenizer_lock:
-            return self.tokenizer.tokenize(text, add_bos=add_bos, special=special)
+    def tokenize(self, text: str, add_bos: bool | None = None, special: bool = False,
+                 limit: int | None = None) -> list[int]:
+        return self.tokenizer.tokenize(text, add_bos=add_bos, special=special, limit=limit)
 
     def detokenize(self, ids, special: bool = True) -> str:
         return self.tokenizer.detokenize(ids, special=special)
