@@ -6,6 +6,8 @@ from typing import Literal, Union
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from ..runtime.text_output import MAX_STOP_CHARS
+
 MAX_LOGPROBS = 20
 MAX_STOP = 16
 _STRICT = ConfigDict(extra="forbid", strict=True)
@@ -87,6 +89,9 @@ class _Generation(BaseModel):
     def _few_stops(cls, stop):
         if isinstance(stop, list) and len(stop) > MAX_STOP:
             raise ValueError(f"at most {MAX_STOP} stop strings")
+        total = sum(map(len, [stop] if isinstance(stop, str) else stop or []))
+        if total > MAX_STOP_CHARS:
+            raise ValueError(f"the stop strings have {total} characters together; at most {MAX_STOP_CHARS}")
         return stop
 
     @model_validator(mode="after")
