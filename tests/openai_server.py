@@ -15,6 +15,7 @@ import openai
 from sharpi.serve.app import ServerState
 from sharpi.serve.client import LocalEngine
 from sharpi.serve.engine import ServeEngine, ServeSettings
+from sharpi.serve.http_guard import HttpLimits
 from sharpi.serve.server import serve_in_thread
 
 NAME = "smollm2-test"
@@ -28,9 +29,10 @@ class Server:
     def __init__(self, model, **settings):
         api_key = settings.pop("api_key", None)
         knobs = settings.pop("snapkv_knobs", {})
+        limits = settings.pop("limits", HttpLimits())
         self.engine = ServeEngine(model, ServeSettings(**settings)).start()
         self.state = ServerState(NAME, api_key=api_key, snapkv_knobs=knobs, model=model,
-                                 engine=LocalEngine(self.engine))
+                                 engine=LocalEngine(self.engine), limits=limits)
         self._context = serve_in_thread(self.state)
         self.url = self._context.__enter__()
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=api_key or "none", max_retries=0,

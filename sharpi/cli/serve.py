@@ -41,6 +41,14 @@ def add_serve_parser(sub) -> None:
                    help="require 'Authorization: Bearer KEY' on every route but /health (default: SHARPI_API_KEY)")
     s.add_argument("--drain-seconds", type=float, default=10.0,
                    help="on SIGINT/SIGTERM, how long in-flight requests may finish before they are cancelled (10)")
+    http = s.add_argument_group("HTTP limits")
+    http.add_argument("--max-body-mib", type=float, default=16.0,
+                      help="largest request body in MiB, counted as it arrives (16)")
+    http.add_argument("--header-timeout", type=float, default=10.0,
+                      help="seconds a connection has to send a request's headers (10; not under --ray, whose "
+                           "proxy is Ray's)")
+    http.add_argument("--body-timeout", type=float, default=60.0,
+                      help="seconds a request's body has to arrive once its headers did (60)")
     ray = s.add_argument_group("replicas on Ray Serve (pip install \"sharpi[ray]\")")
     ray.add_argument("--ray", action="store_true",
                      help="serve from engine replicas on a Ray cluster (one model load each) behind Ray Serve's "
@@ -76,6 +84,7 @@ def cmd_serve(args) -> int:
         raise ConfigError(f"--port must be in [0, 65535], got {args.port}.")
     if not (args.drain_seconds >= 0):
         raise ConfigError(f"--drain-seconds must be >= 0, got {args.drain_seconds}.")
+    limits = _http_limits(args)
     api_key = args.api_key if args.api_key is not None else os.environ.get("SHARPI_API_KEY") or None
     if api_key is not None and not api_key.strip():
         raise ConfigError("--api-key is empty.")
@@ -83,13 +92,13 @@ def cmd_serve(args) -> int:
     name = args.model_name or Path(manifest.source.get("name", Path(args.artifact).name)).stem
     pool_tokens = _pool_tokens(args, manifest)
     if args.ray:
-        return _serve_on_ray(args, manifest, name, api_key, parallel, pool_tokens)
+        return _serve_on_ray(args, manifest, name, api_key, parallel, pool_tokens, limits)
     if args.replicas is not None or args.min_replicas is not None or args.max_replicas is not None \
             or args.address is not None or args.gpus_per_replica is not None:
         raise ConfigError("--replicas, --min-replicas, --max-replicas, --address and --gpus-per-replica go with "
                           "--ray.")
     sock = bind(args.host, args.port)
-    state = ServerState(name, api_key=api_key, snapkv_knobs=snapkv_knobs(args))
+    state = ServerState(name, api_key=api_key, snapkv_knobs=snapkv_knobs(args), limits=limits)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     host, port = sock.getsockname()[:2]
     print(f"sharpi serve: http://{host}:{port}/v1 serves '{name}' (loading {args.artifact})", flush=True)
@@ -108,8 +117,22 @@ def cmd_serve(args) -> int:
     return 0 if state.load_error is None else 2
 
 
+def _http_limits(args):
+    from ..serve.http_guard import HttpLimits
+    if not 0 < args.max_body_mib <= 1 << 14:
+        raise ConfigError(f"--max-body-mib must be in (0, 16384], got {args.max_body_mib}.")
+    limits = HttpLimits(max_body_bytes=max(1, int(args.max_body_mib * (1 << 20))),
+                        header_timeout=args.header_timeout, body_timeout=args.body_timeout)
+    try:
+        limits.validate()
+    except ConfigError as error:         # name the flag, not the field
+        flag = next(f for f in ("header_timeout", "body_timeout") if str(error).startswith(f))
+        raise ConfigError(f"--{flag.replace('_', '-')}{str(error)[len(flag):]}") from None
+    return limits
+
+
 def _serve_on_ray(args, manifest: Manifest, name: str, api_key: str | None, parallel: int,
-                  pool_tokens: int | None) -> int:
+                  pool_tokens: int | None, limits) -> int:
     """Deploy on Ray Serve, then wait for SIGINT/SIGTERM and take the deployment down (a cluster this command
     started goes with it)."""
     try:
@@ -123,7 +146,7 @@ def _serve_on_ray(args, manifest: Manifest, name: str, api_key: str | None, para
         replicas=args.replicas if args.replicas is not None else 1, min_replicas=args.min_replicas,
         max_replicas=args.max_replicas, host=args.host, port=args.port or _free_port(args.host),
         gpus_per_replica=args.gpus_per_replica if args.gpus_per_replica is not None else float(gpu),
-        model_name=name, api_key=api_key)
+        model_name=name, api_key=api_key, limits=limits)
     deployment.validate()
     # each replica's kernels get their share of this machine's cores unless --threads says otherwise
     threads = args.threads or max(1, (os.cpu_count() or 1) // deployment.most_replicas)

@@ -2,8 +2,14 @@
 engine requests and of engine events into OpenAI responses and server-sent events.
 
 Errors are OpenAI's body, {"error": {"message", "type", "param", "code"}}: 400 for a bad body or value (the field
-named), 401 for a missing or wrong API key, 404 for another model or route, 413 for a body over the bound, 503
-while the model loads or when the queue is full, 500 if the engine fails.
+named) or ambiguous framing or authorization, 401 for a missing or wrong API key, 404 for another model or route,
+408 for a body that does not arrive in time, 413 for a body over the bound, 503 while the model loads or when the
+queue is full, 500 if the engine fails.
+
+A request's size is bounded before any work proportional to it: the body by the HTTP guard (sharpi.serve.
+http_guard), a text prompt against the context before it is tokenized whole (Tokenizer.tokenize's limit), an id
+list by its length before its ids are checked. Work on large inputs (parsing, tokenizing, rendering, detokenizing)
+runs in worker threads, never on the event loop.
 """
 from __future__ import annotations
 
@@ -24,15 +30,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..common.chat import render_chat
 from ..common.errors import ConfigError, ContextLengthError, ServerBusyError, SharpiError
-from ..common.tokenizer import token_ids
+from ..common.tokenizer import PromptTooLongError, token_ids
 from ..runtime.sampling import SamplingParams
 from .client import EngineClient, EventStream, ModelFront
+from .http_guard import GuardMiddleware, HttpLimits, RequestNote, RequestRefused
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                        _Generation)
 from .request import Event, GenerationRequest, TokenLogprob
 
 log = logging.getLogger("sharpi.serve")
-MAX_BODY_BYTES = 16 << 20            # a 100k-token prompt as JSON is well under 1 MiB
+THREAD_BODY_BYTES = 64 << 10         # a body at least this large is parsed in a worker thread
 
 
 class ApiError(Exception):
@@ -49,11 +56,12 @@ class ApiError(Exception):
 @dataclass
 class ServerState:
     """What the routes see: the model (its front: tokenizer, settings) and the engine client once loaded (None
-    while loading), the model's id, the API key, and the server's SnapKV knobs (the defaults of a request's
-    own)."""
+    while loading), the model's id, the API key, the server's SnapKV knobs (the defaults of a request's own)
+    and its HTTP limits."""
     model_name: str
     api_key: str | None = None
     snapkv_knobs: dict = field(default_factory=dict)
+    limits: HttpLimits = field(default_factory=HttpLimits)
     model: ModelFront | None = None
     engine: EngineClient | None = None
     load_error: str | None = None
@@ -69,7 +77,7 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="sharpi", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.sharpi = state
     _install_error_handlers(app)
-    app.add_middleware(_BoundedBodyAndLog)
+    app.add_middleware(GuardMiddleware, limits=state.limits, answer_refusal=_refusal_response)
     auth = [Depends(_require_key(state))]
 
     @app.get("/health")
@@ -99,7 +107,8 @@ def create_app(state: ServerState) -> FastAPI:
         model, _ = state.ready()
         body = await _parse(request, TokenizeRequest)
         _check_model(state, body.model)
-        ids = await run_in_threadpool(model.tokenize, body.prompt, None if body.add_special_tokens else False)
+        ids = await run_in_threadpool(_tokenize, model, body.prompt, "prompt", False,
+                                      None if body.add_special_tokens else False)
         return {"tokens": ids, "count": len(ids), "max_model_len": model.max_context}
 
     @app.post("/detokenize", dependencies=auth)
@@ -107,8 +116,8 @@ def create_app(state: ServerState) -> FastAPI:
         model, _ = state.ready()
         body = await _parse(request, DetokenizeRequest)
         _check_model(state, body.model)
-        _check_ids(model, body.tokens, "tokens")
-        text = model.detokenize(body.tokens)
+        ids = _check_ids(model, body.tokens, "tokens", generate=False)
+        text = await run_in_threadpool(model.detokenize, ids)
         return {"prompt": text, "content": text}
 
     @app.post("/v1/completions", dependencies=auth)
@@ -117,7 +126,7 @@ def create_app(state: ServerState) -> FastAPI:
         body = await _parse(request, CompletionRequest)
         _check_model(state, body.model)
         if isinstance(body.prompt, str):
-            ids = await run_in_threadpool(model.tokenize, body.prompt)
+            ids = await run_in_threadpool(_tokenize, model, body.prompt, "prompt")
         else:
             ids = _check_ids(model, body.prompt, "prompt")
         generation = _generation_request(state, model, body, ids, body.max_tokens, body.logprobs,
@@ -142,8 +151,11 @@ def create_app(state: ServerState) -> FastAPI:
 async def _parse(request: Request, schema: type[BaseModel]):
     """The body as `schema`, whatever its Content-Type says (curl -d sends form encoding; llama-server and
     vLLM read JSON regardless); a 400 naming the field otherwise."""
+    data = await request.body()
     try:
-        return schema.model_validate_json(await request.body())
+        if len(data) >= THREAD_BODY_BYTES:
+            return await run_in_threadpool(schema.model_validate_json, data)
+        return schema.model_validate_json(data)
     except ValidationError as error:
         raise _validation_error(error.errors()) from None
 
@@ -162,7 +174,11 @@ def _model_card(state: ServerState) -> dict:
     return card
 
 
-def _check_ids(model: ModelFront, ids, name: str) -> list[int]:
+def _check_ids(model: ModelFront, ids, name: str, generate: bool = True) -> list[int]:
+    """The id list as ints, each in the vocabulary, fitting the context (its length checked first)."""
+    limit = _limit(model, generate)
+    if len(ids) > limit:
+        raise _too_long(model, name, f"{len(ids)}", generate)
     try:
         ids = token_ids(ids, name)
     except ConfigError as error:
@@ -173,16 +189,42 @@ def _check_ids(model: ModelFront, ids, name: str) -> list[int]:
     return ids
 
 
+def _tokenize(model: ModelFront, text: str, name: str, generate: bool = True, add_bos: bool | None = None,
+              special: bool = False) -> list[int]:
+    """The text's ids, or a 400 once they are sure not to fit the context (found before tokenizing all of a long
+    text: Tokenizer.tokenize's limit)."""
+    try:
+        return model.tokenize(text, add_bos, special, limit=_limit(model, generate))
+    except PromptTooLongError as error:
+        raise _too_long(model, name, f"{error.tokens}" if error.exact else f"at least {error.tokens}",
+                        generate) from None
+
+
+def _limit(model: ModelFront, generate: bool) -> int:
+    """The most prompt tokens: the context, less the first generated token's place when generating."""
+    return model.max_context - generate
+
+
+def _too_long(model: ModelFront, name: str, count: str, generate: bool) -> ApiError:
+    what = {"messages": "The messages have", "tokens": "The token list has"}.get(name, f"The {name} has")
+    room = " (one more is needed for the first generated token)" if generate else ""
+    return ApiError(400, f"{what} {count} tokens; the context holds {model.max_context}{room}.",
+                    param=name, code="context_length_exceeded")
+
+
 def _chat_prompt(model: ModelFront, body: ChatCompletionRequest, last: int | None = None,
                  generation_prompt: bool = True) -> list[int]:
     info = model.tokenizer.info
     messages = [{"role": m.role, "content": m.text()} for m in body.messages[:last]]
+    characters, longest = sum(len(m["content"]) for m in messages), model.tokenizer.longest_token
+    if characters > _limit(model, True) * longest:           # refused before the template renders them
+        raise _too_long(model, "messages", f"at least {-(-characters // longest)}", True)
     try:
         prompt = render_chat(info.chat_template, messages, bos_token=info.bos_token, eos_token=info.eos_token,
                              add_generation_prompt=generation_prompt)
     except SharpiError as error:
         raise ApiError(400, str(error), param="messages") from None
-    return model.tokenize(prompt, special=True)
+    return _tokenize(model, prompt, "messages", special=True)
 
 
 def _chat_prefix(model: ModelFront, body: ChatCompletionRequest, ids: list[int]) -> int:
@@ -257,12 +299,28 @@ class _Reply:
     usage: dict | None = None
     error: str | None = None
     first_token_s: float | None = None
+    note: RequestNote | None = None       # the request's log line
+
+    def noted(self) -> None:
+        """Tell the log line how the generation ended."""
+        if self.note is None:
+            return
+        if self.finish_reason is None:
+            self.note.outcome = "cancelled: the client went away"
+        elif self.usage is not None:
+            u = self.usage
+            self.note.outcome = (f"prompt={u['prompt_tokens']} cached={u['cached_tokens']} "
+                                 f"completion={u['completion_tokens']} finish={self.finish_reason}")
+            if self.first_token_s is not None:
+                self.note.outcome += f" first_token={self.first_token_s:.3f}s"
+        else:
+            self.note.outcome = f"finish={self.finish_reason}"
 
 
 async def _respond(request: Request, engine: EngineClient, model: ModelFront, state: ServerState,
                    generation: GenerationRequest, body: _Generation, chat: bool):
-    reply = _Reply(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], int(time.time()), state.model_name)
-    request.scope["sharpi_reply"] = reply           # for the request's log line
+    reply = _Reply(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], int(time.time()), state.model_name,
+                   note=request.scope.get("sharpi_note"))
     start = time.monotonic()
     if generation.max_tokens == 0:                  # nothing to generate: the prompt is not even computed
         events = EventStream.finished(Event("finish", finish_reason="length", usage={
@@ -276,6 +334,7 @@ async def _respond(request: Request, engine: EngineClient, model: ModelFront, st
                                  headers={"Cache-Control": "no-cache", **_replica_header(events)})
     async for event in _events_until_disconnect(request, events):
         _take(reply, event, start)
+    reply.noted()
     if reply.finish_reason is None:                 # the client went away: nothing to answer
         return Response(status_code=499)
     _raise_if_failed(reply)
@@ -399,6 +458,7 @@ async def _sse(model: ModelFront, events: EventStream, reply: _Reply, start: flo
             yield "data: [DONE]\n\n"
             return
     finally:
+        reply.noted()
         events.cancel()
 
 
@@ -429,7 +489,13 @@ def _completion_logprobs(model: ModelFront, logprobs: list[TokenLogprob], offset
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError):
+        _note_error(request, error.code or error.type)
         return error.response()
+
+    @app.exception_handler(RequestRefused)
+    async def refused(request: Request, error: RequestRefused):
+        _note_error(request, error.code)
+        return _refusal_response(error)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, error: RequestValidationError):
@@ -437,6 +503,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException):
+        _note_error(request, "not_found" if error.status_code == 404 else f"http_{error.status_code}")
         if error.status_code == 404:
             return ApiError(404, f"There is no route {request.method} {request.url.path}.",
                             code="not_found").response()
@@ -447,8 +514,20 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def unexpected(request: Request, error: Exception):
         log.exception("request failed")
+        _note_error(request, type(error).__name__)
         return ApiError(500, f"The server failed on this request: {type(error).__name__}.",
                         "server_error").response()
+
+
+def _note_error(request: Request, code: str) -> None:
+    note = request.scope.get("sharpi_note")
+    if note is not None:
+        note.outcome = f"error={code}"
+
+
+def _refusal_response(refusal: RequestRefused) -> JSONResponse:
+    """The HTTP guard's refusal in OpenAI's error body."""
+    return ApiError(refusal.status, refusal.message, code=refusal.code).response()
 
 
 def _validation_error(errors: list[dict]) -> ApiError:
@@ -480,52 +559,11 @@ def _require_key(state: ServerState):
     async def check(request: Request):
         if state.api_key is None:
             return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
+        headers = request.headers.getlist("authorization")
+        if len(headers) > 1:
+            raise ApiError(400, "Send one Authorization header, not several.", code="ambiguous_authorization")
+        scheme, _, token = (headers[0] if headers else "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), state.api_key.encode()):
             raise ApiError(401, "A valid API key is required: send it as 'Authorization: Bearer KEY'.",
                            code="invalid_api_key")
     return check
-
-
-class _BoundedBodyAndLog:
-    """Pure ASGI middleware (a BaseHTTPMiddleware would hide client disconnects from the routes): refuses a body
-    over MAX_BODY_BYTES or of unknown length before it is read, and logs one line per request when its response
-    ends (a stream's at its last event), with the token counts of a generation."""
-
-    def __init__(self, app):
-        self.app = app
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        start, status = time.monotonic(), [0]
-        headers = dict(scope.get("headers") or [])
-        length = headers.get(b"content-length")
-
-        async def send_and_note(message):
-            if message["type"] == "http.response.start":
-                status[0] = message["status"]
-            await send(message)
-
-        try:
-            if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
-                error = ApiError(413, f"The request body is over {MAX_BODY_BYTES >> 20} MiB.")
-                await error.response()(scope, receive, send_and_note)
-            elif length is None and b"chunked" in headers.get(b"transfer-encoding", b""):
-                error = ApiError(411, "Send the request body with a Content-Length.")
-                await error.response()(scope, receive, send_and_note)
-            else:
-                await self.app(scope, receive, send_and_note)
-        finally:
-            reply = scope.get("sharpi_reply")
-            extra = ""
-            if reply is not None and reply.usage is not None:
-                u = reply.usage
-                extra = (f" prompt={u['prompt_tokens']} cached={u['cached_tokens']} "
-                         f"completion={u['completion_tokens']} finish={reply.finish_reason}")
-                if reply.first_token_s is not None:
-                    extra += f" first_token={reply.first_token_s:.3f}s"
-            elif reply is not None:
-                extra = " cancelled: the client went away"
-            log.info("%s %s %d %.3fs%s", scope["method"], scope["path"], status[0], time.monotonic() - start, extra)

@@ -25,7 +25,8 @@ class ModelFront(Protocol):
     @property
     def max_context(self) -> int: ...
 
-    def tokenize(self, text: str, add_bos: bool | None = None, special: bool = False) -> list[int]: ...
+    def tokenize(self, text: str, add_bos: bool | None = None, special: bool = False,
+                 limit: int | None = None) -> list[int]: ...
 
     def detokenize(self, ids, special: bool = True) -> str: ...
 
@@ -116,6 +117,9 @@ class LocalEngine:
 
     def cancel_all(self) -> None:
         self.engine.cancel_all()
+
+    def step_seconds(self) -> float:
+        return self.engine.step_seconds()
 
 
 def open_local(engine: ServeEngine, generation: GenerationRequest, replica: str | None = None) -> EventStream:

@@ -118,6 +118,7 @@ class ServeEngine:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.fatal: BaseException | None = None
+        self._call_seconds: deque[float] = deque(maxlen=64)    # the latest model calls' times (chunks, steps)
 
     # -- the client side (any thread) ---------------------------------------------------------------------------
     def start(self) -> "ServeEngine":
@@ -175,6 +176,11 @@ class ServeEngine:
                 self.conversations.clear()
                 self.pool.reclaim = None
         self._update_gauges()
+
+    def step_seconds(self) -> float:
+        """The longest of the latest model calls (a prefill chunk or a decode step): how long a cancellation may
+        wait for the call in flight to end."""
+        return max(self._call_seconds, default=0.0)
 
     @property
     def idle(self) -> bool:
@@ -267,8 +273,10 @@ class ServeEngine:
         if not running:
             return True
         tokens = [s.pending for s in running]
+        started = time.monotonic()
         with self.engine.lock:
             logits = decode_batch([s.session for s in running], tokens)
+        self._call_seconds.append(time.monotonic() - started)
         self.metrics.decode_steps.inc()
         self.metrics.decode_batch_size.observe(len(running))
         for seq, row in zip(running, logits):
@@ -302,6 +310,9 @@ class ServeEngine:
             seq = next((s for s in self._active if s.jobs), None) or self._admit()
             if seq is None:
                 break
+            if seq.handle.cancelled:              # between two chunks: a drain or a disconnect waits no longer
+                self._finish(seq, "cancelled")
+                continue
             kind, job, ids = seq.jobs[0]
             if job is None:
                 job = seq.session.start_prefill(ids)
@@ -310,12 +321,14 @@ class ServeEngine:
             if not self._make_room(job.pages_needed(), seq):
                 continue                          # seq itself was preempted; the next one may fit
             n = job.next_tokens
+            started = time.monotonic()
             with self.engine.lock:
                 try:
                     done = job.step()
                 except PoolExhaustedError:        # pages went elsewhere after all: wait and recompute
                     self._preempt(seq)
                     continue
+            self._call_seconds.append(time.monotonic() - started)
             spent += n
             self.metrics.prefill_tokens.labels("recompute" if kind == "resume" or seq.out else "prompt").inc(n)
             if done:

@@ -35,6 +35,7 @@ from ray.serve.request_router import FIFOMixin, RequestRouter
 from ..common.errors import ConfigError, ContextLengthError, ServerBusyError, SharpiError
 from ..runtime.model_info import ModelInfo
 from .app import ServerState, create_app
+from .http_guard import HttpLimits
 from .client import EventStream, LocalEngine, open_local
 from .engine import ServeEngine, ServeSettings
 from .request import Event, GenerationRequest
@@ -78,6 +79,7 @@ class RayDeployment:
     model_name: str = "sharpi"
     api_key: str | None = None
     health_check_period_s: float = 10.0
+    limits: HttpLimits = HttpLimits()     # the ingress's body bounds (Ray's proxy parses the headers)
 
     def validate(self) -> None:
         if self.min_replicas is None and self.max_replicas is None:
@@ -318,6 +320,7 @@ def _ingress_app(artifact: str, deployment: RayDeployment, snapkv_knobs: dict):
     RayEngine over the engine deployment's handle (Ray's documented way for an app built on the replica)."""
     def build():
         state = ServerState(deployment.model_name, api_key=deployment.api_key, snapkv_knobs=snapkv_knobs,
+                            limits=deployment.limits,
                             model=ModelInfo(artifact),
                             engine=RayEngine(serve.get_deployment_handle(ENGINE, app_name=APP_NAME)))
         return create_app(state)
@@ -372,7 +375,8 @@ def deploy(options: ReplicaOptions, deployment: RayDeployment, page_size: int, a
         where = f"at {address}" if address else "on this machine"
         raise SharpiError(f"Could not start or join the Ray cluster {where}: {_first_line(error)}") from None
     try:
-        serve.start(http_options={"host": deployment.host, "port": deployment.port})
+        serve.start(http_options={"host": deployment.host, "port": deployment.port,
+                                  "keep_alive_timeout_s": max(1, round(deployment.limits.idle_timeout))})
         serve.run(build_application(options, deployment, page_size), name=APP_NAME, route_prefix="/")
     except SharpiError:
         raise

@@ -1,5 +1,9 @@
 """Running the HTTP app: on a socket bound here (a port in use is one clear sentence, and port 0 picks a free
-one), by uvicorn, with a drain on SIGINT/SIGTERM; or in a thread of this process (tests, benchmarks)."""
+one), by uvicorn, with a drain on SIGINT/SIGTERM; or in a thread of this process (tests, benchmarks).
+
+uvicorn runs h11 (named, not left to whichever parser is installed: httptools would take over where it is
+installed, with other framing rules) through sharpi.serve.http_guard's protocol, which bounds the time a request's
+head may take."""
 from __future__ import annotations
 
 import contextlib
@@ -11,6 +15,7 @@ import uvicorn
 
 from ..common.errors import ConfigError, SharpiError
 from .app import ServerState, create_app
+from .http_guard import guarded_h11
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -39,14 +44,18 @@ class DrainingServer(uvicorn.Server):
         engine = self.state.engine
         if engine is not None and not self.should_exit:
             engine.stop_intake()
-            timer = threading.Timer(self.drain_seconds, engine.cancel_all)
+            # the cancellation takes effect at the engine's next step: sent a step early, the drain ends in time
+            timer = threading.Timer(max(0.0, self.drain_seconds - engine.step_seconds()), engine.cancel_all)
             timer.daemon = True
             timer.start()
         super().handle_exit(sig, frame)
 
 
 def _config(state: ServerState, drain_seconds: float) -> uvicorn.Config:
+    limits = state.limits
+    limits.validate()
     return uvicorn.Config(create_app(state), log_level="warning", access_log=False, lifespan="off",
+                          http=guarded_h11(limits.header_timeout), timeout_keep_alive=limits.idle_timeout,
                           timeout_graceful_shutdown=drain_seconds + 5)
 
 
