@@ -24,6 +24,7 @@ from ...common.targets import TARGETS
 from ...common.tvm_cuda import load_tvm_cuda_runtime
 from ..artifact import with_contract
 from ..attach_kernels import attach_kernels
+from ..reproducible import relax_build_pipeline
 from ..tvm_seams import cuda_compiler
 from .base import kernel_names
 
@@ -167,7 +168,8 @@ def build(mod: tvm.IRModule, target: tvm.target.Target, library_path: Path, cuda
 
     with cuda_compiler(compile_fatbin):
         with target, tvm.transform.PassContext(opt_level=3, config={"relax.backend.use_cuda_graph": cuda_graph}):
-            executable = tvm.compile(mod, target=target)
+            # TVM's GPU pipeline plus the fix for its run-to-run different shape functions (codegen.reproducible)
+            executable = tvm.compile(mod, target=target, relax_pipeline=relax_build_pipeline(target))
         executable.export_library(str(library_path))
 
 

@@ -21,6 +21,7 @@ from ...common.targets import TARGETS
 from ..artifact import with_contract
 from ..attach_kernels import attach_kernels
 from ..cpu_schedule import fast_math_legalizations, schedule_generic
+from ..reproducible import relax_build_pipeline
 from .base import kernel_names
 
 # CPU features an artifact may need, by the name /proc/cpuinfo uses; LLVM's names map onto these.
@@ -117,8 +118,9 @@ def lower(mod: tvm.IRModule, cfg: ModelConfig, target: tvm.target.Target, int8_i
 
 
 def build_executable(mod: tvm.IRModule, target: tvm.target.Target):
+    # TVM's default Relax pipeline plus the fix for its run-to-run different shape functions (codegen.reproducible)
     with tvm.transform.PassContext(opt_level=3, config={"tirx.disable_cse_tir": True}):
-        return tvm.compile(mod, target=target)
+        return tvm.compile(mod, target=target, relax_pipeline=relax_build_pipeline(target))
 
 
 def build(mod: tvm.IRModule, target: tvm.target.Target, library_path: Path) -> None:
