@@ -362,3 +362,19 @@ def test_serve_cli_refuses_bad_http_limits(tiny_artifact, capsys):
         assert rc == 2
         err = capsys.readouterr().err
         assert word in err and "Traceback" not in err, err
+
+
+def test_a_prefill_budget_below_the_chunk_prefills_in_steps_of_it(tiny):
+    """The server's --prefill-budget is the most a prefill step computes, so cancellations (a drain, a client gone)
+    wait at most that many tokens' time."""
+    ids = [3 + i % 200 for i in range(100)]
+    with tiny.session() as whole:
+        want = whole.prefill(ids)
+    with tiny.session() as session:
+        job = session.start_prefill(ids, chunk=16)
+        sizes = []
+        while not job.done:
+            sizes.append(job.next_tokens)
+            job.step()
+        assert sizes == [16] * 6 + [4]
+        assert abs(job.logits - want).max() < 1e-3 * abs(want).max()

@@ -76,11 +76,12 @@ class Session:
             pass
         return job.logits
 
-    def start_prefill(self, ids, *, keep_scores: bool = False, on_fed=None) -> "PrefillJob":
+    def start_prefill(self, ids, *, keep_scores: bool = False, on_fed=None, chunk: int | None = None) -> "PrefillJob":
         """The same prefill, fed one chunk per PrefillJob.step() (a server interleaves the chunks of several
-        prompts with decode steps of running sequences). on_fed(), if given, runs once every token is in the
-        cache, before any eviction (a prefix cache indexes the whole prompt then)."""
-        return PrefillJob(self, self._check_ids(ids), keep_scores, on_fed)
+        prompts with decode steps of running sequences, and checks cancellations between them). on_fed(), if
+        given, runs once every token is in the cache, before any eviction (a prefix cache indexes the whole prompt
+        then). chunk: tokens a step, at most the artifact's prefill chunk (the default)."""
+        return PrefillJob(self, self._check_ids(ids), keep_scores, on_fed, chunk)
 
     def adopt_prefix(self, pages: list[list[int]], tokens: int) -> None:
         """Start this new session from `tokens` tokens whose keys and values other sequences computed (`pages`
@@ -309,7 +310,7 @@ class PrefillJob:
     (prefill_snapkv scores every held position with those queries). A fresh prompt whose chunk finds the pool
     full leaves the session empty, as it was."""
 
-    def __init__(self, session: Session, ids: np.ndarray, keep_scores: bool, on_fed=None):
+    def __init__(self, session: Session, ids: np.ndarray, keep_scores: bool, on_fed=None, chunk: int | None = None):
         self.session, self.ids, self.on_fed = session, ids, on_fed
         self.fresh = session.fresh
         total = session.logical_length + len(ids)
@@ -326,7 +327,8 @@ class PrefillJob:
         if self.window > len(ids):
             raise ConfigError(f"Scoring a prompt needs its last {self.window} tokens computed here; only "
                               f"{len(ids)} follow the adopted prefix.")
-        self._chunks = self._plan(len(ids), session._engine.prefill_chunk, self.window)
+        step = session._engine.prefill_chunk if chunk is None else max(1, min(chunk, session._engine.prefill_chunk))
+        self._chunks = self._plan(len(ids), step, self.window)
         self.logits: np.ndarray | None = None
 
     @staticmethod

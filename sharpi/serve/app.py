@@ -202,7 +202,7 @@ def _tokenize(model: ModelFront, text: str, name: str, generate: bool = True, ad
 
 def _limit(model: ModelFront, generate: bool) -> int:
     """The most prompt tokens: the context, less the first generated token's place when generating."""
-    return model.max_context - generate
+    return model.max_context - (1 if generate else 0)
 
 
 def _too_long(model: ModelFront, name: str, count: str, generate: bool) -> ApiError:

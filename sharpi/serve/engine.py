@@ -315,7 +315,7 @@ class ServeEngine:
                 continue
             kind, job, ids = seq.jobs[0]
             if job is None:
-                job = seq.session.start_prefill(ids)
+                job = seq.session.start_prefill(ids, chunk=self.budget)
                 job.on_fed = lambda seq=seq, kind=kind, job=job: self._prompt_fed(seq, kind, job)
                 seq.jobs[0] = (kind, job, ids)
             if not self._make_room(job.pages_needed(), seq):
