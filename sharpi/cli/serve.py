@@ -49,7 +49,7 @@ def add_serve_parser(sub) -> None:
                            "proxy is Ray's)")
     http.add_argument("--body-timeout", type=float, default=60.0,
                       help="seconds a request's body has to arrive once its headers did (60)")
-    ray = s.add_argument_group("replicas on Ray Serve (pip install \"sharpi[ray]\")")
+    ray = s.add_argument_group("replicas on Ray Serve (python -m pip install \".[ray]\" in the sharpi clone)")
     ray.add_argument("--ray", action="store_true",
                      help="serve from engine replicas on a Ray cluster (one model load each) behind Ray Serve's "
                           "HTTP proxy, a conversation's requests kept on the replica that holds its pages")
@@ -68,14 +68,14 @@ def add_serve_parser(sub) -> None:
 
 
 def cmd_serve(args) -> int:
-    # Heavy and optional (pip install "sharpi[serve]"): imported when serving, so the other commands never need it.
+    # Heavy and optional (python -m pip install ".[serve]"): imported when serving, so the other commands never need it.
     try:
         from ..serve.app import ServerState
         from ..serve.server import bind, serve
     except ImportError as error:
         extra = "ray" if args.ray else "serve"
         raise ConfigError(f"sharpi serve{' --ray' if args.ray else ''} needs the {extra} extra ({error.name} is "
-                          f"missing): pip install \"sharpi[{extra}]\".") from None
+                          f"missing): python -m pip install \".[{extra}]\" in the sharpi clone.") from None
     parallel = parse_positive_int(args.parallel, "--parallel", highest=1024)
     parse_positive_int(args.max_queue, "--max-queue", allow_zero=True, highest=1 << 20)
     if args.prefill_budget is not None:
@@ -139,7 +139,7 @@ def _serve_on_ray(args, manifest: Manifest, name: str, api_key: str | None, para
         from ..serve import ray as on_ray
     except ImportError as error:
         raise ConfigError(f"sharpi serve --ray needs the ray extra ({error.name} is missing): "
-                          f"pip install \"sharpi[ray]\".") from None
+                          f"python -m pip install \".[ray]\" in the sharpi clone.") from None
     from ..serve.engine import ServeSettings
     gpu = manifest.target.get("kind") in ("cuda", "vulkan")
     deployment = on_ray.RayDeployment(

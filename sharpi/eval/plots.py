@@ -19,7 +19,8 @@ def _pyplot():
         import matplotlib
     except ImportError:
         from ..common.errors import ConfigError
-        raise ConfigError("Plots need matplotlib: pip install 'sharpi[eval]' (or pass --no-plots).") from None
+        raise ConfigError("Plots need matplotlib: python -m pip install \".[eval]\" in the sharpi clone (or pass "
+                          "--no-plots).") from None
     matplotlib.use("Agg")       # files only: no display is needed or wanted
     import matplotlib.pyplot as plt
     return plt

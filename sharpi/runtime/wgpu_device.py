@@ -16,7 +16,8 @@ def _wgpu():
         import wgpu
         import wgpu.backends.wgpu_native.extras as extras
     except ImportError:
-        raise VulkanUnavailableError("The Vulkan backend needs the wgpu package: pip install 'sharpi[vulkan]'.") from None
+        raise VulkanUnavailableError("The Vulkan backend needs the wgpu package: python -m pip install "
+                                     "\".[vulkan]\" in the sharpi clone.") from None
     if not _INSTANCE_READY:
         import atexit
         import os

@@ -1,4 +1,4 @@
-"""sharpi's engine as Ray Serve replicas (pip install "sharpi[ray]"): past one machine without a router of our own.
+"""sharpi's engine as Ray Serve replicas (python -m pip install ".[ray]" in the clone): past one machine without a router of our own.
 
     HTTP (Ray Serve's proxy) ──▶ SharpiIngress: sharpi.serve.app, the same routes, bodies, errors and streams as
                                  `sharpi serve`, on the artifact's tokenizer and settings alone (ModelInfo)

@@ -1,9 +1,10 @@
 """The conformance suite: what every compiled artifact must satisfy, as plain functions.
 
-The pytest plugin (`pytest --sharpi-artifact DIR`, sharpi/testing/pytest_plugin.py) and `sharpi-compile --check`
-both run these checks; each `check_*` function returns a one-line detail when it passes and raises `CheckFailed`
-(an AssertionError whose message starts with the check's name) when it does not, or `CheckSkipped` when it does
-not apply to the artifact (e.g. SnapKV checks on an artifact compiled with `--snapkv off`).
+`sharpi check DIR` (sharpi/cli/check.py), the pytest plugin (`python -m pytest --sharpi-artifact DIR`,
+sharpi/testing/pytest_plugin.py) and `sharpi-compile --check` all run these checks; each `check_*` function
+returns a one-line detail when it passes and raises `CheckFailed` (an AssertionError whose message starts with the
+check's name) when it does not, or `CheckSkipped` when it does not apply to the artifact (e.g. SnapKV checks on an
+artifact compiled with `--snapkv off`).
 
     from sharpi.testing import conformance
     results = conformance.Suite("smollm2-llvm").run_all()      # [CheckResult(name, status, detail, seconds)]
@@ -263,7 +264,8 @@ def find_gguf(artifact: Path, manifest, candidates=()) -> Path:
     raise ConfigError(f"No reference GGUF for {artifact}: it was compiled from {name} (sha256 {sha[:16]}...), "
                       f"which is not in {models_dir()} nor beside the artifact"
                       + (f"; given: {tried}" if tried else "")
-                      + "; pass its path with --sharpi-gguf PATH (Suite(gguf=...)).")
+                      + "; pass its path with --gguf PATH (sharpi check), --sharpi-gguf PATH (pytest) or "
+                      "Suite(gguf=...).")
 
 
 # -- the checks ------------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """sharpi's pytest plugin: the conformance suite on your own compiled artifacts.
 
-    pytest --sharpi-artifact DIR [--sharpi-artifact DIR2 ...] [--sharpi-reference numpy|cpu] [--sharpi-gguf PATH]
+    python -m pytest --sharpi-artifact DIR [--sharpi-artifact DIR2 ...] [--sharpi-reference numpy|cpu]
+                     [--sharpi-gguf PATH]
 
 runs every check of sharpi.testing.conformance on each artifact, as tests named
 `test_<check>[<artifact>]` (sharpi/testing/conformance_suite.py). Without paths on the command line only the
@@ -12,8 +13,10 @@ suite runs; with paths, your tests run too and can use the public fixtures:
     sharpi_prompt      the prompt text the suite feeds (--sharpi-prompt)
     sharpi_tolerance   the artifact's tolerance (conformance.Tolerance: logprob_atol, near_tie)
 
-The plugin is registered through the `pytest11` entry point (`-p no:sharpi` turns it off); it does nothing
-unless --sharpi-artifact is given. Its import stays light: numpy and sharpi load when a fixture is first used.
+The plugin is registered through the `pytest11` entry point (`-p no:sharpi` turns it off) of the environment
+sharpi is installed in (`python -m pip install ".[test]"` in the clone brings pytest with it; `python -m pytest`
+runs that environment's pytest); it does nothing unless --sharpi-artifact is given. `sharpi check DIR` runs the
+same suite without pytest. The plugin's import stays light: numpy and sharpi load when a fixture is first used.
 """
 from __future__ import annotations
 
