@@ -4,7 +4,8 @@
 """
 from .common.errors import (ArtifactError, CompileError, ConfigError, ContextLengthError, FetchError, GGUFError,
                             KeepSetError, ModelNotFoundError, NonFiniteLogitsError, ServerBusyError, SharpiError,
-                            SharpiWarning, TokenizerError, UnsupportedArchitectureError, UnsupportedTensorTypeError)
+                            SharpiNote, SharpiWarning, TokenizerError, UnsupportedArchitectureError,
+                            UnsupportedTensorTypeError)
 from .common.targets import DEFAULT_TARGET
 from .common.version import __version__
 
@@ -48,5 +49,5 @@ def fetch(name: str, show_progress: bool = True):
 
 __all__ = ["compile", "export_onnx", "load", "artifact_sha256", "fetch", "SharpiError", "ArtifactError",
            "CompileError", "ConfigError", "ContextLengthError", "FetchError", "GGUFError", "KeepSetError",
-           "ModelNotFoundError", "NonFiniteLogitsError", "ServerBusyError", "SharpiWarning", "TokenizerError",
-           "UnsupportedArchitectureError", "UnsupportedTensorTypeError", "__version__"]
+           "ModelNotFoundError", "NonFiniteLogitsError", "ServerBusyError", "SharpiNote", "SharpiWarning",
+           "TokenizerError", "UnsupportedArchitectureError", "UnsupportedTensorTypeError", "__version__"]

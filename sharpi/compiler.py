@@ -27,7 +27,7 @@ from .codegen import artifact
 from .codegen.targets import Target, target_for
 from .common.compile_options import PREFILL_CHUNK, CompileOptions, kv_types_of
 from .common.config import ModelConfig
-from .common.errors import ConfigError, SharpiWarning, UnsupportedArchitectureError
+from .common.errors import ConfigError, SharpiNote, SharpiWarning, UnsupportedArchitectureError
 from .common.kv_format import key_offset_for
 from .common.manifest import (ARTIFACT, FORMAT_VERSION, MANIFEST_NAME, TOKENIZER, WEIGHTS, Manifest, contract_json,
                               file_sha256)
@@ -35,7 +35,7 @@ from .common.ops import PAGE_SIZE, SELECT_PARAMS
 from .common.output_dir import check_output_dir, install, staging_dir, writing_into
 from .common.progress import progress_bar
 from .common.settings import home_folder
-from .common.snapkv_settings import knobs_from_keywords, settings_from
+from .common.snapkv_settings import fit_recency, knobs_from_keywords, settings_from
 from .common.targets import DEFAULT_TARGET
 from .common.tokenizer import Tokenizer, TokenizerInfo, build_from_gguf_metadata
 from .common.version import __version__
@@ -238,9 +238,15 @@ def _emit_from_compile(model, output, emit: str, *, target, mcpu, arch, cuda_gra
 
 def _snapkv_fields(snapkv, keywords: dict) -> dict:
     """CompileOptions' SnapKV fields from compile()'s arguments: snapkv on (the default) or off, whether it was
-    asked for, and the run-time defaults from the snapkv_* knobs (the environment does not shape an artifact)."""
+    asked for, and the run-time defaults from the snapkv_* knobs (the environment does not shape an artifact); a
+    budget too small for the default recency shrinks it, with a SharpiNote (snapkv_settings.fit_recency)."""
+    knobs = knobs_from_keywords(keywords)
+    defaults = settings_from(env={}, **knobs)
+    defaults, note = fit_recency(defaults, defaults.budget or 0, "recency" in knobs)
+    if note:
+        warnings.warn(note, SharpiNote, stacklevel=3)
     return {"snapkv": {True: "on", False: "off", None: "on"}.get(snapkv, snapkv), "snapkv_explicit": snapkv is not None,
-            "snapkv_defaults": settings_from(env={}, **knobs_from_keywords(keywords))}
+            "snapkv_defaults": defaults}
 
 
 def _warn_non_finite(weights, name: str) -> None:

@@ -5,11 +5,13 @@ import argparse
 import functools
 import sys
 import warnings
+from pathlib import Path
 
-from ..common.errors import ConfigError, SharpiError, SharpiWarning
+from ..common.errors import ConfigError, SharpiError, SharpiNote, SharpiWarning
 from ..common.settings import parse_positive_int
 from ..common.snapkv_settings import KNOBS, PREFIX
 from ..runtime.sampling import SamplingParams
+from ..runtime.scorers import SCORERS
 
 EXIT_USER_ERROR = 2
 
@@ -25,11 +27,13 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def user_errors_exit_2(main):
     """Run a CLI entry point; a SharpiError (bad input) prints its sentence and exits 2, never a traceback; a
-    SharpiWarning is one `warning:` line."""
+    SharpiWarning is one `warning:` line (a SharpiNote, a setting sharpi adjusted, one `note:` line), printed when
+    it is raised (before a generation's text, not after it)."""
     @functools.wraps(main)
     def wrapper(argv=None):
-        with warnings.catch_warnings(record=True) as caught:
+        with warnings.catch_warnings():          # restores the filters and showwarning on the way out
             warnings.simplefilter("default")
+            warnings.showwarning = _show_warning
             try:
                 return main(argv) or 0
             except SharpiError as exc:
@@ -38,17 +42,14 @@ def user_errors_exit_2(main):
             except KeyboardInterrupt:
                 print("interrupted", file=sys.stderr)
                 return 130
-            finally:
-                _print_warnings(caught)
     return wrapper
 
 
-def _print_warnings(caught) -> None:
-    for w in caught:
-        if issubclass(w.category, SharpiWarning):
-            print(f"warning: {w.message}", file=sys.stderr)
-        else:
-            sys.stderr.write(warnings.formatwarning(w.message, w.category, w.filename, w.lineno, w.line))
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    if issubclass(category, SharpiWarning):
+        print(f"{'note' if issubclass(category, SharpiNote) else 'warning'}: {message}", file=sys.stderr)
+    else:
+        sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
 
 
 def add_device_flags(parser) -> None:
@@ -86,12 +87,113 @@ def sampling_kwargs(args) -> dict:
 
 
 def generation_options(model, args) -> dict:
-    """The sampling and SnapKV flags as generate()/chat() take them, checked now, before any generation (chat
-    would otherwise meet a bad value only after the first message); the SnapKV settings resolved once."""
+    """The sampling, SnapKV and --compress flags as generate()/chat() take them, checked now, before any
+    generation (chat would otherwise meet a bad value only after the first message); the SnapKV settings resolved
+    once (a note if the budget shrank the default recency)."""
     parse_positive_int(args.max_tokens, "--max-tokens", allow_zero=True)
     SamplingParams(**{k: v for k, v in sampling_kwargs(args).items() if k != "stop"}).validate()
-    settings, _ = model.snapkv_settings(**snapkv_knobs(args))
-    return {**sampling_kwargs(args), "snapkv": settings}
+    compress = compress_flag(args)
+    model.scorer(compress)          # SHARPI_COMPRESS when the flag is not given; an artifact that cannot score
+    settings, budget = model.snapkv_settings(**snapkv_knobs(args))
+    if compress not in (None, "snapkv") and not budget:
+        warnings.warn(f"--compress {compress} changes nothing while SnapKV's budget is 0 (eviction off, the "
+                      f"default on CPU): give --snapkv-budget N.", SharpiWarning)
+    options = {**sampling_kwargs(args), "snapkv": settings}
+    if compress is not None:
+        options["compress"] = compress
+    return options
+
+
+def add_compress_flag(parser) -> None:
+    parser.add_argument("--compress", default=None, metavar="SCORER",
+                        help="what ranks the prompt's positions when SnapKV evicts (a budget is needed): snapkv "
+                             "(the prompt's own last queries: best when the question ends the prompt), or for "
+                             "questions asked after the compression kvzip, probe, keydiff or hybrid "
+                             "(default: SHARPI_COMPRESS, else snapkv)")
+
+
+def compress_flag(args) -> str | None:
+    """--compress's scorer, lower-cased (None: not given, so SHARPI_COMPRESS or snapkv decides)."""
+    given = getattr(args, "compress", None)
+    if given is None:
+        return None
+    name = given.strip().lower()
+    if name not in SCORERS:
+        raise ConfigError(f"--compress must be one of {', '.join(SCORERS)}, got {given!r}.")
+    return name
+
+
+STDIN = "-"
+
+
+def add_prompt_flags(parser) -> None:
+    """-p TEXT or --file PATH, exactly one; `-` for either reads stdin."""
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("-p", "--prompt", metavar="TEXT", help="the prompt; - reads it from stdin")
+    source.add_argument("--file", metavar="PATH",
+                        help="read the prompt from a UTF-8 text file (- : stdin); one trailing newline is dropped, "
+                             "as llama.cpp's -f does")
+
+
+def prompt_text(args) -> str:
+    """The prompt -p or --file gives (either `-`: stdin)."""
+    if args.file is not None:
+        return read_text(args.file, "--file")
+    if args.prompt == STDIN:
+        return read_text(STDIN, "-p")
+    return args.prompt
+
+
+def read_text(path: str, flag: str) -> str:
+    """A UTF-8 text file's contents (`-`: stdin's), a leading byte-order mark and one trailing newline dropped;
+    a missing, unreadable, non-UTF-8 or empty file is one sentence (a ConfigError)."""
+    if path == STDIN:
+        what = "stdin"
+        stream = sys.stdin
+        if stream is None:
+            raise ConfigError(f"{flag} - reads stdin, and this process has none.")
+        if getattr(stream, "isatty", lambda: False)():
+            print("sharpi: reading the prompt from stdin (end it with Ctrl-D)", file=sys.stderr)
+        data = stream.buffer.read() if hasattr(stream, "buffer") else stream.read().encode("utf-8")
+    else:
+        what = f"{flag} {path}"
+        try:
+            data = Path(path).read_bytes()
+        except FileNotFoundError:
+            raise ConfigError(f"{what} does not exist.") from None
+        except IsADirectoryError:
+            raise ConfigError(f"{what} is a directory, not a text file.") from None
+        except PermissionError:
+            raise ConfigError(f"{what} cannot be read: permission denied.") from None
+        except OSError as exc:
+            raise ConfigError(f"{what} cannot be read: {exc.strerror or exc}.") from None
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{what} is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}); "
+                          f"convert it first, e.g. with iconv -t UTF-8.") from None
+    text = text[:-2] if text.endswith("\r\n") else text[:-1] if text.endswith("\n") else text
+    if not text:
+        raise ConfigError(f"{what} is empty: there is no prompt in it.")
+    return text
+
+
+def print_compression(result, settings) -> None:
+    """--verbose: what SnapKV's eviction did to the prompt (scorer, budget and settings, the slots each layer
+    kept); nothing when the prompt was not evicted."""
+    st = result.stats
+    if not st.get("evicted"):
+        return
+    kept, prompt = st["kv_slots_per_layer_after_prefill"], st["prompt_tokens"]
+    if len(set(kept)) == 1:
+        slots = f"kept {kept[0]} of the prompt's {prompt} slots in each of {len(kept)} layers"
+    else:
+        slots = (f"kept {'/'.join(map(str, kept))} (mean {sum(kept) / len(kept):.0f}) of the prompt's {prompt} "
+                 f"slots, by layer")
+    sinks = f", sinks {settings.sinks}" if settings.sinks else ""
+    print(f"[compression: scorer {st['scorer']}, budget {st['snapkv_budget']} (recency {settings.recency}, "
+          f"window {settings.window}{sinks}, pooling {settings.pooling}/{settings.kernel}, {settings.granularity}, "
+          f"{settings.allocation}); {slots}]", file=sys.stderr)
 
 
 def add_snapkv_flags(parser) -> None:

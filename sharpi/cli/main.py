@@ -1,5 +1,5 @@
-"""sharpi fetch | inspect | run | chat | serve | adapters | bench | eval | cache: use compiled artifacts and known
-models."""
+"""sharpi fetch | inspect | run | chat | serve | adapters | bench | eval | check | cache: use compiled artifacts and
+known models."""
 from __future__ import annotations
 
 import json
@@ -8,14 +8,16 @@ import time
 from pathlib import Path
 
 from .. import compile_cache
-from ..common.errors import ConfigError
+from ..common.errors import ConfigError, ContextLengthError
 from ..common.settings import parse_positive_int
 from ..frontend.fetch import fetch
 from ..frontend.inspect import describe
 
-from .common import (ArgumentParser, add_device_flags, add_sampling_flags, add_snapkv_flags, generation_options,
-                     load_model, user_errors_exit_2)
+from .common import (STDIN, ArgumentParser, add_compress_flag, add_device_flags, add_prompt_flags,
+                     add_sampling_flags, add_snapkv_flags, generation_options, load_model, print_compression,
+                     prompt_text, read_text, user_errors_exit_2)
 from .bench import run_bench
+from .check import add_check_parser, cmd_check
 from .eval import add_eval_parser, cmd_eval
 from .serve import add_serve_parser, cmd_serve
 
@@ -31,18 +33,28 @@ def build_parser() -> ArgumentParser:
     i.add_argument("model", help="a .gguf path or a known model name")
     i.add_argument("--json", action="store_true")
 
-    r = sub.add_parser("run", help="generate from a prompt")
+    r = sub.add_parser("run", help="generate from a prompt (-p TEXT, --file PATH, or either - for stdin)")
     r.add_argument("artifact")
-    r.add_argument("-p", "--prompt", required=True)
-    r.add_argument("--verbose", action="store_true", help="print timing and the artifact's target")
+    add_prompt_flags(r)
+    r.add_argument("--verbose", action="store_true",
+                   help="print timing, the artifact's target and, when SnapKV evicted, what the compression kept")
     add_sampling_flags(r)
     add_snapkv_flags(r)
+    add_compress_flag(r)
     add_device_flags(r)
 
     c = sub.add_parser("chat", help="chat with the model (its GGUF chat template)")
     c.add_argument("artifact")
+    c.add_argument("--file", metavar="PATH",
+                   help="a UTF-8 text document to ask about: it opens the first user message, your first question "
+                        "after it (a user turn, not a system message: every chat template takes one, and SnapKV's "
+                        "scoring queries, the prompt's last, then read the question about it); it stays in the "
+                        "conversation for the later questions")
+    c.add_argument("--verbose", action="store_true", help="after each answer, print its timing and, when SnapKV "
+                                                          "evicted, what the compression kept")
     add_sampling_flags(c)
     add_snapkv_flags(c)
+    add_compress_flag(c)
     add_device_flags(c)
 
     sub.add_parser("adapters", help="list the Vulkan adapters (the vulkan target's devices)")
@@ -59,6 +71,7 @@ def build_parser() -> ArgumentParser:
     add_device_flags(b)
 
     add_eval_parser(sub)
+    add_check_parser(sub)
     add_serve_parser(sub)
 
     k = sub.add_parser("cache", help="list the compile cache's artifacts (least recently used first), or clear it")
@@ -88,25 +101,42 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_run(args) -> int:
+    prompt = prompt_text(args)                     # a bad --file is one sentence before the model loads
     model = load_model(args)
-    stream = model.stream(args.prompt, args.max_tokens, **generation_options(model, args))
+    options = generation_options(model, args)
+    stream = model.stream(prompt, args.max_tokens, **options)
     for piece in stream:
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
     if args.verbose:
-        st = stream.result.stats
-        print(f"[{model.backend}; prompt {st['prompt_tokens']} tokens "
-              f"at {st['prefill_tok_s']:.1f} tok/s; {st['generated_tokens']} generated at {st['decode_tok_s']:.1f} "
-              f"tok/s; finish: {stream.result.finish_reason}; KV after prefill: {st['kv_slots_after_prefill']} slots "
-              f"a layer, {st['kv_bytes_after_prefill'] / 2**20:.1f} MiB{' (SnapKV evicted)' if st['evicted'] else ''}]",
-              file=sys.stderr)
+        _print_stats(model, stream.result, options["snapkv"])
     return 0
 
 
+def _print_stats(model, result, settings) -> None:
+    st = result.stats
+    print(f"[{model.backend}; prompt {st['prompt_tokens']} tokens "
+          f"at {st['prefill_tok_s']:.1f} tok/s; {st['generated_tokens']} generated at {st['decode_tok_s']:.1f} "
+          f"tok/s; finish: {result.finish_reason}; KV after prefill: {st['kv_slots_after_prefill']} slots "
+          f"a layer, {st['kv_bytes_after_prefill'] / 2**20:.1f} MiB{' (SnapKV evicted)' if st['evicted'] else ''}]",
+          file=sys.stderr)
+    print_compression(result, settings)
+
+
 def cmd_chat(args) -> int:
+    if args.file == STDIN:
+        raise ConfigError("chat reads your questions from stdin, so --file - cannot read the document from it: "
+                          "give the document's path.")
+    document = read_text(args.file, "--file") if args.file is not None else None
     model = load_model(args)
     options = generation_options(model, args)      # checked now, not after the user has typed the first message
+    if document is not None:                       # too long for the context: said now, not after the question
+        tokens = len(model.tokenize(document))
+        if tokens >= model.max_context:
+            raise ContextLengthError(f"--file {args.file} has {tokens} tokens, which leaves no room for a question "
+                                     f"in the context of {model.max_context}.")
+        print(f"sharpi chat: {args.file} ({tokens} tokens) goes before your first question", file=sys.stderr)
     messages = []
     print("sharpi chat: empty line or Ctrl-D to quit", file=sys.stderr)
     while True:
@@ -116,9 +146,12 @@ def cmd_chat(args) -> int:
             break
         if not line.strip():
             break
-        messages.append({"role": "user", "content": line})
+        content = f"{document}\n\n{line}" if document is not None and not messages else line
+        messages.append({"role": "user", "content": content})
         result = model.chat(messages, max_tokens=args.max_tokens, **options)
         print(result.text)
+        if args.verbose:
+            _print_stats(model, result, options["snapkv"])
         messages.append({"role": "assistant", "content": result.text})
     return 0
 
@@ -172,7 +205,7 @@ def cmd_cache(args) -> int:
 
 
 COMMANDS = {"fetch": cmd_fetch, "inspect": cmd_inspect, "run": cmd_run, "chat": cmd_chat, "adapters": cmd_adapters,
-            "bench": cmd_bench, "eval": cmd_eval, "cache": cmd_cache,
+            "bench": cmd_bench, "eval": cmd_eval, "check": cmd_check, "cache": cmd_cache,
             "serve": cmd_serve}
 
 if __name__ == "__main__":

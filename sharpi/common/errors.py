@@ -59,3 +59,8 @@ class ServerBusyError(SharpiError):
 
 class SharpiWarning(UserWarning):
     """Something the user should know that does not stop the work (the CLIs print it as one `warning:` line)."""
+
+
+class SharpiNote(SharpiWarning):
+    """A setting sharpi changed so that the work can go on as asked (a SnapKV budget too small for the default
+    recency: the recency shrunk to fit); the CLIs print it as one `note:` line."""

@@ -130,6 +130,23 @@ def settings_from(defaults: dict | None = None, env: dict | None = None, **argum
     return settings
 
 
+def fit_recency(settings: SnapKVSettings, budget: int, recency_given: bool) -> tuple[SnapKVSettings, str | None]:
+    """A budget too small for a recency nobody asked for (the artifact's default, or SnapKVSettings'): recency +
+    sinks must stay below the budget, so the recency shrinks to half of what the sinks leave of it (the other half
+    is chosen by the scores: a recency of budget - 1 would leave SnapKV one slot to select). Returns the settings
+    and a note saying so, or the settings unchanged and None: when they fit, when the recency was given (argument,
+    flag or SHARPI_SNAPKV_RECENCY: then check_against refuses it), or when the sinks alone fill the budget."""
+    room = budget - settings.sinks
+    if recency_given or not budget or settings.recency < room or room < 1:
+        return settings, None
+    recency = room // 2
+    sinks = f" and sinks ({settings.sinks})" if settings.sinks else ""
+    note = (f"SnapKV budget {budget} is too small for the default recency ({settings.recency}){sinks}; using "
+            f"recency {recency}, half of the {'room the sinks leave' if settings.sinks else 'budget'} "
+            f"(snapkv_recency / --snapkv-recency chooses another).")
+    return replace(settings, recency=recency), note
+
+
 def check_against(settings: SnapKVSettings, budget: int, max_window: int) -> None:
     """The checks that need the effective budget and the compiled window."""
     if settings.window > max_window:

@@ -6,15 +6,17 @@ are given an engine; they never reach into the Model.
 """
 from __future__ import annotations
 
+import os
 import threading
+import warnings
 
 import numpy as np
 
 from ..common.config import ModelConfig
-from ..common.errors import ArtifactError, ConfigError, NonFiniteLogitsError
+from ..common.errors import ArtifactError, ConfigError, NonFiniteLogitsError, SharpiNote
 from ..common.manifest import Manifest
 from ..common.ops import SELECT_PARAMS, SELECT_PARAMS_BEFORE_SINKS
-from ..common.snapkv_settings import SnapKVSettings, auto_budget, check_against, settings_from
+from ..common.snapkv_settings import ENV, SnapKVSettings, auto_budget, check_against, fit_recency, settings_from
 from .backend import Backend
 from .kv_cache import PagePool, SequenceCache
 
@@ -122,7 +124,8 @@ def resolve_snapkv(manifest: Manifest, config: ModelConfig, **knobs) -> tuple[Sn
     """The SnapKV settings for these knobs (argument > SHARPI_SNAPKV_* env > the artifact's defaults) and the
     effective budget (0: no eviction; auto resolved for this artifact), checked against what the artifact was
     compiled with. The manifest alone decides, so a server's HTTP front checks a request's knobs as its engine
-    would, without loading the model."""
+    would, without loading the model. A budget too small for the default recency shrinks the recency, with a
+    SharpiNote (snapkv_settings.fit_recency); a recency that was given and does not fit is a ConfigError."""
     info = manifest.snapkv or {}
     settings = settings_from(info.get("defaults"), **knobs)
     budget = settings.budget
@@ -131,6 +134,9 @@ def resolve_snapkv(manifest: Manifest, config: ModelConfig, **knobs) -> tuple[Sn
         budget = auto_budget(manifest.max_context, full, manifest.target.get("kind"))
     if budget and not info.get("enabled"):
         raise ConfigError("This artifact was compiled with --snapkv off; recompile with --snapkv on to evict.")
+    settings, note = fit_recency(settings, budget, knobs.get("recency") is not None or ENV["recency"] in os.environ)
+    if note:
+        warnings.warn(note, SharpiNote, stacklevel=2)
     check_against(settings, budget, info.get("max_window", settings.window))
     params = select_params(manifest)
     if budget and settings.sinks and params < SELECT_PARAMS:

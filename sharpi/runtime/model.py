@@ -94,9 +94,11 @@ class Model:
         """A new sequence. SnapKV: the snapkv_* knobs (snapkv_budget, snapkv_window, snapkv_recency,
         snapkv_pooling, snapkv_kernel, snapkv_granularity, snapkv_sinks, snapkv_allocation: argument >
         SHARPI_SNAPKV_* env > the artifact's defaults; budget None means auto (off on CPU), 0 off; sinks: the first
-        positions always kept; allocation uniform or pyramid over the layers), or `snapkv`, SnapKVSettings made
-        once (the CLI's way). `compress` (else SHARPI_COMPRESS, else "snapkv") picks what ranks the prompt's
-        positions: "snapkv" (its last window of queries), or for questions asked after the compression "kvzip"
+        positions always kept; allocation uniform or pyramid over the layers; a budget too small for the default
+        recency shrinks the recency to half the budget, with a SharpiNote, while a recency given that does not fit
+        is a ConfigError), or `snapkv`, SnapKVSettings made once (the CLI's way). `compress` (else
+        SHARPI_COMPRESS, else "snapkv") picks what ranks the prompt's positions: "snapkv" (its last window of
+        queries), or for questions asked after the compression "kvzip"
         (how much the model needs each to repeat the context), "probe" (a generic instruction's queries),
         "keydiff" (how unlike the mean key each key is: no pass at all) or "hybrid" (the better of the probe's and
         keydiff's ranks); every knob applies to each."""
@@ -209,7 +211,7 @@ class _Generation:
             t0 = time.perf_counter()
             logits = session.prefill(self.prompt_ids)
             t1 = time.perf_counter()
-            kv_after_prefill = (max(session.kv_length), session.kv_bytes, session.evicted)
+            kv_after_prefill = (max(session.kv_length), session.kv_bytes, session.evicted, session.kv_length)
             while len(out) < self.max_tokens:
                 token = self.sampler(logits, self.prompt_ids + out, out)
                 if token in stop_ids:
@@ -236,6 +238,9 @@ class _Generation:
             stats={"prompt_tokens": len(self.prompt_ids), "generated_tokens": len(out),
                    "prefill_s": t1 - t0, "decode_s": t2 - t1, "kv_slots_after_prefill": kv_after_prefill[0],
                    "kv_bytes_after_prefill": kv_after_prefill[1], "evicted": kv_after_prefill[2],
+                   "kv_slots_per_layer_after_prefill": kv_after_prefill[3],
+                   "scorer": self.session.scorer.name if self.session.scorer is not None else "snapkv",
+                   "snapkv_budget": self.session.snapkv_budget,
                    "prefill_tok_s": len(self.prompt_ids) / max(t1 - t0, 1e-9),
                    "decode_tok_s": n_decode / max(t2 - t1, 1e-9) if n_decode else 0.0})
 
