@@ -8,26 +8,16 @@ from pathlib import Path
 
 from ..common.errors import ArtifactError, ConfigError
 from ..common.settings import parse_positive_int
-
-REFERENCES = ("numpy", "cpu")      # conformance.REFERENCES, without importing numpy to build the parser
-
+from ..testing.options import SUITE_OPTIONS
 
 def add_check_parser(sub) -> None:
-    """Register `sharpi check` on the `sharpi` CLI's subparsers; its options mirror the pytest plugin's
-    (--sharpi-reference, --sharpi-gguf, --sharpi-prompt, --sharpi-decode-tokens)."""
+    """Register `sharpi check` on the `sharpi` CLI's subparsers; its options are the pytest plugin's
+    (sharpi.testing.options), without the --sharpi- prefix."""
     c = sub.add_parser("check", help="run the conformance suite on compiled artifacts (exit 1 if a check fails)",
                        description=__doc__)
     c.add_argument("artifacts", nargs="+", metavar="ARTIFACT", help="compiled artifact directories")
-    c.add_argument("--reference", default="numpy", choices=REFERENCES,
-                   help="what logits are compared with: numpy (exact float32 forward pass of the source GGUF, "
-                        "default) or cpu (an llvm artifact of the same GGUF, compiled on demand into the cache)")
-    c.add_argument("--gguf", action="append", default=[], metavar="PATH",
-                   help="the GGUF an artifact was compiled from, when it is not a known model in $SHARPI_HOME "
-                        "nor beside the artifact (repeatable; matched to artifacts by sha256)")
-    c.add_argument("--prompt", default=None, metavar="TEXT",
-                   help="the prompt every check feeds (default: about 24 tokens of English)")
-    c.add_argument("--decode-tokens", default=None, metavar="N",
-                   help="greedy tokens generated through the KV cache (default 16)")
+    for name, option in SUITE_OPTIONS.items():
+        c.add_argument(f"--{name}", **option)       # --decode-tokens is checked by parse_positive_int in cmd_check
 
 
 def cmd_check(args) -> int:

@@ -118,17 +118,13 @@ def cmd_serve(args) -> int:
 
 
 def _http_limits(args):
-    from ..serve.http_guard import HttpLimits
+    """The HTTP flags as HttpLimits, each checked under its flag's name."""
+    from ..serve.http_guard import HttpLimits, check_seconds
     if not 0 < args.max_body_mib <= 1 << 14:
         raise ConfigError(f"--max-body-mib must be in (0, 16384], got {args.max_body_mib}.")
-    limits = HttpLimits(max_body_bytes=max(1, int(args.max_body_mib * (1 << 20))),
-                        header_timeout=args.header_timeout, body_timeout=args.body_timeout)
-    try:
-        limits.validate()
-    except ConfigError as error:         # name the flag, not the field
-        flag = next(f for f in ("header_timeout", "body_timeout") if str(error).startswith(f))
-        raise ConfigError(f"--{flag.replace('_', '-')}{str(error)[len(flag):]}") from None
-    return limits
+    return HttpLimits(max_body_bytes=max(1, int(args.max_body_mib * (1 << 20))),
+                      header_timeout=check_seconds(args.header_timeout, "--header-timeout"),
+                      body_timeout=check_seconds(args.body_timeout, "--body-timeout"))
 
 
 def _serve_on_ray(args, manifest: Manifest, name: str, api_key: str | None, parallel: int,

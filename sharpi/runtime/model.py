@@ -211,7 +211,7 @@ class _Generation:
             t0 = time.perf_counter()
             logits = session.prefill(self.prompt_ids)
             t1 = time.perf_counter()
-            kv_after_prefill = (max(session.kv_length), session.kv_bytes, session.evicted, session.kv_length)
+            kv_after_prefill = (session.kv_length, session.kv_bytes, session.evicted)
             while len(out) < self.max_tokens:
                 token = self.sampler(logits, self.prompt_ids + out, out)
                 if token in stop_ids:
@@ -236,9 +236,9 @@ class _Generation:
         self.result = GenerationResult(
             text=emitted, token_ids=out, finish_reason=finish,
             stats={"prompt_tokens": len(self.prompt_ids), "generated_tokens": len(out),
-                   "prefill_s": t1 - t0, "decode_s": t2 - t1, "kv_slots_after_prefill": kv_after_prefill[0],
+                   "prefill_s": t1 - t0, "decode_s": t2 - t1, "kv_slots_after_prefill": max(kv_after_prefill[0]),
                    "kv_bytes_after_prefill": kv_after_prefill[1], "evicted": kv_after_prefill[2],
-                   "kv_slots_per_layer_after_prefill": kv_after_prefill[3],
+                   "kv_slots_per_layer_after_prefill": kv_after_prefill[0],
                    "scorer": self.session.scorer.name if self.session.scorer is not None else "snapkv",
                    "snapkv_budget": self.session.snapkv_budget,
                    "prefill_tok_s": len(self.prompt_ids) / max(t1 - t0, 1e-9),

@@ -41,9 +41,14 @@ class HttpLimits:
     def validate(self) -> None:
         parse_positive_int(self.max_body_bytes, "max_body_bytes", highest=1 << 34)
         for name in ("header_timeout", "body_timeout", "idle_timeout"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 86400:
-                raise ConfigError(f"{name} must be a number of seconds in (0, 86400], got {value!r}.")
+            check_seconds(getattr(self, name), name)
+
+
+def check_seconds(value, name: str) -> float:
+    """A timeout in seconds, in (0, 86400] (NaN refused), or a ConfigError naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 86400:
+        raise ConfigError(f"{name} must be a number of seconds in (0, 86400], got {value!r}.")
+    return value
 
 
 class RequestRefused(Exception):

@@ -48,11 +48,11 @@ import numpy as np
 
 from ..common.targets import DEFAULT_TARGET, target_spec
 from .backends import NEAR_TIE
+from .options import REFERENCES
 from .reference import log_softmax
 
 CHECKS = ("loads", "tokenizer_round_trip", "teacher_forced_logits", "greedy_kv_cache", "snapkv_invariants",
           "snapkv_decode_after_compaction", "kv_bytes_after_compaction")
-REFERENCES = ("numpy", "cpu")
 
 # About 24 tokens: short enough for the numpy reference and for lavapipe, longer than a KV page (16 slots), so a
 # compaction to half of it frees a page in every layer.

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from .options import SUITE_OPTIONS
+
 SUITE = Path(__file__).with_name("conformance_suite.py")
 _RESULTS = pytest.StashKey[list]()        # (title, [CheckResult]) per artifact, for the terminal summary
 
@@ -32,16 +34,8 @@ def pytest_addoption(parser):
     group = parser.getgroup("sharpi", "sharpi conformance suite on compiled artifacts")
     group.addoption("--sharpi-artifact", action="append", default=[], metavar="DIR",
                     help="a compiled sharpi artifact to run the conformance suite on (repeatable)")
-    group.addoption("--sharpi-reference", default="numpy", choices=("numpy", "cpu"),
-                    help="what logits are compared with: numpy (exact float32 forward pass of the source GGUF, "
-                         "default) or cpu (an llvm artifact of the same GGUF, compiled on demand into the cache)")
-    group.addoption("--sharpi-gguf", action="append", default=[], metavar="PATH",
-                    help="the GGUF an artifact was compiled from, when it is not a known model in $SHARPI_HOME "
-                         "(repeatable; matched to artifacts by sha256)")
-    group.addoption("--sharpi-prompt", default=None, metavar="TEXT",
-                    help="the prompt every check feeds (default: about 24 tokens of English)")
-    group.addoption("--sharpi-decode-tokens", type=int, default=None, metavar="N",
-                    help="greedy tokens generated through the KV cache (default 16)")
+    for name, option in SUITE_OPTIONS.items():
+        group.addoption(f"--sharpi-{name}", **option, **({"type": int} if name == "decode-tokens" else {}))
     group.addoption("--sharpi-skip-suite", action="store_true",
                     help="run only the tests on the command line (with the sharpi_* fixtures), not the suite")
 
