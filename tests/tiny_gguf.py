@@ -25,12 +25,14 @@ def write_tiny_llama(path: Path, *, arch: str = "llama", layers: int = 2, dim: i
                      kv_heads: int = 2, ffn: int = 128, context: int = 256, seed: int = 0,
                      matrix_type: str = "F32", override_raw: dict | None = None, head_dim: int | None = None,
                      qkv_bias: bool = False, qk_norm: bool = False, sliding_window: int = 0,
-                     rope_base: float = 10000.0, post_norms: bool = False) -> Path:
+                     rope_base: float = 10000.0, post_norms: bool = False, chat_template: str | None = None,
+                     sampling: dict | None = None) -> Path:
     """A tiny llama-family GGUF. head_dim (written as {arch}.attention.key_length/value_length) defaults to
     dim // heads; qkv_bias adds blk.N.attn_{q,k,v}.bias (qwen2), qk_norm blk.N.attn_{q,k}_norm.weight (qwen3),
     sliding_window sets {arch}.attention.sliding_window (a mistral-style llama), post_norms adds
-    blk.N.post_attention_norm / post_ffw_norm.weight (gemma3). With none of them the file is the same as before
-    they existed."""
+    blk.N.post_attention_norm / post_ffw_norm.weight (gemma3), chat_template tokenizer.chat_template, sampling
+    general.sampling.* fields ({"temp": 0.3, "top_k": 7}: a float is written as float32, an int as uint32). With
+    none of them the file is the same as before they existed."""
     import gguf
 
     rng = np.random.default_rng(seed)
@@ -57,6 +59,10 @@ def write_tiny_llama(path: Path, *, arch: str = "llama", layers: int = 2, dim: i
     w.add_token_merges([])
     w.add_eos_token_id(vocab - 1)
     w.add_bool("tokenizer.ggml.add_bos_token", False)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
+    for key, value in (sampling or {}).items():
+        (w.add_uint32 if isinstance(value, int) else w.add_float32)(f"general.sampling.{key}", value)
     head_dim = head_dim or dim // heads
     shapes = {"token_embd.weight": (vocab, dim), "output_norm.weight": (dim,)}
     for l in range(layers):

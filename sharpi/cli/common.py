@@ -70,35 +70,46 @@ def load_model(args):
     return sharpi.load(args.artifact, threads=args.threads, adapter=args.adapter, expect_sha256=args.expect_sha256)
 
 
-def add_sampling_flags(parser) -> None:
-    parser.add_argument("-n", "--max-tokens", type=int, default=128, help="tokens to generate (default 128)")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--min-p", type=float, default=0.0)
-    parser.add_argument("--repeat-penalty", type=float, default=1.0)
+def add_sampling_flags(parser, *, chat: bool) -> None:
+    """-n and the sampling flags. Unset flags take the command's defaults: greedy for `run` (reproducible
+    completions), the model's own for `chat` (sampling_defaults)."""
+    parser.add_argument("-n", "--max-tokens", type=int, default=256,
+                        help="most tokens to generate (default 256; generation ends earlier at the model's end "
+                             "token)")
+    default = ("the GGUF's general.sampling, else llama.cpp's: temperature 0.8, top-k 40, top-p 0.95, min-p 0.05"
+               if chat else "greedy: temperature 0")
+    parser.add_argument("--temperature", type=float, default=None, help=f"0 = greedy (default: {default})")
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--min-p", type=float, default=None)
+    parser.add_argument("--repeat-penalty", type=float, default=None)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
 
 
-def sampling_kwargs(args) -> dict:
-    return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                repeat_penalty=args.repeat_penalty, seed=args.seed, stop=args.stop)
+SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty")
 
 
-def generation_options(model, args) -> dict:
-    """The sampling, SnapKV and --compress flags as generate()/chat() take them, checked now, before any
-    generation (chat would otherwise meet a bad value only after the first message); the SnapKV settings resolved
-    once (a note if the budget shrank the default recency)."""
+def sampling_kwargs(args, defaults: dict | None = None) -> dict:
+    """The sampling options: each flag given, else its value in `defaults` (None: SamplingParams' greedy ones)."""
+    given = {name: getattr(args, name) for name in SAMPLING_FLAGS if getattr(args, name) is not None}
+    return {**(defaults or {}), **given, "seed": args.seed, "stop": args.stop}
+
+
+def generation_options(model, args, sampling_defaults: dict | None = None) -> dict:
+    """The sampling (flags over `sampling_defaults`), SnapKV and --compress flags as generate()/chat() take them,
+    checked now, before any generation (chat would otherwise meet a bad value only after the first message); the
+    SnapKV settings resolved once (a note if the budget shrank the default recency)."""
     parse_positive_int(args.max_tokens, "--max-tokens", allow_zero=True)
-    SamplingParams(**{k: v for k, v in sampling_kwargs(args).items() if k != "stop"}).validate()
+    sampling = sampling_kwargs(args, sampling_defaults)
+    SamplingParams(**{k: v for k, v in sampling.items() if k != "stop"}).validate()
     compress = compress_flag(args)
     model.scorer(compress)          # SHARPI_COMPRESS when the flag is not given; an artifact that cannot score
     settings, budget = model.snapkv_settings(**snapkv_knobs(args))
     if compress not in (None, "snapkv") and not budget:
         warnings.warn(f"--compress {compress} changes nothing while SnapKV's budget is 0 (eviction off, the "
                       f"default on CPU): give --snapkv-budget N.", SharpiWarning)
-    options = {**sampling_kwargs(args), "snapkv": settings}
+    options = {**sampling, "snapkv": settings}
     if compress is not None:
         options["compress"] = compress
     return options

@@ -33,12 +33,15 @@ def build_parser() -> ArgumentParser:
     i.add_argument("model", help="a .gguf path or a known model name")
     i.add_argument("--json", action="store_true")
 
-    r = sub.add_parser("run", help="generate from a prompt (-p TEXT, --file PATH, or either - for stdin)")
+    r = sub.add_parser("run", help="answer one prompt (-p TEXT, --file PATH, or either - for stdin), greedy")
     r.add_argument("artifact")
     add_prompt_flags(r)
+    r.add_argument("--raw", action="store_true",
+                   help="continue the prompt's text as it is (a completion) instead of sending it as a user "
+                        "message through the model's chat template (the default where the GGUF has one)")
     r.add_argument("--verbose", action="store_true",
                    help="print timing, the artifact's target and, when SnapKV evicted, what the compression kept")
-    add_sampling_flags(r)
+    add_sampling_flags(r, chat=False)
     add_snapkv_flags(r)
     add_compress_flag(r)
     add_device_flags(r)
@@ -52,7 +55,7 @@ def build_parser() -> ArgumentParser:
                         "conversation for the later questions")
     c.add_argument("--verbose", action="store_true", help="after each answer, print its timing and, when SnapKV "
                                                           "evicted, what the compression kept")
-    add_sampling_flags(c)
+    add_sampling_flags(c, chat=True)
     add_snapkv_flags(c)
     add_compress_flag(c)
     add_device_flags(c)
@@ -104,19 +107,22 @@ def cmd_run(args) -> int:
     prompt = prompt_text(args)                     # a bad --file is one sentence before the model loads
     model = load_model(args)
     options = generation_options(model, args)
+    templated = model.has_chat_template and not args.raw
+    if templated:          # as llama-cli and ollama run do: an instruct model answers a message
+        prompt = model.chat_prompt([{"role": "user", "content": prompt}])
     stream = model.stream(prompt, args.max_tokens, **options)
     for piece in stream:
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
     if args.verbose:
-        _print_stats(model, stream.result, options["snapkv"])
+        _print_stats(model, stream.result, options["snapkv"], "chat template" if templated else "raw")
     return 0
 
 
-def _print_stats(model, result, settings) -> None:
+def _print_stats(model, result, settings, prompt_form: str = "chat template") -> None:
     st = result.stats
-    print(f"[{model.backend}; prompt {st['prompt_tokens']} tokens "
+    print(f"[{model.backend}; prompt {st['prompt_tokens']} tokens ({prompt_form}) "
           f"at {st['prefill_tok_s']:.1f} tok/s; {st['generated_tokens']} generated at {st['decode_tok_s']:.1f} "
           f"tok/s; finish: {result.finish_reason}; KV after prefill: {st['kv_slots_after_prefill']} slots "
           f"a layer, {st['kv_bytes_after_prefill'] / 2**20:.1f} MiB{' (SnapKV evicted)' if st['evicted'] else ''}]",
@@ -130,7 +136,10 @@ def cmd_chat(args) -> int:
                           "give the document's path.")
     document = read_text(args.file, "--file") if args.file is not None else None
     model = load_model(args)
-    options = generation_options(model, args)      # checked now, not after the user has typed the first message
+    # checked now, not after the user has typed the first message
+    options = generation_options(model, args, model.sampling_defaults)
+    if args.verbose:
+        print(f"sharpi chat: sampling {_sampling_line(options)}", file=sys.stderr)
     if document is not None:                       # too long for the context: said now, not after the question
         tokens = len(model.tokenize(document))
         if tokens >= model.max_context:
@@ -154,6 +163,13 @@ def cmd_chat(args) -> int:
             _print_stats(model, result, options["snapkv"])
         messages.append({"role": "assistant", "content": result.text})
     return 0
+
+
+def _sampling_line(options: dict) -> str:
+    if not options["temperature"]:
+        return "greedy"
+    return (f"temperature {options['temperature']:g}, top-k {options['top_k']}, top-p {options['top_p']:g}, "
+            f"min-p {options['min_p']:g}, repeat penalty {options['repeat_penalty']:g}")
 
 
 def cmd_adapters(args) -> int:

@@ -22,6 +22,7 @@ from .errors import ArtifactError, ConfigError
 from .kv_format import KEY_OFFSET, KV_TYPES, KVFormat
 from .output_dir import MAX_MANIFEST_BYTES, OutputKind, plain_file_name
 from .plan import PLAN_FILE
+from .chat_sampling import check_manifest_sampling
 from .snapkv_settings import CHOICES as SNAPKV_CHOICES, KNOBS as SNAPKV_KNOBS
 from .snapkv_settings import MAX_WINDOW, check_against, parse_knob, settings_from
 from .targets import check_manifest_entry
@@ -73,6 +74,7 @@ class Manifest:
     kv_dtype: str = "float32"    # the KV cache's type (kv_format.KV_TYPES): the keys', and the values' unless
     kv_dtype_v: str | None = None    # gives theirs (absent in artifacts compiled before K and V could differ)
     kv_key_offset: str | None = None     # keys cached minus blk.N.<this> (kv_format.key_offset_for); absent: none
+    sampling: dict | None = None         # the GGUF's recommended sampling (chat_sampling); absent: none
     format: str = FORMAT
     digest: str = ""             # sha256 of the manifest's canonical JSON without this field (set by to_json)
 
@@ -286,8 +288,8 @@ _TOP = schema.record({
     "kernels": schema.array(schema.text(256), 100_000), "params": schema.array(_PARAM, 1_000_000),
     "files": schema.mapping(_plain_name, schema.sha256_hex, 100_000),
     "snapkv": _SNAPKV, "kv_dtype": schema.one_of(*KV_TYPES), "kv_dtype_v": schema.optional(schema.one_of(*KV_TYPES)),
-    "kv_key_offset": schema.optional(schema.one_of(KEY_OFFSET))},
-    optional_keys=("kv_dtype_v", "kv_key_offset"))
+    "kv_key_offset": schema.optional(schema.one_of(KEY_OFFSET)), "sampling": check_manifest_sampling},
+    optional_keys=("kv_dtype_v", "kv_key_offset", "sampling"))
 
 
 def check_manifest_dict(raw: dict) -> None:

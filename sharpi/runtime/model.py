@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from ..common.chat import render_chat
+from ..common.chat_sampling import chat_defaults
 from ..common.errors import ConfigError, ContextLengthError
 from ..common.manifest import Manifest
 from ..common.settings import MAX_COUNT, parse_int, parse_positive_int, resolve_threads
@@ -173,10 +174,25 @@ class Model:
         return _Generation(self, session, prompt, max_tokens, sampling, stop, special)
 
     def chat(self, messages, max_tokens: int = 256, **kwargs) -> GenerationResult:
+        """Generate the assistant's reply to `messages` (OpenAI-style dicts), rendered by the GGUF's chat template;
+        options as generate() (greedy unless given: `sampling_defaults` holds what `sharpi chat` samples with)."""
+        return self.generate(self.chat_prompt(messages), max_tokens, **kwargs)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self.tokenizer.info.chat_template)
+
+    def chat_prompt(self, messages) -> list[int]:
+        """The token ids of `messages` rendered by the chat template, ending where the assistant's turn starts."""
         info = self.tokenizer.info
         prompt = render_chat(info.chat_template, messages, bos_token=info.bos_token, eos_token=info.eos_token)
-        ids = self.tokenize(prompt, special=True)
-        return self.generate(ids, max_tokens, **kwargs)
+        return self.tokenize(prompt, special=True)
+
+    @property
+    def sampling_defaults(self) -> dict:
+        """The sampling a chat starts from (temperature, top_k, top_p, min_p, repeat_penalty): the GGUF's
+        recommendation where it has one, else llama.cpp's defaults (sharpi.common.chat_sampling)."""
+        return chat_defaults(self.manifest.sampling)[0]
 
 
 class _Generation:
