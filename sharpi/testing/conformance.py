@@ -680,12 +680,16 @@ class Suite:
         return f"{self.artifact} ({target}) against the {self.reference_kind} reference"
 
 
-def format_table(results, title: str = "") -> str:
-    """One line per check: status, name, detail (cut to fit about 120 columns), and a summary line."""
+def format_table(results, title: str = "", artifact=None) -> str:
+    """One line per check: status, name, detail (cut to fit about 120 columns), and a summary line. Paths inside
+    `artifact` are shown relative to it (the title names it), so that a long directory does not push the reason
+    out of the column."""
     width = max(len(r.name) for r in results)
     lines = [title] if title else []
     for r in results:
         detail = " ".join(r.detail.split())
+        if artifact is not None:
+            detail = detail.replace(f"{artifact}/", "")
         if len(detail) > 78:
             detail = detail[:75] + "..."
         lines.append(f"  {r.status:4}  {r.name:<{width}}  {detail}  ({r.seconds:.1f} s)")
@@ -699,5 +703,5 @@ def run_and_report(artifact, reference: str = "numpy", gguf=None, out=None, **op
     import sys
     suite = Suite(artifact, reference=reference, gguf=gguf, **options)
     results = suite.run_all()
-    print(format_table(results, f"sharpi conformance: {suite.describe()}"), file=out or sys.stdout)
+    print(format_table(results, f"sharpi conformance: {suite.describe()}", suite.artifact), file=out or sys.stdout)
     return 1 if any(r.status == "FAIL" for r in results) else 0
