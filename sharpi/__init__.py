@@ -24,14 +24,20 @@ def export_onnx(model, output=None, **options):
     return _export_onnx(model, output=output, **options)
 
 
-def load(directory, **options):
-    """Load a compiled artifact directory (options: threads, verify, pool_sequences or pool_tokens, adapter,
-    expect_sha256).
+def load(model, *, show_progress: bool = False, **options):
+    """Load a model: a compiled artifact directory, or a GGUF file or known model name, which is compiled for this
+    machine into the compile cache on first use (show_progress: say so and show the compile's progress on
+    stderr) and loaded from there. options: threads, verify, pool_sequences or pool_tokens, adapter,
+    expect_sha256.
 
     An artifact is code: its kernel library is loaded into this process. Load only artifacts you built or trust,
     and pin one you got from elsewhere with expect_sha256=artifact_sha256(...) of the copy you trust."""
+    from .artifact_source import resolve_artifact
     from .runtime.model import Model
-    return Model(directory, **options)
+    resolved = resolve_artifact(model, show_progress=show_progress)
+    if resolved.checked and options.get("verify", True) is True:
+        options["verify"] = False      # the cache entry's files were hashed a moment ago: not twice
+    return Model(resolved.path, **options)
 
 
 def artifact_sha256(directory) -> str:

@@ -3,6 +3,12 @@
 A key changes with every compiler edit or upgrade, so without a bound the entries of old versions pile up (a
 gemma3 CPU artifact is ~290 MB; a CI machine reached 9 GB in a day). After each new entry the least recently used
 ones are deleted until the cache fits $SHARPI_CACHE_GB (default 5). An entry's directory mtime is its last use.
+
+Sizes count each file once however many names it has (its device and inode): an output folder written from an
+entry shares its weights and kernel library with it (common.file_share: a read-only hard link where the file system
+has no reflinks), and those bytes are on the disk once. A new entry that alone is larger than the limit is kept as
+the cache's only entry (the caller warns: see `over_limit`), so the model it holds still loads at once, until the
+next compile needs the room.
 """
 from __future__ import annotations
 
@@ -10,11 +16,13 @@ import hashlib
 import json
 import os
 import shutil
+import stat
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .common.errors import ConfigError
-from .common.manifest import FORMAT_VERSION, MANIFEST_NAME
+from .common.errors import ArtifactError, ConfigError, SharpiWarning
+from .common.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, verify_files
 from .common.output_dir import abandoned
 from .common.settings import sharpi_home
 from .common.version import __version__
@@ -29,6 +37,7 @@ class CacheEntry:
     nbytes: int
     last_used: float             # seconds since the epoch
     finished: bool = True        # False: the staging folder of a compile that was killed (no process holds it)
+    shared: int = 0              # of nbytes, those of files also linked from elsewhere (an output folder)
 
 
 def cache_root() -> Path:
@@ -52,6 +61,24 @@ def entry_dir(gguf_path: Path, gguf_sha256: str, options) -> Path:
                       "format": FORMAT_VERSION, "code": code_fingerprint()}, sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:24]
     return cache_root() / f"{gguf_path.stem}-{options.target}-{digest}"
+
+
+def lookup(entry: Path) -> bool:
+    """Whether `entry` holds a whole, unchanged cached compile: its manifest's digest and every file's sha256
+    checked, so that a damaged entry (a shared weights file the superuser wrote in place through an output folder,
+    a bad disk) is never copied into an output folder or loaded. A damaged one is deleted, with a warning, so the
+    caller compiles it again."""
+    if not (entry / MANIFEST_NAME).is_file():
+        return False
+    try:
+        verify_files(entry, Manifest.read(entry))
+    except (ArtifactError, OSError) as exc:
+        reason = exc if isinstance(exc, ArtifactError) else f"{exc.filename}: {exc.strerror or exc}."
+        warnings.warn(f"The compile cache's entry {entry.name} failed its check, so it was deleted and is compiled "
+                      f"again: {reason}", SharpiWarning, stacklevel=2)
+        shutil.rmtree(entry, ignore_errors=True)
+        return False
+    return True
 
 
 def mark_used(entry: Path) -> None:
@@ -82,13 +109,13 @@ def entries(*, unfinished: bool = False) -> list[CacheEntry]:
     root = cache_root()
     if not root.is_dir():
         return []
-    found = []
+    found, seen = [], set()          # seen: the (device, inode) of every file counted, across the entries
     for path in root.iterdir():
         try:
             if path.is_dir() and (path / MANIFEST_NAME).is_file() and not path.name.startswith("."):
-                found.append(CacheEntry(path, _tree_bytes(path), path.stat().st_mtime))
+                found.append(_entry(path, seen))
             elif unfinished and path.name.startswith(".") and ".partial-" in path.name and abandoned(path):
-                found.append(CacheEntry(path, _tree_bytes(path), path.stat().st_mtime, finished=False))
+                found.append(_entry(path, seen, finished=False))
         except OSError:            # removed meanwhile by another process
             continue
     return sorted(found, key=lambda e: e.last_used)
@@ -96,7 +123,8 @@ def entries(*, unfinished: bool = False) -> list[CacheEntry]:
 
 def prune(keep: Path, limit: int | None = None) -> list[CacheEntry]:
     """Delete least recently used entries (never `keep`) until the cache fits `limit` bytes, and staging folders
-    of compiles that died; returns the entries deleted."""
+    of compiles that died; returns the entries deleted. An entry's files that an output folder shares stay there
+    (a hard link is a name of its own; a reflink, a file of its own), and their bytes with them."""
     limit = limit_bytes() if limit is None else limit
     listed = entries(unfinished=True)
     removed = [e for e in listed if not e.finished]
@@ -114,6 +142,12 @@ def prune(keep: Path, limit: int | None = None) -> list[CacheEntry]:
     return removed
 
 
+def over_limit(entry: Path, limit: int) -> int | None:
+    """The bytes of `entry` when it alone is larger than `limit` (prune kept it as the only entry), else None."""
+    nbytes = _tree_bytes(entry, set())[0]
+    return nbytes if nbytes > limit else None
+
+
 def clear() -> list[CacheEntry]:
     """Delete every cached artifact and every killed compile's staging folder; returns what was deleted."""
     listed = entries(unfinished=True)
@@ -122,11 +156,23 @@ def clear() -> list[CacheEntry]:
     return listed
 
 
-def _tree_bytes(path: Path) -> int:
-    total = 0
+def _entry(path: Path, seen: set, finished: bool = True) -> CacheEntry:
+    nbytes, shared = _tree_bytes(path, seen)
+    return CacheEntry(path, nbytes, path.stat().st_mtime, finished=finished, shared=shared)
+
+
+def _tree_bytes(path: Path, seen: set) -> tuple[int, int]:
+    """(bytes, of them those of files with more than one name) of the files under `path` not in `seen` (their
+    (device, inode): a file with several names counts once), which it then holds too."""
+    total = shared = 0
     for p in path.rglob("*"):
         try:
-            total += p.stat().st_size if p.is_file() else 0
+            st = p.lstat()
         except OSError:
-            pass
-    return total
+            continue
+        if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) in seen:
+            continue
+        seen.add((st.st_dev, st.st_ino))
+        total += st.st_size
+        shared += st.st_size if st.st_nlink > 1 else 0
+    return total, shared

@@ -6,7 +6,9 @@ The front half is written once (`front_half`); the emitter is a target's build (
 per target, written into an artifact through the compile cache) or the ONNX export (sharpi.export.onnx).
 
 Compiles are cached under $SHARPI_HOME/cache (compile_cache: keyed by the GGUF's sha256, the resolved options and
-the compiler's source; bounded by $SHARPI_CACHE_GB); a cached compile is copied to the output directory.
+the compiler's source; bounded by $SHARPI_CACHE_GB); an output directory gets a cached compile's small files copied
+and its weights and kernel library shared with the cache entry (common.file_share), so the disk holds them once.
+`compile_into_cache` is what sharpi.load does with a GGUF or a known model name: the cache entry is the artifact.
 """
 from __future__ import annotations
 
@@ -30,8 +32,9 @@ from .common.config import ModelConfig
 from .common.errors import ConfigError, SharpiNote, SharpiWarning, UnsupportedArchitectureError
 from .common.chat_sampling import from_gguf_metadata as sampling_from_gguf
 from .common.kv_format import key_offset_for
-from .common.manifest import (ARTIFACT, FORMAT_VERSION, MANIFEST_NAME, TOKENIZER, WEIGHTS, Manifest, contract_json,
-                              file_sha256)
+from .common.file_share import share_file
+from .common.manifest import (ARTIFACT, FORMAT_VERSION, LIBRARY, MANIFEST_NAME, TOKENIZER, WEIGHTS, Manifest,
+                              contract_json, file_sha256)
 from .common.ops import PAGE_SIZE, SELECT_PARAMS
 from .common.output_dir import check_output_dir, install, staging_dir, writing_into
 from .common.progress import progress_bar
@@ -48,6 +51,7 @@ from .frontend.weights import WeightTable
 from .ir_passes.snapkv import SNAPKV_FUNCTIONS, snapkv_pass
 
 BASE_FUNCTIONS = ["prefill", "prefill_logits", "decode", "decode_batch"]
+SHARED_FILES = (WEIGHTS, LIBRARY)     # an artifact's large files: shared between the cache and an output folder
 
 
 @dataclass
@@ -90,34 +94,84 @@ def compile(model: str | Path, target: str = DEFAULT_TARGET, output: str | Path 
                                   matmuls=matmuls, kv_dtype=kv_dtype or kv_dtype_k or kv_dtype_v,
                                   max_context=max_context, snapkv=snapkv,
                                   dump_ir=dump_ir, show_progress=show_progress, **snapkv_knobs)
+    options, emitter = _target_options(target, mcpu=mcpu, arch=arch, cuda_graph=cuda_graph, matmuls=matmuls,
+                                       kv_dtype=kv_dtype, kv_dtype_k=kv_dtype_k, kv_dtype_v=kv_dtype_v,
+                                       max_context=max_context, snapkv=snapkv, **snapkv_knobs)
+    gguf_path = resolve_model(model, show_progress=show_progress)
+    output = Path(output) if output is not None else Path(f"{gguf_path.stem}-{options.target}")
+    check_output_dir(output, ARTIFACT, [*emitter.code_files, WEIGHTS, TOKENIZER, MANIFEST_NAME])
+    if not use_cache:
+        return _compile_artifact(gguf_path, file_sha256(gguf_path), options, emitter, output, show_progress, dump_ir)
+    entry, hit = _cached_compile(gguf_path, options, emitter, show_progress, dump_ir)
+    if hit:
+        _log(show_progress, f"sharpi: using the cached compile {entry.name}")
+    _share_artifact(entry, output)
+    return output
+
+
+def compile_into_cache(model: str | Path, *, show_progress: bool = False) -> Path:
+    """The compile cache's entry (an artifact directory) for a GGUF path or known model name compiled for this
+    machine as sharpi-compile's defaults do: an intact cached compile at once, else (one line says so, then the
+    compile's progress, with show_progress) compiled now. What sharpi.load does with a GGUF or a name."""
+    options, emitter = _target_options(DEFAULT_TARGET)
+    gguf_path = resolve_model(model, show_progress=show_progress)
+    return _cached_compile(gguf_path, options, emitter, show_progress, None, announce=True)[0]
+
+
+def _target_options(target: str, *, mcpu=None, arch=None, cuda_graph=False, matmuls=None, kv_dtype=None,
+                    kv_dtype_k=None, kv_dtype_v=None, max_context=None, snapkv=None,
+                    **snapkv_knobs) -> tuple[CompileOptions, Target]:
+    """compile()'s options checked and resolved by the target (its own checks and defaults: this CPU, the
+    matmuls and KV types it takes), before any download or work; and the target's emitter."""
     options = CompileOptions(target=target, mcpu=mcpu, arch=arch, cuda_graph=bool(cuda_graph), matmuls=matmuls,
                              **kv_types_of(kv_dtype, kv_dtype_k, kv_dtype_v), max_context=max_context,
                              **_snapkv_fields(snapkv, snapkv_knobs))
     options.validate()
     emitter = target_for(options.target)
-    options = emitter.resolve(options)     # the target's own checks and defaults, before any download or work
-    gguf_path = resolve_model(model, show_progress=show_progress)
-    output = Path(output) if output is not None else Path(f"{gguf_path.stem}-{options.target}")
-    check_output_dir(output, ARTIFACT, [*emitter.code_files, WEIGHTS, TOKENIZER, MANIFEST_NAME])
-    if use_cache:
-        home_folder("cache")               # SHARPI_HOME unusable: one sentence now, not after the compile
+    return emitter.resolve(options), emitter
+
+
+def _cached_compile(gguf_path: Path, options: CompileOptions, emitter: Target, show_progress: bool,
+                    dump_ir: str | Path | None, announce: bool = False) -> tuple[Path, bool]:
+    """(the cache entry of this GGUF and options, whether it was cached): an intact cached compile (a damaged one
+    is dropped: compile_cache.lookup), else a compile into the cache now (`announce`: one line says so first),
+    after which the least recently used entries go until the cache fits its bound. dump_ir always compiles."""
+    home_folder("cache")                   # SHARPI_HOME unusable: one sentence now, not after the compile
     gguf_sha256 = file_sha256(gguf_path)   # the cache key needs only the bytes, not a parse of the GGUF
-    cached = compile_cache.entry_dir(gguf_path, gguf_sha256, options) if use_cache else None
-    if cached is not None and (cached / MANIFEST_NAME).is_file() and dump_ir is None:
-        _log(show_progress, f"sharpi: using the cached compile {cached.name}")
-        compile_cache.mark_used(cached)
-        _copy_artifact(cached, output)
-        return output
+    entry = compile_cache.entry_dir(gguf_path, gguf_sha256, options)
+    if dump_ir is None and compile_cache.lookup(entry):
+        compile_cache.mark_used(entry)
+        return entry, True
     # the cache's bound, read once: a bad SHARPI_CACHE_GB fails now, not after the compile
-    limit = compile_cache.limit_bytes() if cached is not None else None
-    built = _compile_artifact(gguf_path, gguf_sha256, options, emitter, output if cached is None else cached,
-                              show_progress, dump_ir)
-    if cached is not None:
-        _copy_artifact(built, output)
-        for entry in compile_cache.prune(keep=cached, limit=limit):
-            _log(show_progress, f"sharpi: compile cache over {limit / 2**30:g} GiB "
-                                f"(SHARPI_CACHE_GB); deleted the least recently used {entry.path.name}")
-    return output
+    limit = compile_cache.limit_bytes()
+    if announce:
+        _log(show_progress, f"sharpi: compiling {gguf_path.name} for {_machine(options)} (first use; cached in "
+                            f"{compile_cache.cache_root()})")
+    _compile_artifact(gguf_path, gguf_sha256, options, emitter, entry, show_progress, dump_ir)
+    _prune_cache(entry, limit, show_progress)
+    return entry, False
+
+
+def _machine(options: CompileOptions) -> str:
+    """What a compile of these resolved options runs on, in words."""
+    if options.target == "llvm":
+        return f"this CPU ({options.mcpu})"
+    return options.target + (f" ({options.arch})" if options.arch else "")
+
+
+def _prune_cache(entry: Path, limit: int, show_progress: bool) -> None:
+    """The cache brought within `limit` after `entry` was added: the least recently used entries deleted (said
+    with show_progress); an `entry` larger than the limit alone is kept as the only one, with a SharpiWarning
+    saying so (its model keeps loading from the cache until the next compile needs the room)."""
+    for removed in compile_cache.prune(keep=entry, limit=limit):
+        _log(show_progress, f"sharpi: compile cache over {limit / 2**30:g} GiB (SHARPI_CACHE_GB); deleted the least "
+                            f"recently used {removed.path.name}")
+    nbytes = compile_cache.over_limit(entry, limit)
+    if nbytes is not None:
+        warnings.warn(f"The compile of {entry.name} takes {nbytes / 2**30:.2f} GiB, more than the compile cache's "
+                      f"limit of {limit / 2**30:g} GiB (SHARPI_CACHE_GB): it is kept as the cache's only entry until "
+                      f"the next compile needs the room; set SHARPI_CACHE_GB above {nbytes / 2**30:.2f} to keep it "
+                      f"beside others.", SharpiWarning, stacklevel=4)
 
 
 def export_onnx(model: str | Path, output: str | Path | None = None, *, weights: str = "f32",
@@ -246,7 +300,7 @@ def _snapkv_fields(snapkv, keywords: dict) -> dict:
     defaults = settings_from(env={}, **knobs)
     defaults, note = fit_recency(defaults, defaults.budget or 0, "recency" in knobs)
     if note:
-        warnings.warn(note, SharpiNote, stacklevel=3)
+        warnings.warn(note, SharpiNote, stacklevel=4)
     return {"snapkv": {True: "on", False: "off", None: "on"}.get(snapkv, snapkv), "snapkv_explicit": snapkv is not None,
             "snapkv_defaults": defaults}
 
@@ -307,15 +361,19 @@ def _write_ir(path: str | Path, mod) -> None:
         raise ConfigError(f"--dump-ir {path} cannot be written: {exc.strerror or exc}.") from None
 
 
-def _copy_artifact(source: Path, output: Path) -> None:
-    """A cached compile copied into place: file by file into a staging folder beside `output`, then installed as
-    a fresh compile is (a full disk keeps the earlier artifact and leaves no half copy)."""
+def _share_artifact(source: Path, output: Path) -> None:
+    """A cached compile put at `output`: its large files (SHARED_FILES) shared with the cache entry
+    (common.file_share: a reflink, else a read-only hard link, else a copy), its small ones copied, file by file
+    into a staging folder beside `output`, then installed as a fresh compile is (a full disk keeps the earlier
+    artifact and leaves no half copy)."""
     if output.resolve() == source.resolve():
         return
     staging = staging_dir(output)
     with _writing(staging, output):
         for path in sorted(source.iterdir()):
-            if path.is_file():
+            if path.name in SHARED_FILES and path.is_file():
+                share_file(path, staging / path.name)
+            elif path.is_file():
                 shutil.copy2(path, staging / path.name)
         install(staging, output, ARTIFACT)
 

@@ -259,6 +259,10 @@ def _disk_full(*args, **kwargs):
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
+def _cross_device(*args, **kwargs):
+    raise OSError(errno.EXDEV, os.strerror(errno.EXDEV))
+
+
 @pytest.mark.parametrize("use_cache", [False, True], ids=["no-cache", "cache"])
 def test_full_disk_is_one_sentence_and_keeps_the_earlier_artifact(use_cache, tiny_gguf, tiny_artifact, tiny_logits,
                                                                   home, tmp_path, monkeypatch, capsys):
@@ -280,10 +284,15 @@ def test_full_disk_is_one_sentence_and_keeps_the_earlier_artifact(use_cache, tin
 
 def test_full_disk_while_copying_from_the_cache_keeps_the_earlier_artifact(tiny_gguf, tiny_artifact, tiny_logits,
                                                                          home, tmp_path, monkeypatch):
+    """The output folder on a file system without reflinks and apart from the cache's (no hard link either), so
+    the cached weights are copied, and the disk fills meanwhile."""
+    from sharpi.common import file_share
 
     monkeypatch.setattr(LLVM, "build", fake_llvm_build(tiny_artifact))
     sharpi.compile(str(tiny_gguf), output=tmp_path / "first")               # fills the cache
     output = Path(shutil.copytree(tiny_artifact, tmp_path / "out" / "tiny"))
+    monkeypatch.setattr(file_share, "_reflink", lambda source, target: False)
+    monkeypatch.setattr(file_share.os, "link", lambda source, target: _cross_device())
     real_copy2 = shutil.copy2
 
     def copy_then_fill(source, target):                                     # the disk fills mid-copy

@@ -72,7 +72,7 @@ def _one_error_line(capsys) -> str:
 
 def test_bad_input_exits_2_with_one_line(smollm2_artifact, tmp_path, capsys):
     assert main(["check", str(tmp_path / "nope")]) == 2
-    assert "No artifact at" in _one_error_line(capsys)
+    assert "is not a sharpi artifact, a GGUF file or a known model name" in _one_error_line(capsys)
     (tmp_path / "empty").mkdir()
     assert main(["check", str(tmp_path / "empty")]) == 2
     assert "is not a sharpi artifact" in _one_error_line(capsys)
@@ -100,7 +100,8 @@ def test_bad_input_from_the_command_line_is_one_line_and_no_traceback(tmp_path):
     done = subprocess.run([sys.executable, "-m", "sharpi.cli.main", "check", str(tmp_path / "nope")],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stdout == "", done
-    assert done.stderr.count("\n") == 1 and done.stderr.startswith("error: No artifact at"), done.stderr
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith("error: "), done.stderr
+    assert "is not a sharpi artifact, a GGUF file or a known model name" in done.stderr
 
 
 PUBLISHED = re.compile(r"pip install sharpi\b|[\"']sharpi\[")

@@ -54,9 +54,14 @@ def test_least_recently_used_entries_go_when_over_the_limit(tiny_gguf, home, tmp
 
 
 def test_the_new_entry_stays_even_alone_over_the_limit(tiny_gguf, home, tmp_path, monkeypatch):
+    """A model larger than the limit stays as the cache's only entry (so it loads from there at once), and the
+    compile says so in one warning, with what to set."""
     monkeypatch.setenv("SHARPI_CACHE_GB", "1e-9")
-    _compile(tiny_gguf, tmp_path, 8)
-    _compile(tiny_gguf, tmp_path, 16)
+    said = r"limit of \S+ GiB \(SHARPI_CACHE_GB\): it is kept as the cache's only entry .* SHARPI_CACHE_GB above"
+    with pytest.warns(sharpi.SharpiWarning, match=said):
+        _compile(tiny_gguf, tmp_path, 8)
+    with pytest.warns(sharpi.SharpiWarning, match="kept as the cache's only entry"):
+        _compile(tiny_gguf, tmp_path, 16)
     assert _cached_recencies() == [16]
 
 

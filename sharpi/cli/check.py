@@ -1,5 +1,6 @@
-"""sharpi check ART [ART2 ...]: the conformance suite (sharpi/testing/conformance.py) on compiled artifacts, one
-pass/fail table per artifact, as `sharpi-compile --check` prints it. Exit code 0 when every check passed (or was
+"""sharpi check ART [ART2 ...]: the conformance suite (sharpi/testing/conformance.py) on compiled artifacts (or a
+GGUF or known model name: its cached compile, compiled on first use), one pass/fail table per artifact, as
+`sharpi-compile --check` prints it. Exit code 0 when every check passed (or was
 skipped), 1 when a check failed, 2 for bad input (a path that is not an artifact, a reference GGUF not found)."""
 from __future__ import annotations
 
@@ -9,13 +10,14 @@ from pathlib import Path
 from ..common.errors import ArtifactError, ConfigError
 from ..common.settings import parse_positive_int
 from ..testing.options import SUITE_OPTIONS
+from .common import MODEL_HELP, artifact_path
 
 def add_check_parser(sub) -> None:
     """Register `sharpi check` on the `sharpi` CLI's subparsers; its options are the pytest plugin's
     (sharpi.testing.options), without the --sharpi- prefix."""
     c = sub.add_parser("check", help="run the conformance suite on compiled artifacts (exit 1 if a check fails)",
                        description=__doc__)
-    c.add_argument("artifacts", nargs="+", metavar="ARTIFACT", help="compiled artifact directories")
+    c.add_argument("artifacts", nargs="+", metavar="ARTIFACT", help=f"{MODEL_HELP}; each in turn")
     for name, option in SUITE_OPTIONS.items():
         c.add_argument(f"--{name}", **option)       # --decode-tokens is checked by parse_positive_int in cmd_check
 
@@ -34,28 +36,30 @@ def cmd_check(args) -> int:
     for path in args.gguf:
         if not Path(path).expanduser().is_file():
             raise ConfigError(f"--gguf {path} does not exist or is not a file.")
-    artifacts = [_artifact(path) for path in args.artifacts]
+    references = list(args.gguf)        # and the GGUFs given as models
+    artifacts = [_artifact(path, references) for path in args.artifacts]
     for artifact in artifacts:          # every input checked before the first (slow) suite runs
-        _reference_gguf(conformance, artifact, args.gguf)
+        _reference_gguf(conformance, artifact, references)
     code = 0
     for n, artifact in enumerate(artifacts):
         if n:
             print()
-        code = max(code, conformance.run_and_report(artifact, reference=args.reference, gguf=args.gguf,
+        code = max(code, conformance.run_and_report(artifact, reference=args.reference, gguf=references,
                                                     **options))
         sys.stdout.flush()
     return code
 
 
-def _artifact(path: str) -> Path:
-    """The artifact directory, or a ConfigError (exit 2) when the path names no artifact at all; a manifest that
-    is there but does not read is the `loads` check's failure (exit 1), not bad input."""
-    artifact = Path(path).expanduser()
-    if not artifact.exists():
-        raise ConfigError(f"No artifact at {path}: it does not exist (compile one with sharpi-compile MODEL -o DIR).")
-    if not artifact.is_dir() or not (artifact / "manifest.json").is_file():
+def _artifact(path: str, references: list) -> Path:
+    """The artifact directory `path` names (a GGUF or a known model name: its cached compile, the GGUF then one
+    of the `references`), or a SharpiError (exit 2) when it names none; a manifest that is there but does not
+    read is the `loads` check's failure (exit 1), not bad input."""
+    artifact = artifact_path(path)
+    if not (artifact / "manifest.json").is_file():
         raise ConfigError(f"{path} is not a sharpi artifact (a directory with a manifest.json, as sharpi-compile "
                           f"writes).")
+    if Path(path).expanduser().is_file():
+        references.append(path)
     return artifact
 
 

@@ -65,9 +65,23 @@ def add_device_flags(parser) -> None:
                              "highest-performance adapter; `sharpi adapters` lists them)")
 
 
+MODEL_HELP = ("an artifact folder, a .gguf file or a known model name (a GGUF or a name is compiled for this "
+              "machine into the compile cache on first use)")
+
+
 def load_model(args):
+    """The model args.artifact names (see artifact_path), loaded with the device flags."""
     import sharpi
-    return sharpi.load(args.artifact, threads=args.threads, adapter=args.adapter, expect_sha256=args.expect_sha256)
+    return sharpi.load(args.artifact, show_progress=True, threads=args.threads, adapter=args.adapter,
+                       expect_sha256=args.expect_sha256)
+
+
+def artifact_path(model: str) -> Path:
+    """The artifact folder a command's MODEL argument names: a folder as it is, a GGUF file or known model name
+    compiled into the compile cache on first use (one line and the compile's progress on stderr) and found there
+    after (sharpi.artifact_source: the one resolver sharpi.load uses too)."""
+    from ..artifact_source import resolve_artifact
+    return resolve_artifact(model, show_progress=True).path
 
 
 def add_sampling_flags(parser, *, chat: bool) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..common.errors import ConfigError
 from ..eval.tasks import RULER_TASKS, TASKS
-from .common import add_device_flags, add_snapkv_flags, load_model
+from .common import MODEL_HELP, add_device_flags, add_snapkv_flags, load_model
 
 TASK_CHOICES = (*TASKS, "ruler", "report")
 EPILOG = """SnapKV: --snapkv-pooling, --snapkv-kernel, --snapkv-granularity, --snapkv-sinks and --snapkv-allocation take
@@ -34,7 +34,7 @@ def add_eval_parser(sub) -> None:
                    help="the task, `ruler` for the suite (--tasks), or `report` to redraw from a results file")
     e.add_argument("--tasks", type=_names, default=list(RULER_TASKS),
                    help=f"with `ruler`: the suite's tasks, comma-separated (default {','.join(RULER_TASKS)})")
-    e.add_argument("artifact", help="a compiled artifact directory (with `report`: the results JSON)")
+    e.add_argument("artifact", metavar="MODEL", help=f"{MODEL_HELP}; with `report`: the results JSON")
     e.add_argument("--lengths", type=_list_of(int), default=[2000, 4000],
                    help="prompt lengths in tokens, comma-separated (default 2000,4000)")
     e.add_argument("--depths", type=_list_of(float), default=[0, 25, 50, 75, 100],

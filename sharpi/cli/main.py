@@ -13,7 +13,7 @@ from ..common.settings import parse_positive_int
 from ..frontend.fetch import fetch
 from ..frontend.inspect import describe
 
-from .common import (STDIN, ArgumentParser, add_compress_flag, add_device_flags, add_prompt_flags,
+from .common import (MODEL_HELP, STDIN, ArgumentParser, add_compress_flag, add_device_flags, add_prompt_flags,
                      add_sampling_flags, add_snapkv_flags, generation_options, load_model, print_compression,
                      prompt_text, read_text, user_errors_exit_2)
 from .bench import run_bench
@@ -34,7 +34,7 @@ def build_parser() -> ArgumentParser:
     i.add_argument("--json", action="store_true")
 
     r = sub.add_parser("run", help="answer one prompt (-p TEXT, --file PATH, or either - for stdin), greedy")
-    r.add_argument("artifact")
+    r.add_argument("artifact", metavar="MODEL", help=MODEL_HELP)
     add_prompt_flags(r)
     r.add_argument("--raw", action="store_true",
                    help="continue the prompt's text as it is (a completion) instead of sending it as a user "
@@ -47,7 +47,7 @@ def build_parser() -> ArgumentParser:
     add_device_flags(r)
 
     c = sub.add_parser("chat", help="chat with the model (its GGUF chat template)")
-    c.add_argument("artifact")
+    c.add_argument("artifact", metavar="MODEL", help=MODEL_HELP)
     c.add_argument("--file", metavar="PATH",
                    help="a UTF-8 text document to ask about: it opens the first user message, your first question "
                         "after it (a user turn, not a system message: every chat template takes one, and SnapKV's "
@@ -63,7 +63,7 @@ def build_parser() -> ArgumentParser:
     sub.add_parser("adapters", help="list the Vulkan adapters (the vulkan target's devices)")
 
     b = sub.add_parser("bench", help="prefill and decode speed")
-    b.add_argument("artifact")
+    b.add_argument("artifact", metavar="MODEL", help=MODEL_HELP)
     b.add_argument("--prompt-tokens", type=int, default=512)
     b.add_argument("--gen-tokens", type=int, default=64)
     b.add_argument("--repeats", type=int, default=3)
@@ -206,16 +206,20 @@ def cmd_cache(args) -> int:
     for entry in listed:
         used = time.strftime("%Y-%m-%d %H:%M", time.localtime(entry.last_used))
         what = "last used" if entry.finished else "killed compile, started"
-        print(f"{entry.nbytes / 2**20:8.1f} MiB  {what} {used}  {entry.path.name}")
-    total = sum(e.nbytes for e in listed) / 2**30
+        shared = f"  ({entry.shared / 2**20:.1f} MiB shared with output folders)" if entry.shared else ""
+        print(f"{entry.nbytes / 2**20:8.1f} MiB  {what} {used}  {entry.path.name}{shared}")
+    total = sum(e.nbytes for e in listed) / 2**30        # each file once, however many names it has
+    shared = sum(e.shared for e in listed) / 2**30
     killed = sum(not e.finished for e in listed)
     compiles = f"{len(listed) - killed} cached compiles"
     if killed:
         compiles += f" and {killed} killed compiles' leftovers"
     if args.clear:
-        print(f"deleted {compiles} ({total:.2f} GiB) from {compile_cache.cache_root()}")
+        kept = f"; {shared:.2f} GiB of it stays in the output folders that share it" if shared else ""
+        print(f"deleted {compiles} ({total:.2f} GiB) from {compile_cache.cache_root()}{kept}")
     else:
-        print(f"{compiles}, {total:.2f} GiB of {limit / 2**30:g} GiB (SHARPI_CACHE_GB) in "
+        over = " (over it: the next compile deletes the least recently used)" if total * 2**30 > limit else ""
+        print(f"{compiles}, {total:.2f} GiB of {limit / 2**30:g} GiB (SHARPI_CACHE_GB){over} in "
               f"{compile_cache.cache_root()}")
     return 0
 

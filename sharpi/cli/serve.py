@@ -15,14 +15,14 @@ from ..common.errors import ConfigError, SharpiError
 from ..common.manifest import Manifest
 from ..common.settings import parse_positive_int
 from ..runtime.engine import kv_slot_bytes
-from .common import add_device_flags, add_snapkv_flags, snapkv_knobs
+from .common import MODEL_HELP, add_device_flags, add_snapkv_flags, artifact_path, snapkv_knobs
 
 DEFAULT_PORT = 8080
 
 
 def add_serve_parser(sub) -> None:
     s = sub.add_parser("serve", help="serve the model over HTTP (OpenAI's API: completions, chat completions)")
-    s.add_argument("artifact")
+    s.add_argument("artifact", metavar="MODEL", help=MODEL_HELP)
     s.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 for every interface)")
     s.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"TCP port (default {DEFAULT_PORT}; 0: any free one)")
@@ -88,6 +88,7 @@ def cmd_serve(args) -> int:
     api_key = args.api_key if args.api_key is not None else os.environ.get("SHARPI_API_KEY") or None
     if api_key is not None and not api_key.strip():
         raise ConfigError("--api-key is empty.")
+    args.artifact = str(artifact_path(args.artifact))   # a GGUF or a name: its cached compile (compiled now)
     manifest = Manifest.read(Path(args.artifact), verify_digest=False)       # a bad directory fails here, fast
     name = args.model_name or Path(manifest.source.get("name", Path(args.artifact).name)).stem
     pool_tokens = _pool_tokens(args, manifest)

@@ -29,6 +29,11 @@ class ArtifactError(SharpiError):
     """An artifact is missing, corrupted, of another format version, or built for another CPU."""
 
 
+class NoModelError(ModelNotFoundError, ArtifactError):
+    """What names no artifact folder, GGUF file or known model (sharpi.load, the CLIs' MODEL argument): a
+    ModelNotFoundError, and an ArtifactError as loading a path without an artifact always was."""
+
+
 class ContextLengthError(SharpiError):
     """A prompt (or a generation) that does not fit in the model's context."""
 

@@ -200,6 +200,19 @@ def file_sha256(path: Path, progress=None) -> str:
     return digest.hexdigest()
 
 
+def verify_files(directory: Path, manifest: Manifest, needed=()) -> None:
+    """An ArtifactError unless each file the manifest lists has the sha256 it records, and each of `needed` is
+    listed: a changed, damaged or replaced file is caught before any of it is used (the files must exist)."""
+    for name in needed:
+        if name not in manifest.files:
+            raise ArtifactError(f"{directory}/{MANIFEST_NAME} has no hash for {name}, so it cannot be verified; "
+                                f"compile it again.")
+    for name, expected in manifest.files.items():
+        if file_sha256(Path(directory) / name) != expected:
+            raise ArtifactError(f"{directory}/{name} does not match the hash in the manifest (corrupted or changed); "
+                                f"compile it again.")
+
+
 # -- reading and the schema ---------------------------------------------------------------------------------------
 def _read_bytes(directory: Path, path: Path) -> bytes:
     if not path.is_file():

@@ -9,7 +9,7 @@ import numpy as np
 from ..common.cpu import AMX_FLAGS, usable_cpu_flags
 from ..common.errors import ArtifactError
 from ..common.manifest import (CONTRACT_FUNCTION, LIBRARY, MANIFEST_NAME, TOKENIZER, WEIGHTS, Manifest,
-                               check_contract, file_sha256, weights_size)
+                               check_contract, verify_files, weights_size)
 
 
 def check_artifact(directory: Path, manifest: Manifest, code_file: str, verify_hashes: bool = True) -> None:
@@ -22,14 +22,7 @@ def check_artifact(directory: Path, manifest: Manifest, code_file: str, verify_h
         if not (directory / name).is_file():
             raise ArtifactError(f"{directory} is incomplete: {name} is missing; compile it again.")
     if verify_hashes:
-        for name in needed:
-            if name not in manifest.files:
-                raise ArtifactError(f"{directory}/{MANIFEST_NAME} has no hash for {name}, so it cannot be "
-                                    f"verified; compile it again.")
-        for name, expected in manifest.files.items():
-            if file_sha256(directory / name) != expected:
-                raise ArtifactError(f"{directory}/{name} does not match the hash in the manifest "
-                                    f"(corrupted or changed); compile it again.")
+        verify_files(directory, manifest, needed)
     size, expected = (directory / WEIGHTS).stat().st_size, weights_size(manifest)
     if size != expected:
         state = "empty" if size == 0 else "truncated" if size < expected else "longer than its parameters"
