@@ -71,7 +71,7 @@ CLI_CASES = {
     "run --adapter on llvm": (main_cli, RUN + ["--adapter", "gpu"], {}, "applies to Vulkan artifacts only"),
     # arguments
     "run empty prompt": (main_cli, ["run", "{art}", "-p", ""], {}, "The prompt is empty"),
-    "run no prompt": (main_cli, ["run", "{art}"], {}, "the arguments -p/--prompt --file is required"),
+    "run no prompt": (main_cli, ["run", "{art}"], {}, "Give the prompt with -p TEXT or --file PATH"),
     "run missing artifact": (main_cli, ["run", "{tmp}/nowhere", "-p", "hi"], {}, "is not a sharpi artifact"),
     "run artifact is a file": (main_cli, ["run", "{file}", "-p", "hi"], {}, "is not a sharpi artifact"),
     "run unknown flag": (main_cli, RUN + ["--bogus"], {}, "Unrecognized arguments: --bogus"),

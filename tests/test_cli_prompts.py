@@ -53,6 +53,15 @@ def test_file_and_stdin_give_the_same_prompt_as_p(tiny_artifact, tmp_path, capsy
         assert _run(capsys, "run", tiny_artifact, *flags, "-n", 6)[:2] == (0, expected), flags
 
 
+def test_a_file_and_a_question_make_one_prompt(tiny, tiny_artifact, tmp_path, capsys, monkeypatch):
+    path = tmp_path / "doc.txt"
+    path.write_text(LONG + "\n", encoding="utf-8")
+    code, out, _ = _run(capsys, "run", tiny_artifact, "--file", path, "-p", SHORT, "-n", 6)
+    assert code == 0 and out == tiny.generate(f"{LONG}\n\n{SHORT}", max_tokens=6).text + "\n"
+    _stdin(monkeypatch, SHORT.encode())
+    assert _run(capsys, "run", tiny_artifact, "--file", path, "-p", "-", "-n", 6)[:2] == (0, out)
+
+
 @pytest.mark.parametrize("argv, stdin, words", [
     (["run", "{art}", "--file", "{tmp}/missing.txt"], None, "missing.txt does not exist"),
     (["run", "{art}", "--file", "{tmp}"], None, "is a directory"),
@@ -60,8 +69,9 @@ def test_file_and_stdin_give_the_same_prompt_as_p(tiny_artifact, tmp_path, capsy
     (["run", "{art}", "--file", "{tmp}/empty.txt"], None, "empty.txt is empty"),
     (["run", "{art}", "-p", "-"], b"\xff\xfe", "stdin is not UTF-8 text"),
     (["run", "{art}", "--file", "-"], b"", "stdin is empty"),
-    (["run", "{art}"], None, "One of the arguments -p/--prompt --file is required"),
-    (["run", "{art}", "-p", "hi", "--file", "{tmp}/latin1.txt"], None, "not allowed with argument -p/--prompt"),
+    (["run", "{art}"], None, "Give the prompt with -p TEXT or --file PATH"),
+    (["run", "{art}", "-p", "-", "--file", "-"], None, "would both read stdin"),
+    (["run", "{art}", "-p", "hi", "--file", "{tmp}/latin1.txt"], None, "is not UTF-8 text"),
     (["chat", "{art}", "--file", "-"], None, "give the document's path"),
     (["chat", "{art}", "--file", "{tmp}/missing.txt"], None, "missing.txt does not exist"),
     (["chat", "{art}", "--file", "{tmp}/long.txt"], None, "leaves no room for a question in the context of 256"),

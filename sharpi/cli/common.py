@@ -152,21 +152,27 @@ STDIN = "-"
 
 
 def add_prompt_flags(parser) -> None:
-    """-p TEXT or --file PATH, exactly one; `-` for either reads stdin."""
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("-p", "--prompt", metavar="TEXT", help="the prompt; - reads it from stdin")
-    source.add_argument("--file", metavar="PATH",
-                        help="read the prompt from a UTF-8 text file (- : stdin); one trailing newline is dropped, "
-                             "as llama.cpp's -f does")
+    """-p TEXT and/or --file PATH (a document, then the question after it); `-` for either reads stdin."""
+    parser.add_argument("-p", "--prompt", metavar="TEXT",
+                        help="the prompt, or with --file the question about the document; - reads it from stdin")
+    parser.add_argument("--file", metavar="PATH",
+                        help="read the prompt from a UTF-8 text file (- : stdin); with -p, the file is a document "
+                             "and -p the question after it; one trailing newline is dropped, as llama.cpp's -f "
+                             "does")
 
 
 def prompt_text(args) -> str:
-    """The prompt -p or --file gives (either `-`: stdin)."""
-    if args.file is not None:
-        return read_text(args.file, "--file")
-    if args.prompt == STDIN:
-        return read_text(STDIN, "-p")
-    return args.prompt
+    """The prompt -p and --file give (either `-`: stdin): the file's text, the -p text, or the document, a blank
+    line and the question (as `sharpi chat --file` puts them)."""
+    if args.prompt is None and args.file is None:
+        raise ConfigError("Give the prompt with -p TEXT or --file PATH (or both: a document and a question about it).")
+    if args.prompt == STDIN and args.file == STDIN:
+        raise ConfigError("-p - and --file - would both read stdin: give the document's path or the question's text.")
+    document = read_text(args.file, "--file") if args.file is not None else None
+    question = read_text(STDIN, "-p") if args.prompt == STDIN else args.prompt
+    if document is None:
+        return question
+    return document if question is None else f"{document}\n\n{question}"
 
 
 def read_text(path: str, flag: str) -> str:
