@@ -19,7 +19,7 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
@@ -34,9 +34,11 @@ from ..common.tokenizer import PromptTooLongError, token_ids
 from ..runtime.sampling import SamplingParams
 from .client import EngineClient, EventStream, ModelFront
 from .http_guard import GuardMiddleware, HttpLimits, RequestNote, RequestRefused
+from .page import install_page
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                        _Generation)
 from .request import Event, GenerationRequest, TokenLogprob
+from .shares import shares_body
 
 log = logging.getLogger("sharpi.serve")
 THREAD_BODY_BYTES = 64 << 10         # a body at least this large is parsed in a worker thread
@@ -57,7 +59,7 @@ class ApiError(Exception):
 class ServerState:
     """What the routes see: the model (its front: tokenizer, settings) and the engine client once loaded (None
     while loading), the model's id, the API key, the server's SnapKV knobs (the defaults of a request's own)
-    and its HTTP limits."""
+    and its HTTP limits; whether the chat page is served at / (sharpi.serve.page)."""
     model_name: str
     api_key: str | None = None
     snapkv_knobs: dict = field(default_factory=dict)
@@ -65,6 +67,7 @@ class ServerState:
     model: ModelFront | None = None
     engine: EngineClient | None = None
     load_error: str | None = None
+    chat_page: bool = True
 
     def ready(self) -> tuple[ModelFront, EngineClient]:
         if self.engine is None:
@@ -79,6 +82,8 @@ def create_app(state: ServerState) -> FastAPI:
     _install_error_handlers(app)
     app.add_middleware(GuardMiddleware, limits=state.limits, answer_refusal=_refusal_response)
     auth = [Depends(_require_key(state))]
+    if state.chat_page:
+        install_page(app)
 
     @app.get("/health")
     async def health():
@@ -137,12 +142,28 @@ def create_app(state: ServerState) -> FastAPI:
     async def chat_completions(request: Request):
         model, engine = state.ready()
         body = await _parse(request, ChatCompletionRequest)
-        _check_model(state, body.model)
-        ids = await run_in_threadpool(_chat_prompt, model, body)
-        prefix = await run_in_threadpool(_chat_prefix, model, body, ids) if body.compress else None
-        logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        generation = _generation_request(state, model, body, ids, body.token_limit(), logprobs, prefix)
+        generation = await _chat_generation(state, model, body)
         return await _respond(request, engine, model, state, generation, body, chat=True)
+
+    @app.post("/v1/compress/shares", dependencies=auth)
+    async def compress_shares(request: Request):
+        """A chat completion's body with compress: its prefix compressed (or found compressed), nothing generated;
+        the answer says, token by token, the share of (layer, KV head) slots that kept it (sharpi.serve.shares)."""
+        model, engine = state.ready()
+        body = await _parse(request, ChatCompletionRequest)
+        if body.compress is None:
+            raise ApiError(400, "The shares are a compressed prefix's: give compress (scorer, budget).",
+                           param="compress")
+        generation = await _chat_generation(state, model, body)
+        n = generation.compress[1]
+        # the prefix and one token more: the cache's lookup leaves a token to compute
+        generation = replace(generation, prompt_ids=generation.prompt_ids[:n + 1], max_tokens=1, compress_only=True)
+        usage = await _compression(request, engine, state, generation)
+        if usage is None:                           # the client went away
+            return Response(status_code=499)
+        return await run_in_threadpool(shares_body, state.model_name, model.tokenizer, generation.prompt_ids,
+                                       usage["compression"], body.compress.scorer, body.compress.budget,
+                                       usage["cached_tokens"])
 
     return app
 
@@ -158,6 +179,15 @@ async def _parse(request: Request, schema: type[BaseModel]):
         return schema.model_validate_json(data)
     except ValidationError as error:
         raise _validation_error(error.errors()) from None
+
+
+async def _chat_generation(state: ServerState, model: ModelFront, body: ChatCompletionRequest) -> GenerationRequest:
+    """A chat completion's body as an engine request (the chat route's, and the shares route's compression)."""
+    _check_model(state, body.model)
+    ids = await run_in_threadpool(_chat_prompt, model, body)
+    prefix = await run_in_threadpool(_chat_prefix, model, body, ids) if body.compress else None
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    return _generation_request(state, model, body, ids, body.token_limit(), logprobs, prefix)
 
 
 def _check_model(state: ServerState, name: str | None) -> None:
@@ -228,16 +258,15 @@ def _chat_prompt(model: ModelFront, body: ChatCompletionRequest, last: int | Non
 
 
 def _chat_prefix(model: ModelFront, body: ChatCompletionRequest, ids: list[int]) -> int:
-    """The tokens of every message but the last: the prefix `compress` compresses."""
+    """The tokens of every message but the last: the prefix `compress` compresses. Where the chat template renders
+    the earlier messages otherwise alone than in the whole conversation (e.g. the last one closed differently), the
+    ids they share from the start (compared as ids, not text)."""
     if body.compress.prefix_tokens is not None:
         return body.compress.prefix_tokens
     if len(body.messages) < 2:
         raise ApiError(400, "compress.prefix all-but-last-message needs at least two messages.", param="compress")
     prefix = _chat_prompt(model, body, last=-1, generation_prompt=False)
-    if ids[:len(prefix)] != prefix:
-        raise ApiError(400, "This model's chat template does not render the earlier messages as a prefix of the "
-                            "whole conversation; give compress.prefix_tokens instead.", param="compress")
-    return len(prefix)
+    return next((i for i, (a, b) in enumerate(zip(prefix, ids)) if a != b), min(len(prefix), len(ids)))
 
 
 def _completion_prefix(body: CompletionRequest, ids: list[int]) -> int | None:
@@ -340,6 +369,24 @@ async def _respond(request: Request, engine: EngineClient, model: ModelFront, st
     _raise_if_failed(reply)
     # read at the end: a request sent again after its replica died names the replica that answered
     return JSONResponse(_full_response(model, reply, chat), headers=_replica_header(events))
+
+
+async def _compression(request: Request, engine: EngineClient, state: ServerState,
+                       generation: GenerationRequest) -> dict | None:
+    """Run a compress_only request to its end; its finish's usage (with the compression's report), or None when
+    the client went away."""
+    reply = _Reply("compression", int(time.time()), state.model_name, note=request.scope.get("sharpi_note"))
+    start = time.monotonic()
+    async for event in _events_until_disconnect(request, await _open(engine, generation)):
+        _take(reply, event, start)
+    reply.noted()
+    if reply.finish_reason is None:
+        return None
+    _raise_if_failed(reply)
+    if "compression" not in (reply.usage or {}):     # the pool could not hold the prefix (finish "length")
+        raise ApiError(503, "The server's KV pool has no room to compress this prefix now; try again later.",
+                       "server_error", code="overloaded")
+    return reply.usage
 
 
 def _replica_header(events: EventStream) -> dict:

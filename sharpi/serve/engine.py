@@ -31,9 +31,18 @@ complement each other: with room the faithful path, when memory is tight the com
 
 A request may ask for its prefix to be compressed by a query-agnostic scorer (GenerationRequest.compress: probe,
 keydiff, hybrid or kvzip, sharpi.runtime.scorers): the prefix is prefilled and compressed alone, a fork of it goes
-to the conversation cache under the prefix's exact tokens, and the rest of the prompt follows as a continuation.
-Such an entry was chosen without any question, so it serves any later prompt that starts with those tokens
-(another question about the same document) with the same scorer and settings.
+to the conversation cache under the prefix's exact tokens (its full pages, before the compression, to the prefix
+cache, for requests that do not compress), and the rest of the prompt follows as a continuation. Such an entry was
+chosen without any question, so it serves any later prompt that starts with those tokens (another question about
+the same document) with the same scorer and settings; when the request finishes, its whole conversation is kept
+too. The rule for a compress request: it goes on from the longest entry (same scorer, budget and SnapKV settings)
+whose tokens its prompt starts with and that leaves a token to compute, computing only the tokens after it as a
+continuation (which never evicts: a chat's next turn, whose prompt holds the compressed document, the earlier
+questions and answers and the new message), unless more than `budget` tokens of the request's own prefix lie past
+the part that entry compressed (its `prompt_tokens`); then, or with no such entry, the request's prefix is
+prefilled and compressed afresh (turn 1). So a compressed chat's prefix holds at most about twice the budget a
+layer, and its document is computed once until then. cached_tokens is the entry's token count (every token the
+request did not compute, compressed or not).
 """
 from __future__ import annotations
 
@@ -55,6 +64,7 @@ from ..runtime.session import PrefillJob, Session, decode_batch
 from ..runtime.text_output import TextOutput
 from .metrics import ServeMetrics
 from .request import Event, GenerationRequest, RequestHandle, TokenLogprob
+from .shares import compression_report
 
 
 @dataclass(frozen=True)
@@ -313,6 +323,9 @@ class ServeEngine:
             if seq.handle.cancelled:              # between two chunks: a drain or a disconnect waits no longer
                 self._finish(seq, "cancelled")
                 continue
+            if not seq.jobs:                      # compress_only, its prefix found compressed: nothing to compute
+                self._finish(seq, "stop")
+                continue
             kind, job, ids = seq.jobs[0]
             if job is None:
                 job = seq.session.start_prefill(ids, chunk=self.budget)
@@ -383,18 +396,35 @@ class ServeEngine:
         return session, hit, [("prompt", None, seq.prompt[hit:])]
 
     def _start_compressed(self, seq: _Sequence) -> tuple[Session, int, list]:
-        """A prompt whose prefix is compressed by a query-agnostic scorer: from the cached compressed prefix (or
-        a longer continuation of it), else the prefix prefilled and compressed first."""
+        """A prompt whose prefix is compressed by a query-agnostic scorer (the rule in the module doc): it goes on
+        from the longest compressed entry its tokens start with (a compressed prefix, or a finished conversation
+        that continued one) unless more than a budget of its own prefix lies past what that entry compressed;
+        else its prefix is prefilled and compressed first."""
         scorer, n = seq.request.compress
         session = self.model.session(snapkv=seq.request.snapkv, compress=scorer)
         seq.compressed_prompt = n
+        if seq.request.compress_only:
+            return self._start_compression_only(seq, session, n)
         if self.conversations is not None:
             with self.engine.lock:
                 entry = self.conversations.lookup(seq.prompt, session)
-                if entry is not None and len(entry.tokens) >= n:
+                if entry is not None and n - entry.prompt_tokens <= session.snapkv_budget:
                     session.close()
-                    return entry.session.fork(), len(entry.tokens), [("prompt", None, seq.prompt[len(entry.tokens):])]
+                    seq.compressed_prompt = entry.prompt_tokens
+                    hit = len(entry.tokens)
+                    return entry.session.fork(), hit, [("prompt", None, seq.prompt[hit:])]
         return session, 0, [("prefix", None, seq.prompt[:n]), ("prompt", None, seq.prompt[n:])]
+
+    def _start_compression_only(self, seq: _Sequence, session: Session, n: int) -> tuple[Session, int, list]:
+        """A request for the compression of its n-token prefix alone (its prompt: the prefix and one token more):
+        the prefix's own entry if the cache holds it (nothing to compute), else the prefix compressed."""
+        if self.conversations is not None:
+            with self.engine.lock:
+                entry = self.conversations.lookup(seq.prompt[:n + 1], session)
+                if entry is not None and len(entry.tokens) == n:
+                    session.close()
+                    return entry.session.fork(), n, []
+        return session, 0, [("prefix", None, seq.prompt[:n])]
 
     def _start_from_caches(self, seq: _Sequence, session: Session) -> tuple[Session, int]:
         if self.prefix_cache is None:
@@ -436,11 +466,11 @@ class ServeEngine:
         the compaction can then copy the shared pages it writes (else the prompt is not cached)."""
         session = seq.session
         seq.pages_before_eviction = self._pages_of(session)
-        if kind != "prompt" or self.prefix_cache is None:
+        if kind not in ("prompt", "prefix") or self.prefix_cache is None:
             return
         copies = -(-session.snapkv_budget // self.page_size) * self.n_layers if job.evict else 0
-        if copies <= self.pool.free_count:
-            self.prefix_cache.insert(seq.prompt, session.cache)
+        if copies <= self.pool.free_count:      # a compressed prefix's full pages too: a plain request adopts them
+            self.prefix_cache.insert(seq.prompt[:session.logical_length], session.cache)
 
     def _prefill_done(self, seq: _Sequence, kind: str, job: PrefillJob) -> None:
         session = seq.session
@@ -453,6 +483,8 @@ class ServeEngine:
                     fork = session.fork()
                     if not self.conversations.insert(seq.prompt[:len(job.ids)], fork, len(job.ids)):
                         fork.close()
+            if seq.request.compress_only:
+                self._finish(seq, "stop")
         elif kind == "prompt" and not seq.out:
             self._next_token(seq, job.logits)
         elif not seq.jobs:                  # recomputed: go on with the token sampled before the preemption
@@ -504,6 +536,9 @@ class ServeEngine:
         if seq.finished:
             return
         seq.finished = True
+        # what a compress_only request asked for, read before its session goes to the cache or is closed
+        report = compression_report(seq.session, seq.compressed_prompt) \
+            if seq.request.compress_only and reason == "stop" and seq.session is not None else None
         if seq.session is not None:
             with self.engine.lock:
                 kept = False
@@ -519,6 +554,8 @@ class ServeEngine:
         piece = seq.text.finish() if reason in ("stop", "length") else ""
         usage = {"prompt_tokens": len(seq.prompt), "completion_tokens": len(seq.out),
                  "cached_tokens": seq.cached_tokens or 0}
+        if report is not None:
+            usage["compression"] = report
         if reason in ("stop", "length"):
             self.metrics.prompt_tokens.inc(len(seq.prompt))
             self.metrics.request_latency.observe(time.monotonic() - seq.arrival)

@@ -40,8 +40,16 @@ class CompressOptions(BaseModel):
     `budget` slots a layer by `scorer` (probe, the default: the best measured for its cost, benchmarks/
     compression.md; keydiff, hybrid or kvzip, sharpi.runtime.scorers), kept in the server's cache under its exact
     tokens, and reused by any later prompt that starts with them (another question about the same document).
-    The prefix: a chat's messages but the last ("all-but-last-message", the default for chat) or a completion
-    prompt's first `prefix_tokens` tokens."""
+    The prefix: a chat's messages but the last ("all-but-last-message", the default for chat; the ids the
+    earlier messages render to, as far as they begin the whole conversation's) or a completion prompt's first
+    `prefix_tokens` tokens.
+
+    Reuse (a chat's next turn sends the same options): a request goes on from the longest compressed entry with
+    the same scorer, budget and SnapKV settings whose tokens its prompt starts with (the compressed document, or
+    an earlier turn's whole conversation, kept when it finished), computing only the tokens after it, uncompressed
+    (a continuation never evicts). Its own prefix is compressed afresh only when more than `budget` of its tokens
+    lie past the part that entry compressed. usage.prompt_tokens_details.cached_tokens is then the entry's token
+    count: every prompt token the request did not compute."""
     model_config = _STRICT
     scorer: Literal["probe", "keydiff", "hybrid", "kvzip"] = "probe"
     budget: int = Field(ge=1, le=1 << 24)

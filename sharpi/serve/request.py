@@ -24,6 +24,9 @@ class GenerationRequest:
     special: bool = False                 # show special tokens in the text
     ignore_eos: bool = False
     compress: tuple[str, int] | None = None  # (scorer, prefix tokens): the prefix compressed and cached alone
+    # only the compression: the request ends once its prefix is compressed (or found compressed in the cache),
+    # nothing generated, and its finish's usage["compression"] says what was kept (sharpi.serve.shares)
+    compress_only: bool = False
 
 
 @dataclass
