@@ -68,14 +68,13 @@ def add_serve_parser(sub) -> None:
 
 
 def cmd_serve(args) -> int:
-    # Heavy and optional (python -m pip install ".[serve]"): imported when serving, so the other commands never need it.
+    # Imported when serving, so the other commands never load the HTTP stack.
     try:
         from ..serve.app import ServerState
         from ..serve.server import bind, serve
     except ImportError as error:
-        extra = "ray" if args.ray else "serve"
-        raise ConfigError(f"sharpi serve{' --ray' if args.ray else ''} needs the {extra} extra ({error.name} is "
-                          f"missing): python -m pip install \".[{extra}]\" in the sharpi clone.") from None
+        raise ConfigError(f"sharpi serve needs {error.name}, which is missing: run python -m pip install . in the "
+                          f"sharpi clone again.") from None
     parallel = parse_positive_int(args.parallel, "--parallel", highest=1024)
     parse_positive_int(args.max_queue, "--max-queue", allow_zero=True, highest=1 << 20)
     if args.prefill_budget is not None:

@@ -44,7 +44,7 @@ def token_pieces(tokenizer: Tokenizer, ids: list[int]) -> list[str]:
 
 def shares_body(model_name: str, tokenizer: Tokenizer, ids: list[int], report: dict, scorer: str, budget: int,
                 cached_tokens: int) -> dict:
-    """The /v1/compress/shares answer (its fields: the README's route list)."""
+    """The /v1/compress/shares answer (its fields: docs/serving.md's route list)."""
     n, kept = report["prefix_tokens"], report["kept_slots"]
     ratio = n * len(kept) / sum(kept) if kept and sum(kept) else 1.0
     return {"object": "compression.shares", "model": model_name, "scorer": scorer, "budget": budget,
