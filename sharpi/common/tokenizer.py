@@ -25,6 +25,17 @@ from tokenizers.decoders import DecodeStream
 from . import schema
 from .errors import ConfigError, ContextLengthError, TokenizerError
 
+# Where a generation ends, as llama.cpp decides it (llama-vocab.cpp's end-of-generation set, checked against
+# llama_vocab_is_eog on the real test models: tests/test_stop_ids.py): the GGUF's own ids, and tokens found by
+# their text, since many GGUFs name only one of a chat model's several end tokens.
+END_OF_GENERATION_KEYS = ("eos", "eot", "eom", "fim_pad", "fim_rep", "fim_sep")
+END_OF_GENERATION_TEXTS = frozenset({
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>", "<|endoftext|>",
+    "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>", "</s>",
+    "<\uff5cend\u2581of\u2581sentence\uff5c>",           # DeepSeek's, in full-width bars
+    # fill-in-the-middle padding and repository / file separators: a chat that reaches one has left its answer
+    "<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>",
+    "<|file_sep|>"})
 MAX_CHAT_TEMPLATE = 1 << 20         # characters; real templates are a few KB
 PIECE_CHARS = 1 << 16               # a long text's pieces when checking it against a limit (~40 ms each)
 PIECE_SLACK = 4                     # ids a cut between two pieces may add
@@ -108,8 +119,7 @@ def build_from_gguf_metadata(meta: dict) -> tuple["Tokenizer", TokenizerInfo]:
                              "(sharpi supports gpt2 byte-level BPE and llama SentencePiece BPE).")
     bos = meta.get("tokenizer.ggml.bos_token_id")
     eos = meta.get("tokenizer.ggml.eos_token_id")
-    stop_ids = sorted({i for i in (eos, meta.get("tokenizer.ggml.eot_token_id")) if i is not None}
-                      | {i for i, t in enumerate(tokens) if t in ("<|im_end|>", "<|eot_id|>", "<end_of_turn>")})
+    stop_ids = end_of_generation_ids(meta, tokens)
     chat_template = meta.get("tokenizer.chat_template")
     if not chat_template and "<start_of_turn>" in tokens and "<end_of_turn>" in tokens:
         chat_template = GEMMA_CHAT_TEMPLATE     # Gemma GGUFs may carry none; llama.cpp has it built in
@@ -120,6 +130,14 @@ def build_from_gguf_metadata(meta: dict) -> tuple["Tokenizer", TokenizerInfo]:
         bos_token=tokens[bos] if bos is not None and 0 <= bos < len(tokens) else None,
         eos_token=tokens[eos] if eos is not None and 0 <= eos < len(tokens) else None)
     return Tokenizer(hf, info), info
+
+
+def end_of_generation_ids(meta: dict, tokens: list[str]) -> list[int]:
+    """The ids a generation stops at: tokenizer.ggml.{eos,eot,eom,fim_*}_token_id and every token whose text is
+    one of END_OF_GENERATION_TEXTS."""
+    ids = {meta.get(f"tokenizer.ggml.{key}_token_id") for key in END_OF_GENERATION_KEYS}
+    ids |= {i for i, text in enumerate(tokens) if text in END_OF_GENERATION_TEXTS}
+    return sorted(i for i in ids if isinstance(i, int) and 0 <= i < len(tokens))
 
 
 def _byte_level_bpe(tokens, merges, types, pre: str):
