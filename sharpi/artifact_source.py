@@ -36,8 +36,8 @@ def resolve_artifact(model: str | Path, *, show_progress: bool = False) -> Resol
         return Resolved(compile_into_cache(text, show_progress=show_progress), True)
     why = "it does not start with GGUF's magic bytes" if path.exists() else "no such file or folder"
     raise NoModelError(f"{text} is not a sharpi artifact, a GGUF file or a known model name ({why}); give an "
-                             f"artifact folder (sharpi-compile MODEL -o DIR), a .gguf file or one of "
-                             f"{', '.join(sorted(KNOWN_MODELS))}.")
+                       f"artifact folder (sharpi-compile MODEL -o DIR), a .gguf file or one of "
+                       f"{', '.join(sorted(KNOWN_MODELS))}.")
 
 
 def _is_gguf(path: Path) -> bool:
