@@ -22,7 +22,7 @@ from ..common.settings import resolve_threads
 from ..frontend.fetch import models_dir
 from ..runtime.model import Model
 from ..runtime.model_info import ModelInfo
-from .common import artifact_path, load_model, snapkv_keywords, snapkv_knobs
+from .common import load_model, resolve_model_arg, snapkv_keywords, snapkv_knobs
 
 FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ")
 
@@ -141,7 +141,7 @@ def find_gguf(manifest, explicit: str | None) -> Path | None:
 
 def run_bench(args) -> None:
     given = args.artifact                          # a GGUF or a name: its cached compile (the GGUF also llama.cpp's)
-    args.artifact = str(artifact_path(given))
+    resolve_model_arg(args)
     if args.gguf is None and Path(given).is_file():
         args.gguf = given
     tokenizer = artifact_info(Path(args.artifact))

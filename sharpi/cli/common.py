@@ -73,15 +73,31 @@ def load_model(args):
     """The model args.artifact names (see artifact_path), loaded with the device flags."""
     import sharpi
     return sharpi.load(args.artifact, show_progress=True, threads=args.threads, adapter=args.adapter,
-                       expect_sha256=args.expect_sha256)
+                       expect_sha256=args.expect_sha256, **already_checked(args))
 
 
 def artifact_path(model: str) -> Path:
     """The artifact folder a command's MODEL argument names: a folder as it is, a GGUF file or known model name
     compiled into the compile cache on first use (one line and the compile's progress on stderr) and found there
     after (sharpi.artifact_source: the one resolver sharpi.load uses too)."""
+    return _resolved(model).path
+
+
+def resolve_model_arg(args) -> None:
+    """args.artifact made the artifact folder it names (artifact_path), remembering whether that folder's files
+    were hashed just now (a cache entry), so that loading it does not hash them again (already_checked)."""
+    resolved = _resolved(args.artifact)
+    args.artifact, args.artifact_checked = str(resolved.path), resolved.checked
+
+
+def already_checked(args) -> dict:
+    """sharpi.load's verify=False where resolve_model_arg found args.artifact's files hashed a moment ago."""
+    return {"verify": False} if getattr(args, "artifact_checked", False) else {}
+
+
+def _resolved(model: str):
     from ..artifact_source import resolve_artifact
-    return resolve_artifact(model, show_progress=True).path
+    return resolve_artifact(model, show_progress=True)
 
 
 def add_sampling_flags(parser, *, chat: bool) -> None:

@@ -15,7 +15,8 @@ from ..common.errors import ConfigError, SharpiError
 from ..common.manifest import Manifest
 from ..common.settings import parse_positive_int
 from ..runtime.engine import kv_slot_bytes
-from .common import MODEL_HELP, add_device_flags, add_snapkv_flags, artifact_path, snapkv_knobs
+from .common import (MODEL_HELP, add_device_flags, add_snapkv_flags, already_checked, resolve_model_arg,
+                     snapkv_knobs)
 
 DEFAULT_PORT = 8080
 
@@ -87,7 +88,7 @@ def cmd_serve(args) -> int:
     api_key = args.api_key if args.api_key is not None else os.environ.get("SHARPI_API_KEY") or None
     if api_key is not None and not api_key.strip():
         raise ConfigError("--api-key is empty.")
-    args.artifact = str(artifact_path(args.artifact))   # a GGUF or a name: its cached compile (compiled now)
+    resolve_model_arg(args)                   # a GGUF or a name: its cached compile (compiled now)
     manifest = Manifest.read(Path(args.artifact), verify_digest=False)       # a bad directory fails here, fast
     name = args.model_name or Path(manifest.source.get("name", Path(args.artifact).name)).stem
     pool_tokens = _pool_tokens(args, manifest)
@@ -205,7 +206,7 @@ def _load(state, args, parallel: int, pool_tokens: int | None) -> None:
     from ..serve.engine import ServeEngine, ServeSettings
     try:
         model = sharpi.load(args.artifact, threads=args.threads, adapter=args.adapter,
-                            expect_sha256=args.expect_sha256, pool_tokens=pool_tokens)
+                            expect_sha256=args.expect_sha256, pool_tokens=pool_tokens, **already_checked(args))
         model.snapkv_settings(**state.snapkv_knobs)                           # bad SnapKV flags fail here
         engine = ServeEngine(model, ServeSettings(parallel=parallel, max_queue=args.max_queue,
                                                   prefill_budget=args.prefill_budget,
