@@ -183,10 +183,12 @@ def test_paged_attention_and_append(held, new, static, window, heads, kv_heads, 
 
 
 @pytest.mark.parametrize("held,new,window", [(0, 40, 0), (20, 37, 24)])
-@pytest.mark.parametrize("heads,kv_heads,d", [(4, 1, 256), (9, 3, 64), (4, 2, 64), (8, 1, 64), (5, 5, 32)])
+@pytest.mark.parametrize("heads,kv_heads,d", [(4, 1, 256), (9, 3, 64), (4, 2, 64), (8, 1, 64), (5, 5, 32),
+                                             (14, 2, 64)])
 def test_prefill_attention_query_passes(held, new, window, heads, kv_heads, d, rng):
-    """Prefill attention walks 1-4 query heads of a token together (register-blocked q . k and p . V): each group
-    size's pass shape (1, 2, 3, 4 heads; 8 = two passes of 4), head_dim 32-256, a block cut by the prompt's end,
+    """Prefill attention walks 1-4 query heads of a token together (register-blocked q . k and p . V), or a prime
+    group's all at once: each group size's pass shape (1, 2, 3, 4 heads; 8 = two passes of 4; 7, Qwen2.5-0.5B's,
+    in one), head_dim 32-256, a block cut by the prompt's end,
     pages out of order, a window starting mid-page."""
     page, layer = 16, 0
     pages = (held + new + page - 1) // page
@@ -207,7 +209,7 @@ def test_prefill_attention_query_passes(held, new, window, heads, kv_heads, d, r
 
 @pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("held,new,window", [(0, 23, 0), (30, 1, 0), (20, 17, 19)])
-@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (7, 1)])     # 7: heads walk each page one at a time
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (7, 1)])     # 7: a prime group, its heads walked at once
 def test_half_precision_kv_pool(kv_dtype, held, new, window, heads, kv_heads, rng):
     """An f16 or bf16 pool: append rounds K and V to nearest (ties to even, as numpy and ml_dtypes do), attention
     reads them back as float32 (decode's split-K path and prefill's)."""

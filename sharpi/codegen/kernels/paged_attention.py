@@ -128,7 +128,11 @@ def _register_blocks(group: int, DC: int, LANES: int, page_size: int) -> tuple[i
     """(QP, OS, VC): query heads walked together (heads of one token share the causal mask), slots per q . k step
     (QP x OS accumulators), V lanes per p . V pass (QP x VC / LANES accumulators)."""
     QP = max(c for c in (1, 2, 3, 4) if group % c == 0)
-    OS = 8 // QP
+    if QP == 1 and group <= 8:
+        # a prime group (Qwen2.5-0.5B's 7 query heads a KV head) walked one head at a time would read every K slot
+        # once per head; all its heads at once read it once (QP x OS = 7 accumulators)
+        QP = group
+    OS = max(1, 8 // QP)
     VC = LANES * max(c for c in (1, 2, 4, 8) if DC % c == 0 and c * QP <= 8)
     assert page_size % OS == 0
     return QP, OS, VC
