@@ -135,11 +135,11 @@ def test_scale_prefixes_read_the_same_as_views_of_their_planes(qtype):
 
     from sharpi.codegen.kernels.gpu.elementwise import make_gpu_embedding
     from sharpi.codegen.kernels.gpu.quant_matmul import make_gpu_matmul
-    from sharpi.common.quant_layout import LAYOUTS
+    from sharpi.common.quant_layout import KERNEL_PARTS, LAYOUTS
 
     rows, cols, tokens = 64, 256, 3
     rng = np.random.default_rng(0)
-    (_, qs_dtype, qs_shape), (_, _, scale_shape) = LAYOUTS[qtype]
+    (_, qs_dtype, qs_shape), (_, _, scale_shape) = LAYOUTS[qtype][:KERNEL_PARTS]
     fields = scale_shape(rows, cols)[0]
     qs = tvm.runtime.tensor(rng.integers(0, 2**31, qs_shape(rows, cols)).astype(qs_dtype))
     scales = rng.normal(size=(fields, rows, cols // 32)).astype("float32")

@@ -115,3 +115,43 @@ def test_the_avx2_kernels_still_serve_a_portable_mcpu(tmp_path):
     lp = {name: log_softmax(model.score(ids)) for name, model in compiled.items()}
     gaps = [np.abs(lp[name] - lp["float"]).max() for name in ("v3", "native")]
     assert max(gaps) <= conformance.INT8_MATMULS[0] and abs(gaps[0] - gaps[1]) <= 0.25 * max(gaps), gaps
+
+
+def _k_quant_matrices(layers: int, dim: int, ffn: int, rng) -> dict:
+    """A Q4_K_M-like mix for write_tiny_llama's override_raw: Q4_K matrices, Q5_K attn_k, Q6_K attn_v and
+    ffn_down, as random GGUF blocks (every sub-scale and min pattern: test_kquants._raw)."""
+    import gguf
+    import test_kquants
+
+    raw = {}
+    for layer in range(layers):
+        for name, (n, k) in {"attn_q": (dim, dim), "attn_k": (dim // 2, dim), "attn_v": (dim // 2, dim),
+                             "attn_output": (dim, dim), "ffn_gate": (ffn, dim), "ffn_up": (ffn, dim),
+                             "ffn_down": (dim, ffn)}.items():
+            qtype = "Q6_K" if name in ("ffn_down", "attn_v") else "Q5_K" if name == "attn_k" else "Q4_K"
+            _, blocks = test_kquants._raw(qtype, n, k, rng)
+            raw[f"blk.{layer}.{name}.weight"] = (blocks, gguf.GGMLQuantizationType[qtype])
+    return raw
+
+
+def test_k_quants_on_avx2_multiply_with_integer_sub_scales(tmp_path, rng):
+    """An AVX2 artifact (--mcpu x86-64-v3) of a Q4_K_M-like tiny model: its K-quant matmuls are
+    quant_matmul_q8k's, which read the `ks` weight part that only such artifacts store; prefill and decode stay
+    within the int8 tolerance of the float32 reference, and decode gives prefill's log-probs."""
+    from sharpi.testing.reference import NumpyReference
+    from tiny_gguf import write_tiny_llama
+
+    path = write_tiny_llama(tmp_path / "tiny.gguf", matrix_type="Q4_0", dim=256, ffn=512,
+                            override_raw=_k_quant_matrices(2, 256, 512, rng))
+    model = sharpi.load(sharpi.compile(str(path), output=tmp_path / "v3", use_cache=False, mcpu="x86-64-v3"))
+    assert model.manifest.target["int8_isa"] == "avx2"
+    for prefix in ("gemm_q8k_q4_k", "gemm_q8k_q5_k", "gemm_q8k_q6_k", "gemv_q8k_q4_k", "gemv_q8k_q6_k"):
+        assert any(k.startswith(prefix) for k in model.manifest.kernels), (prefix, model.manifest.kernels)
+    assert sum(p.name.endswith(":ks") for p in model.manifest.params) == 14
+    ids = list(range(1, 40))
+    scored = log_softmax(model.score(ids))
+    expected = log_softmax(NumpyReference(path).forward(ids))
+    assert np.abs(scored - expected).max() <= conformance.INT8_MATMULS[0]
+    with model.session(snapkv_budget=0) as s:
+        decoded = log_softmax(np.stack([s.prefill(ids[:30])] + [s.decode(t) for t in ids[30:]]))
+    np.testing.assert_allclose(decoded, scored[29:], atol=1e-3)

@@ -18,13 +18,15 @@ DEV = tvm.cpu()
 TARGET = make_target(None)
 
 
-def _as_cpu_kernel_takes(qtype, parts, n, k):
-    """The quants as the CPU kernels take them (codegen inserts the same zero-copy view)."""
+def _as_cpu_kernel_takes(qtype, parts, n, k, sub_scales=False):
+    """The quants as the CPU kernels take them (codegen inserts the same zero-copy view), with the K-quants'
+    `ks` part only for the kernels that read it (`sub_scales`: quant_matmul_q8k's)."""
     from sharpi.codegen.kernels.quant_matmul import cpu_quants
     if "qs" not in parts:
         return list(parts.values())
     shape, dtype = cpu_quants(qtype, n, k)
-    return [parts["qs"].view(dtype).reshape(shape)] + [v for name, v in parts.items() if name != "qs"]
+    rest = [parts["s"]] + ([parts["ks"]] if sub_scales else [])
+    return [parts["qs"].view(dtype).reshape(shape)] + rest
 
 
 def _build(prim, target=TARGET):

@@ -8,7 +8,7 @@ import pytest
 from sharpi.codegen.kernels.gpu.quant_matmul import GPU_LAYOUTS
 from sharpi.codegen.kernels.quant_matmul import make_embedding, make_matmul
 from sharpi.frontend.gguf_file import GGUFTensor
-from sharpi.common.quant_layout import dequantize_layout
+from sharpi.common.quant_layout import dequantize_layout, sub_scales
 from sharpi.frontend.quant import layout_of, repack
 from test_kernels import _as_cpu_kernel_takes, _build, _t
 
@@ -52,9 +52,62 @@ def test_repack_matches_gguf_dequantize(name, rng):
         t, raw = _tensor(name, n, k, rng)
         assert layout_of(t) == name.lower()
         parts = repack(t)
-        assert set(parts) == {"qs", "s"} and parts["qs"].dtype == np.uint32 and parts["s"].dtype == np.float32
+        assert {"qs", "s"} <= set(parts) and parts["qs"].dtype == np.uint32 and parts["s"].dtype == np.float32
         expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[name]).reshape(n, k)
         np.testing.assert_array_equal(dequantize_layout(name.lower(), parts), expected)
+        if name != "Q5_1":
+            _assert_sub_scales_multiply_back(name.lower(), parts)
+
+
+def _assert_sub_scales_multiply_back(qtype, parts):
+    """The integer form of a K-quant's scales (the `ks` part) multiplies back to its f32 scale planes exactly."""
+    assert set(parts) == {"qs", "s", "ks"} and parts["ks"].dtype == np.uint32
+    n = parts["qs"].shape[0]
+    if qtype == "q6_k":
+        d_super, sc = sub_scales(qtype, parts["ks"])
+        d = (d_super[..., None] * sc).reshape(n, -1, 2)
+        np.testing.assert_array_equal(parts["s"][0], d[..., 0])
+        np.testing.assert_array_equal(parts["s"][1], d[..., 1])
+        return
+    d_super, dmin, sc, mn = sub_scales(qtype, parts["ks"])
+    assert sc.max() < 64 and mn.max() < 64
+    np.testing.assert_array_equal(parts["s"][0], (d_super[..., None] * sc).reshape(n, -1))
+    np.testing.assert_array_equal(parts["s"][1], (-(dmin[..., None] * mn)).reshape(n, -1))
+
+
+def test_the_sub_scale_part_is_stored_only_for_the_kernels_that_read_it(tmp_path, rng):
+    """A K-quant's `ks` part is in the weight table as the GGUF is read; a target whose kernels do not read it
+    (all but the llvm target's AVX2 integer-dot kernels) has it dropped: the parameters close ranks in order and
+    the repacked tensors hold only what the graph takes."""
+    from dataclasses import replace
+
+    from sharpi.codegen.targets import target_for
+    from sharpi.common.compile_options import CompileOptions
+    from sharpi.frontend.gguf_file import GGUFFile
+    from sharpi.frontend.weights import load_weights
+    from tiny_gguf import write_tiny_llama
+
+    import gguf
+
+    _, blocks = _raw("Q6_K", 256, 256, rng)
+    path = write_tiny_llama(tmp_path / "k.gguf", dim=256, ffn=256, layers=1, matrix_type="Q4_0",
+                            override_raw={"blk.0.ffn_up.weight": (blocks, gguf.GGMLQuantizationType.Q6_K)})
+    table = load_weights(GGUFFile(path), ["blk.0.attn_q.weight", "blk.0.ffn_up.weight"], ["output_norm.weight"],
+                         False)
+    assert table.names == ["blk.0.attn_q.weight:qs", "blk.0.attn_q.weight:s", "blk.0.ffn_up.weight:qs",
+                           "blk.0.ffn_up.weight:s", "blk.0.ffn_up.weight:ks", "output_norm.weight:w"]
+    assert set(table.repacked("blk.0.ffn_up.weight")) == {"qs", "s", "ks"}
+    table.drop_part("ks")
+    assert [s.name for s in table.specs] == [n for n in table.names if not n.endswith(":ks")]
+    assert table.tensors["blk.0.ffn_up.weight"][1] == [2, 3] and table.tensors["output_norm.weight"][1] == [4]
+    assert set(table.repacked("blk.0.ffn_up.weight")) == {"qs", "s"}
+    llvm = target_for("llvm")
+    int8 = CompileOptions(target="llvm", matmuls="int8")
+    assert llvm.integer_sub_scales(replace(int8, mcpu="x86-64-v3"))
+    assert not llvm.integer_sub_scales(replace(int8, mcpu="sapphirerapids"))
+    assert not llvm.integer_sub_scales(replace(int8, mcpu="x86-64-v3", matmuls="float"))
+    assert not target_for("vulkan").integer_sub_scales(CompileOptions(target="vulkan"))
+    assert not target_for("cuda").integer_sub_scales(CompileOptions(target="cuda"))
 
 
 @pytest.mark.parametrize("name", TYPES)

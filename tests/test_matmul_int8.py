@@ -41,10 +41,10 @@ def _weight(qtype, n, k, rng):
     return test_kernels._weight(qtype.upper(), n, k, rng)
 
 
-def _expected(q, parts, x):
-    """y [len(x), N] (or [N] for one row) of the int8-quantized rows of x."""
-    xq, d = quantize_activations_q8(x)
-    x_seen = (xq.reshape(-1, 32).astype(np.float64) * d.reshape(-1, 1)).reshape(x.shape)
+def _expected(q, parts, x, block=32):
+    """y [len(x), N] (or [N] for one row) of the int8-quantized rows of x (scales per `block` activations)."""
+    xq, d = quantize_activations_q8(x, block)
+    x_seen = (xq.reshape(-1, block).astype(np.float64) * d.reshape(-1, 1)).reshape(x.shape)
     y = x_seen @ dequantize_layout(q, parts).astype(np.float64).T
     return y[0] if len(x) == 1 else y
 
@@ -228,3 +228,59 @@ def test_amx_is_a_feature_of_the_cpu_name():
     with pytest.raises(ConfigError, match="may be extended by amx-tile, amx-int8 only"):
         make_target("rocketlake+avx10.1")
     assert "tdpbusd" in _build(make_gemm_amx("q4_0", 32, 256), make_target("sapphirerapids")).mod.inspect_source("asm")
+
+
+def _run_q8k(make, q, parts, n, k, x):
+    """A quant_matmul_q8k kernel on the parts with their f32 scale planes NaN: it must read only the quants, the
+    bit planes and `ks`."""
+    from sharpi.common.quant_layout import FLOAT_PLANES
+    s = parts["s"].copy()
+    s[:FLOAT_PLANES[q]] = np.nan
+    taken = _as_cpu_kernel_takes(q, {**parts, "s": s}, n, k, sub_scales=True)
+    y = _t(np.zeros((len(x), n), np.float32))
+    _build(make(q, n, k))(_t(x), *[_t(p) for p in taken], y)
+    return y.numpy()
+
+
+@pytest.mark.parametrize("qtype", ["q4_k", "q5_k", "q6_k"])
+def test_q8k_matmuls_match_numpy(qtype, rng):
+    """The AVX2 K-quant kernels with integer sub-scales (activations quantized per 256, ggml's q8_K) against numpy:
+    70 rows (row groups of 32, the last short), 3 super-blocks (K spans of 2, the last short), 11 tokens (a cut
+    tile), a zero super-block, an outlier and a token of small activations; the GEMV on two of the tokens."""
+    from sharpi.codegen.kernels.quant_matmul_q8k import make_gemm_q8k, make_gemv_q8k
+    n, k, tokens = 70, 768, 11
+    q, parts = _weight(qtype, n, k, rng)
+    x = rng.standard_normal((tokens, k)).astype(np.float32)
+    x[0, 256:512] = 0
+    x[-1, 5] = 40.0
+    x[tokens // 2] *= 1e-3
+    want = _expected(q, parts, x, block=256)
+    got = _run_q8k(make_gemm_q8k, q, parts, n, k, x)
+    assert (np.abs(got - want).max(-1) / np.abs(want).max(-1)).max() <= 2e-5
+    for t in (0, tokens - 1):
+        row = _run_q8k(make_gemv_q8k, q, parts, n, k, x[t:t + 1])[0]
+        np.testing.assert_allclose(row, want[t], rtol=0, atol=2e-5 * np.abs(want[t]).max())
+    exact = x @ dequantize_layout(q, parts).T       # the per-256 rounding is all that separates them
+    assert (np.abs(got - exact).max(-1) <= 0.05 * np.abs(exact).max(-1)).all()
+
+
+def test_q8k_extremes_do_not_saturate(rng):
+    """Q6_K at its extremes: every quant 63 or 0 (u - 32 = 31 or -32), sub-scales -128 and 127, activations at
+    +-127 after quantization: the pair sums (2 * 63 * 127) and their sub-scaled sums must not saturate."""
+    import gguf
+    from sharpi.codegen.kernels.quant_matmul_q8k import make_gemm_q8k, make_gemv_q8k
+    from sharpi.frontend.gguf_file import GGUFTensor
+    from sharpi.frontend.quant import repack
+
+    n, k = 8, 512
+    raw = np.zeros((n, k // 256, 210), np.uint8)
+    raw[0::2, :, :192] = 0xFF                                  # quants 63 (ql 15, qh 3) in the even rows
+    raw[:, :, 192:208] = np.where(rng.random((n, k // 256, 16)) < 0.5, 0x80, 0x7F)
+    raw[:, :, 208:210] = np.array([1e-3], np.float16).view(np.uint8)
+    t = GGUFTensor(name="w", type_name="Q6_K", type_id=int(gguf.GGMLQuantizationType.Q6_K), shape=(n, k),
+                   data=raw.reshape(n, -1))
+    parts = repack(t)
+    x = np.where(rng.random((2, k)) < 0.5, -1.0, 1.0).astype(np.float32) * 3
+    want = _expected("q6_k", parts, x, block=256)
+    np.testing.assert_allclose(_run_q8k(make_gemm_q8k, "q6_k", parts, n, k, x), want, rtol=1e-6)
+    np.testing.assert_allclose(_run_q8k(make_gemv_q8k, "q6_k", parts, n, k, x[:1])[0], want[0], rtol=1e-6)

@@ -24,9 +24,10 @@ from ..common.kv_format import KVFormat
 from ..ir_passes.named_ops import extern_name
 from .kernels.paged_attention import (make_kv_append, make_kv_append_batch, make_paged_attention,
                                       make_paged_attention_batch)
-from ..common.quant_layout import QUANTIZED
+from ..common.quant_layout import KERNEL_PARTS, QUANTIZED, SUB_SCALES
 from .kernels.quant_matmul_int8 import INT8_DOT_TYPES, make_gemm_int8, make_gemv_int8
 from .kernels.quant_matmul_amx import make_gemm_amx
+from .kernels.quant_matmul_q8k import Q8K_TYPES, make_gemm_q8k, make_gemv_q8k
 from .kernels.quant_matmul_vnni512 import make_gemm_vnni512, vnni512_fits
 from .kernels.quant_matmul import cpu_quants, make_embedding, make_matmul
 from .kernels.rope import make_rope
@@ -160,11 +161,16 @@ class KernelAttacher(relax.PyExprMutator):
             gv = self.kernel(("gpu_matmul", qtype, n_out, k_in, tokens),
                              lambda: make_gpu_matmul(qtype, n_out, k_in, tokens, self.scale_prefixes))
             return relax.call_tir(gv, [call.args[0], *self._gpu_parts(qtype, parts, n_out, k_in)], call.ty)
-        if self.int8_isa is not None and qtype in INT8_DOT_TYPES:
+        sub_scales = self.int8_isa == "avx2" and qtype in Q8K_TYPES
+        if sub_scales:
+            make = make_gemv_q8k if tokens == 1 else make_gemm_q8k
+            gv = self.kernel((f"{'gemv' if tokens == 1 else 'gemm'}_q8k", qtype, n_out, k_in),
+                             lambda: make(qtype, n_out, k_in))
+        elif self.int8_isa is not None and qtype in INT8_DOT_TYPES:
             gv = self._int8_matmul(qtype, n_out, k_in, decode=tokens == 1)
         else:
             gv = self.kernel(("matmul", qtype, n_out, k_in, tokens), lambda: make_matmul(qtype, n_out, k_in, tokens))
-        return relax.call_tir(gv, [call.args[0], *self._cpu_parts(qtype, parts, n_out, k_in)], call.ty)
+        return relax.call_tir(gv, [call.args[0], *self._cpu_parts(qtype, parts, n_out, k_in, sub_scales)], call.ty)
 
     # The decode GEMV's unpacking of 4-bit quants into 64 lanes costs what the wider dot saves: on a znver5, 2
     # threads, a 32768 x 2048 GEMV took 1-3% longer in 512 bits than AVX-VNNI's 256 for q4_0 and q4_k, 3-10%
@@ -203,11 +209,16 @@ class KernelAttacher(relax.PyExprMutator):
         gv = self.kernel(("embedding", qtype, vocab, dim), lambda: make_embedding(qtype, vocab, dim))
         return relax.call_tir(gv, [call.args[1], *self._cpu_parts(qtype, parts, vocab, dim)], call.ty)
 
-    def _cpu_parts(self, qtype, parts, n_out, k_in):
+    def _cpu_parts(self, qtype, parts, n_out, k_in, sub_scales: bool = False):
         """The weight parts as the CPU kernels take them: quants through a zero-copy view where their dtype
-        differs from the stored layout (q8_0's u32 words read as int8)."""
+        differs from the stored layout (q8_0's u32 words read as int8); the K-quants' `ks` part only for the
+        kernels that read it (`sub_scales`), which the frontend gave the graph for this target."""
         if not parts or qtype not in QUANTIZED:
             return parts
+        if sub_scales and len(parts) == KERNEL_PARTS:
+            raise CompileError(f"The {qtype} matmul kernels for this target read the weights' {SUB_SCALES!r} "
+                               f"part, which the graph was built without.")
+        parts = parts if sub_scales else parts[:KERNEL_PARTS]
         shape, dtype = cpu_quants(qtype, n_out, k_in)
         if str(parts[0].ty.dtype) == dtype:
             return parts
@@ -220,7 +231,7 @@ class KernelAttacher(relax.PyExprMutator):
         of planes 0..f at offset 0."""
         if qtype not in QUANTIZED:
             return parts
-        qs, scales = parts
+        qs, scales = parts[:KERNEL_PARTS]
         fields, plane = int(scales.ty.shape[0]), (n_out, k_in // 32)
         if self.scale_prefixes:
             return [qs, *[self.builder_.emit(relax.op.memory.view(scales, shape=(f + 1, *plane), dtype="float32"))

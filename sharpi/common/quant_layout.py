@@ -19,6 +19,11 @@ which are exact in f32, so the weights are bit-identical to ggml's dequantizatio
          w = (q + 16 * hi_e - 32) * (d0 if e < 16 else d1), hi_e = 2-bit field e % 16 of (h0 if e < 16 else h1)
          (d0, d1: d_super * the int8 scales of the block's two 16-halves; h0, h1: the 2-bit high parts of
          elements 0-15 and 16-31, 16 a word, stored as the bits of an f32 like q5_0's qh)
+The K-quants have a third part, `ks`: their super-block scales as integers, for kernels that multiply by the 6- and
+8-bit sub-scales in integer arithmetic (quant_matmul_q8k, llama.cpp's q8_K dot products); it is stored only where
+the target's kernels read it (WeightTable.drop_part). uint32 [N, K/256 * KS_WORDS], per super-block:
+  q4_k, q5_k:  d_super, dmin (f32 bits), then 8 sub-scales and 8 mins (uint8, 0-63)   d = d_super * sc, m = -dmin * mn
+  q6_k:        d_super (f32 bits), then 16 sub-scales (int8), one per 16 weights      d0, d1 = d_super * sc
 Quants are always in u32 words: WGSL (the Vulkan path) has no 8- or 16-bit storage types.
 Dense types have one part `w` [N, K]: f32, f16, or bf16 kept as uint16 (the upper half of an f32).
 Every other GGUF type is expanded to f16 at load. Scales are f32 rather than GGUF's f16: one conversion per
@@ -38,9 +43,12 @@ LAYOUTS = {
     "q5_0": [("qs", "uint32", lambda n, k: (n, k // 8)), ("s", "float32", lambda n, k: (2, n, k // BLOCK))],
     "q5_1": [("qs", "uint32", lambda n, k: (n, k // 8)), ("s", "float32", lambda n, k: (3, n, k // BLOCK))],
     "q8_0": [("qs", "uint32", lambda n, k: (n, k // 4)), ("s", "float32", lambda n, k: (1, n, k // BLOCK))],
-    "q4_k": [("qs", "uint32", lambda n, k: (n, k // 8)), ("s", "float32", lambda n, k: (2, n, k // BLOCK))],
-    "q5_k": [("qs", "uint32", lambda n, k: (n, k // 8)), ("s", "float32", lambda n, k: (3, n, k // BLOCK))],
-    "q6_k": [("qs", "uint32", lambda n, k: (n, k // 8)), ("s", "float32", lambda n, k: (4, n, k // BLOCK))],
+    "q4_k": [("qs", "uint32", lambda n, k: (n, k // 8)), ("s", "float32", lambda n, k: (2, n, k // BLOCK)),
+             ("ks", "uint32", lambda n, k: (n, k // SUPER_BLOCK * KS_WORDS["q4_k"]))],
+    "q5_k": [("qs", "uint32", lambda n, k: (n, k // 8)), ("s", "float32", lambda n, k: (3, n, k // BLOCK)),
+             ("ks", "uint32", lambda n, k: (n, k // SUPER_BLOCK * KS_WORDS["q5_k"]))],
+    "q6_k": [("qs", "uint32", lambda n, k: (n, k // 8)), ("s", "float32", lambda n, k: (4, n, k // BLOCK)),
+             ("ks", "uint32", lambda n, k: (n, k // SUPER_BLOCK * KS_WORDS["q6_k"]))],
     "f32": [("w", "float32", lambda n, k: (n, k))],
     "f16": [("w", "float16", lambda n, k: (n, k))],
     "bf16": [("w", "uint16", lambda n, k: (n, k))],
@@ -51,6 +59,9 @@ FLOAT_PLANES = {"q4_0": 1, "q4_1": 2, "q5_0": 1, "q5_1": 2, "q8_0": 1, "q4_k": 2
 QUANTIZED = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k")
 K_QUANTS = ("q4_k", "q5_k", "q6_k")
 SUPER_BLOCK = 256   # the K-quants' super-block: their tensors need K % 256 == 0
+KS_WORDS = {"q4_k": 6, "q5_k": 6, "q6_k": 5}   # u32 words of `ks` a super-block
+SUB_SCALES = "ks"
+KERNEL_PARTS = 2    # the parts every kernel takes (qs, s); only quant_matmul_q8k's take `ks` too
 
 # GGUF tensor type name -> sharpi layout kept as is (quantized in memory)
 NATIVE_TYPES = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q5_0": "q5_0", "Q5_1": "q5_1", "Q8_0": "q8_0",
@@ -60,6 +71,18 @@ EXPANDED_TYPE = "f16"
 
 def parts(qtype: str, n: int, k: int) -> list[tuple[str, str, tuple[int, int]]]:
     return [(name, dtype, shape(n, k)) for name, dtype, shape in LAYOUTS[qtype]]
+
+
+def sub_scales(qtype: str, ks: np.ndarray) -> tuple[np.ndarray, ...]:
+    """A K-quant's `ks` part [N, K/256 * KS_WORDS] -> (d_super [N, NS], dmin [N, NS], sub-scales [N, NS, 8],
+    mins [N, NS, 8]) for q4_k and q5_k, (d_super [N, NS], sub-scales [N, NS, 16]) for q6_k; integers as int32."""
+    words = np.ascontiguousarray(ks).reshape(ks.shape[0], -1, KS_WORDS[qtype])
+    floats = words.view(np.float32)
+    ints = np.ascontiguousarray(words[..., 2 if qtype != "q6_k" else 1:])
+    if qtype == "q6_k":
+        return floats[..., 0], ints.view(np.int8).astype(np.int32)
+    sc_mn = ints.view(np.uint8).astype(np.int32)
+    return floats[..., 0], floats[..., 1], sc_mn[..., :8], sc_mn[..., 8:]
 
 
 def dequantize_layout(qtype: str, parts: dict[str, np.ndarray]) -> np.ndarray:

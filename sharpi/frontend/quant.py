@@ -143,13 +143,17 @@ def _k_scale_min(scales12: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc.astype(np.float32), mn.astype(np.float32)
 
 
-def _k_scales(b) -> tuple[np.ndarray, np.ndarray]:
-    """Per-32-block (d, m) of Q4_K/Q5_K super-blocks [N, NS, bytes] -> [N, NS*8] each (products exact in f32)."""
+def _k_scales(b) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-32-block (d, m) of Q4_K/Q5_K super-blocks [N, NS, bytes] -> [N, NS*8] each (products exact in f32),
+    and the super-blocks' `ks` words (quant_layout)."""
     n, ns, _ = b.shape
     sc, mn = _k_scale_min(b[..., 4:16])
-    d = _f16_scale(b, 0)[..., None] * sc
-    m = -(_f16_scale(b, 2)[..., None] * mn)
-    return d.reshape(n, ns * 8), m.reshape(n, ns * 8)
+    d_super, dmin = _f16_scale(b, 0), _f16_scale(b, 2)
+    d = d_super[..., None] * sc
+    m = -(dmin[..., None] * mn)
+    ints = np.concatenate([sc, mn], axis=-1).astype(np.uint8).view("<u4")         # [N, NS, 4]
+    ks = np.concatenate([d_super[..., None].view(np.uint32), dmin[..., None].view(np.uint32), ints], axis=-1)
+    return d.reshape(n, ns * 8), m.reshape(n, ns * 8), ks.reshape(n, ns * 6)
 
 
 def _k_nibbles(qs128: np.ndarray) -> np.ndarray:
@@ -167,17 +171,17 @@ def _bits_to_words(bits: np.ndarray, width: int) -> np.ndarray:
 
 
 def _repack_q4_k(b):
-    d, m = _k_scales(b)
-    return {"qs": _pack_nibbles(_k_nibbles(b[..., 16:144])), "s": _scales(d, m)}
+    d, m, ks = _k_scales(b)
+    return {"qs": _pack_nibbles(_k_nibbles(b[..., 16:144])), "s": _scales(d, m), "ks": ks}
 
 
 def _repack_q5_k(b):
     n, ns, _ = b.shape
-    d, m = _k_scales(b)
+    d, m, ks = _k_scales(b)
     # fifth bit of element l of sub-block i: bit i of qh byte l
     qh = b[..., 16:48].reshape(n, ns, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
     qh = _bits_to_words(qh & 1, 1).reshape(n, ns * 8)
-    return {"qs": _pack_nibbles(_k_nibbles(b[..., 48:176])), "s": _scales(d, m, qh.view(np.float32))}
+    return {"qs": _pack_nibbles(_k_nibbles(b[..., 48:176])), "s": _scales(d, m, qh.view(np.float32)), "ks": ks}
 
 
 def _repack_q6_k(b):
@@ -189,10 +193,12 @@ def _repack_q6_k(b):
     lo = (lo & 0x0F).reshape(n, ns * 8, BLOCK)
     hi = b[..., 128:192].reshape(n, ns, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 1, 4, 1)
     hi = _bits_to_words((hi & 3).reshape(n, ns * 8, 2, 16), 2)                     # [N, K/32, 2]
-    sc = np.ascontiguousarray(b[..., 192:208]).view(np.int8).astype(np.float32)    # [N, NS, 16]
-    d = (_f16_scale(b, 208)[..., None] * sc).reshape(n, ns * 8, 2)
+    sc_bytes = np.ascontiguousarray(b[..., 192:208])                                # [N, NS, 16] int8
+    d_super = _f16_scale(b, 208)
+    d = (d_super[..., None] * sc_bytes.view(np.int8).astype(np.float32)).reshape(n, ns * 8, 2)
+    ks = np.concatenate([d_super[..., None].view(np.uint32), sc_bytes.view("<u4")], axis=-1).reshape(n, ns * 5)
     return {"qs": _pack_nibbles(lo),
-            "s": _scales(d[..., 0], d[..., 1], hi[..., 0].view(np.float32), hi[..., 1].view(np.float32))}
+            "s": _scales(d[..., 0], d[..., 1], hi[..., 0].view(np.float32), hi[..., 1].view(np.float32)), "ks": ks}
 
 
 _REPACKERS = {"q4_0": _repack_q4_0, "q4_1": _repack_q4_1, "q5_0": _repack_q5_0, "q5_1": _repack_q5_1,

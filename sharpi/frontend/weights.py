@@ -63,6 +63,15 @@ class WeightTable:
         self.specs += [ParamSpec(f"{name}:{part}", tuple(int(d) for d in shape), dtype) for part, dtype, shape in parts]
         self.tensors[name] = (qtype, list(range(start, len(self.specs))))
 
+    def drop_part(self, part: str) -> None:
+        """Leave out every tensor's `part` (a layout part no kernel of the target reads: quant_layout's `ks`), so
+        the graph does not take it and the artifact does not store it."""
+        specs, self.specs = self.specs, []
+        for name, (qtype, indices) in self.tensors.items():
+            kept = [specs[i] for i in indices if not specs[i].name.endswith(f":{part}")]
+            self.tensors[name] = (qtype, list(range(len(self.specs), len(self.specs) + len(kept))))
+            self.specs += kept
+
     def repacked(self, name: str) -> dict[str, np.ndarray]:
         """The parts of one tensor in its layout (repacked from the GGUF now; matrices stay quantized, vectors
         become f32), checked against the specs the graph was built with; a non-finite tensor is recorded."""
@@ -76,6 +85,8 @@ class WeightTable:
             parts = {"w": np.ascontiguousarray(data.reshape(t.shape))}
         else:
             parts = repack(t)
+            kept = {self.specs[i].name.rsplit(":", 1)[1] for i in indices}
+            parts = {part: array for part, array in parts.items() if part in kept}
         self.gguf.release(name)
         for (part, array), index in zip(parts.items(), indices, strict=True):
             spec = self.specs[index]

@@ -23,6 +23,10 @@ class Target(Protocol):
     def describe(self, options: CompileOptions) -> dict:
         """The manifest's "target" entry for resolved options (before the build)."""
 
+    def integer_sub_scales(self, options: CompileOptions) -> bool:
+        """Whether the kernels for resolved options read the K-quants' integer sub-scales (quant_layout's `ks`
+        part); where not, the part is left out of the graph and the artifact."""
+
     def build(self, mod: tvm.IRModule, cfg: ModelConfig, options: CompileOptions, staging: Path, progress,
               contract: str) -> list[str]:
         """Lower and build the Relax module (after the IR passes) into `staging`, compiling `contract` (the

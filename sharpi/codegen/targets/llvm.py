@@ -152,6 +152,9 @@ class LLVMTarget:
             entry["int8_isa"] = int8_dot_isa(target)
         return entry
 
+    def integer_sub_scales(self, options: CompileOptions) -> bool:
+        return options.matmuls == "int8" and int8_dot_isa(make_target(options.mcpu)) == "avx2"
+
     def build(self, mod, cfg: ModelConfig, options: CompileOptions, staging: Path, progress, contract: str):
         target = make_target(options.mcpu)
         progress.set_postfix_str("attach kernels, legalize, fuse")

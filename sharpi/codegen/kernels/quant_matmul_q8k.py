@@ -1,0 +1,286 @@
+"""K-quant matmuls on AVX2 with the sub-scales applied as integers: llama.cpp's q4_K / q5_K / q6_K x q8_K dot
+products, on sharpi's layouts.
+
+quant_matmul_int8's kernels give every 32-block its own f32 weight scale and activation scale, so each block-token
+product ends in a convert and an FMA (and the quantized activations of a block carry a scale each). A K-quant's
+block scales are one f16 per super-block of 256 times small integers (6-bit sub-scales for q4_K and q5_K, int8 per
+16 for q6_K), so here the activations are quantized per 256 (ggml's q8_K: d = max|x| / 127 over the super-block),
+the sub-scale multiplies the block's pair sums inside `vpmaddwd` (in place of the int8 kernels' multiply by ones),
+and the 8 blocks of a super-block sum in int32: one convert and one FMA a super-block, not a block. The weights'
+integer sub-scales and super-block scales are the `ks` part (quant_layout); the minimum or zero-point term goes
+per super-block through the activation sums (times the activation scale) of each block (q6_K: of each 16):
+
+    sum_e w_e x_e = dx * (d_super * sum_b sc_b * sum_(e in b) u_e xq_e  +  coefficient * sum_b m_b * xsum_b)
+
+with u the unsigned quants and, for q4_K and q5_K, m_b = min_b and coefficient = -dmin; for q6_K, m_b the 16-part
+sub-scales and coefficient = -32 d_super. The quants are unpacked as quant_matmul_int8 unpacks them (its lane
+order); only the AVX2 instruction set takes these kernels (AVX-VNNI and AVX-512 hosts have faster dots).
+
+The prefill GEMM unpacks a group of GROUP_ROWS rows' quants once into scratch, a span of K at a time small enough
+(L1_TILE_BYTES) that the span's bytes stay in L1 while every tile of tokens passes over them; per token the
+kernel then does one load, `vpmaddubsw`, `vpmaddwd` and `vpaddd` a block. The decode GEMV reads the quants, `ks`
+and the bit planes (q5_K's fifth bits, q6_K's high bits), never the f32 scale planes.
+"""
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+from ...common.quant_layout import BLOCK, K_QUANTS, KS_WORDS, LAYOUTS, SUPER_BLOCK
+from .common import token_count
+from .lanes import lane_max, lane_total
+from .quant_matmul import cpu_quants
+from .quant_matmul_int8 import (GEMM_TILE, PREFETCH_BYTES, TASKS, _abs_max8, _half_sum8, _intrin, _prefetch,
+                                _quantized_block, _unsigned_quants)
+
+Q8K_TYPES = K_QUANTS
+BLOCKS = SUPER_BLOCK // BLOCK   # blocks of 32 a super-block
+GROUP_ROWS = 32        # rows a GEMM task unpacks together
+L1_TILE_BYTES = 16384  # unpacked quants a GEMM task keeps in L1 while the tiles of tokens pass over them
+_BIT_PLANES = {"q4_k": 0, "q5_k": 1, "q6_k": 2}   # the `s` planes the unpacking reads: this many from plane 2
+
+
+def _sums_per_block(qtype) -> int:
+    """Activation sums (and offset multipliers) a block: q6_K's 16-element halves have sub-scales of their own."""
+    return 2 if qtype == "q6_k" else 1
+
+
+def _sub_scale_byte(qtype, sb, b, half):
+    """Index, in a row of `ks` read as bytes, of the sub-scale of block b's half `half` of super-block sb."""
+    words = KS_WORDS[qtype]
+    if qtype == "q6_k":
+        return sb * words * 4 + 4 + 2 * b + half
+    return sb * words * 4 + 8 + b
+
+
+def _offset_byte(qtype, sb, b, f):
+    """Index of the integer that multiplies activation sum f of block b: q4_K's and q5_K's min, q6_K's sub-scale."""
+    if qtype == "q6_k":
+        return _sub_scale_byte(qtype, sb, b, f)
+    return sb * KS_WORDS[qtype] * 4 + 16 + b
+
+
+def _lane_sub_scales(qtype, first, second):
+    """int16x16: the sub-scale of each 16-bit lane of `vpmaddubsw`'s sums of a block in lane order. Lane j sums
+    bytes 2j and 2j + 1, elements 4j, 4j + 2 (j < 8) or 4(j - 8) + 1, + 3: the block's first 16 elements where
+    j % 8 < 4. q4_K and q5_K have one sub-scale a block (`first`)."""
+    if qtype != "q6_k":
+        return T.Broadcast(first, 16)
+    return T.Select(T.ramp(0, 1, 16) % 8 < T.Broadcast(4, 16), T.Broadcast(first, 16), T.Broadcast(second, 16))
+
+
+def _scaled_dot(u, x, scales):
+    """int32x8: pairs of u_e * x_e (`vpmaddubsw`, at most 2 * 63 * 127 < 2^15), then pairs of those times their
+    sub-scales (`vpmaddwd`)."""
+    pairs = _intrin("int16x16", "llvm.x86.avx2.pmadd.ub.sw", u, x)
+    return _intrin("int32x8", "llvm.x86.avx2.pmadd.wd", pairs, scales)
+
+
+@T.macro
+def quantize_activation_superblock(x, src, valid, xq, xd, xo, t, sb, qtype, F):
+    """Super-block sb of row `src` of x as int8 into row t of xq, each block in the lanes' element order
+    (quant_matmul_int8), with one scale d = max|x| / 127 over its 256 values (ggml's quantize_row_q8_K) into
+    xd[sb, t]; the quants' sums times d into xo[f, block, t], per block (F = 1) or per half (F = 2). Rows not
+    `valid` (a GEMM tile's padding) come out zero."""
+    lanes8 = T.decl_buffer((8,), "float32", scope="global")
+    sums8 = T.decl_buffer((2, 8), "float32", scope="global")
+    amax = T.decl_buffer((1,), "float32", scope="global")
+    amax[0] = T.float32(0)
+    if valid:
+        lanes8[T.ramp(0, 1, 8)] = _abs_max8(x, src, sb * BLOCKS, qtype)
+        for b in range(1, BLOCKS):
+            lanes8[T.ramp(0, 1, 8)] = T.max(lanes8[T.ramp(0, 1, 8)], _abs_max8(x, src, sb * BLOCKS + b, qtype))
+        amax[0] = lane_max(lanes8)
+    d = T.decl_buffer((1,), "float32", scope="global")
+    d[0] = amax[0] / T.float32(127)
+    xd[sb, t] = d[0]
+    inv = T.decl_buffer((1,), "float32", scope="global")
+    inv[0] = T.Select(amax[0] > T.float32(0), T.float32(1) / d[0], T.float32(0))
+    for b in range(BLOCKS):
+        xq[t, T.ramp((sb * BLOCKS + b) * BLOCK, 1, BLOCK)] = _quantized_block(x, src, sb * BLOCKS + b, qtype, inv[0])
+        sums8[0, T.ramp(0, 1, 8)] = _half_sum8(x, src, sb * BLOCKS + b, qtype, inv[0], 0)
+        sums8[1, T.ramp(0, 1, 8)] = _half_sum8(x, src, sb * BLOCKS + b, qtype, inv[0], 1)
+        if F == 2:
+            xo[0, sb * BLOCKS + b, t] = lane_total(sums8, 0) * d[0]
+            xo[1, sb * BLOCKS + b, t] = lane_total(sums8, 1) * d[0]
+        else:
+            xo[0, sb * BLOCKS + b, t] = (lane_total(sums8, 0) + lane_total(sums8, 1)) * d[0]
+
+
+def _weight_buffers(qtype, N, K):
+    qs_shape, qs_dtype = cpu_quants(qtype, N, K)
+    S = LAYOUTS[qtype][1][2](N, K)[0]
+    return qs_shape, qs_dtype, S, K // SUPER_BLOCK * KS_WORDS[qtype]
+
+
+def make_gemm_q8k(qtype: str, N: int, K: int):
+    """PrimFunc (x [n, K] f32, qs, s, ks, y [n, N] f32), n symbolic: the AVX2 prefill matmul of a K-quant.
+
+    Every token's row is quantized per super-block (parallel over tokens) into a buffer padded to whole tiles of
+    GEMM_TILE tokens. Each task takes a group of GROUP_ROWS rows and walks K in spans of SPAN super-blocks: it
+    unpacks the span of its rows (quants in lane order, sub-scales as int16, offset multipliers as f32), then for
+    every tile and row sums the span's blocks in int32 per super-block, converting once a super-block, and adds
+    the span's products to y."""
+    assert qtype in Q8K_TYPES, qtype
+    NB, NS, W = K // BLOCK, K // SUPER_BLOCK, KS_WORDS[qtype]
+    qs_shape, qs_dtype, S, KS = _weight_buffers(qtype, N, K)
+    GR = min(GROUP_ROWS, N)
+    GROUPS = (N + GR - 1) // GR
+    SPAN = max(1, min(NS, L1_TILE_BYTES // (GR * SUPER_BLOCK)))    # super-blocks unpacked at a time
+    SPANS = (NS + SPAN - 1) // SPAN
+    F = _sums_per_block(qtype)
+    TT = GEMM_TILE
+    n = token_count(None)
+    tiles = (n + TT - 1) // TT
+
+    @T.prim_func
+    def quant_gemm_q8k(var_x: T.handle, qs: T.Buffer(qs_shape, qs_dtype), s: T.Buffer((S, N, NB), "float32"),
+                       ks: T.Buffer((N, KS), "uint32"), var_y: T.handle):
+        T.func_attr({"tirx.noalias": True, "op_pattern": 8})
+        x = T.match_buffer(var_x, (n, K), "float32")
+        y = T.match_buffer(var_y, (n, N), "float32")
+        ks8 = T.decl_buffer((N, KS * 4), "int8", data=ks.data)
+        xq = T.decl_buffer((tiles * TT, K), "int8")
+        xd = T.decl_buffer((NS, tiles * TT), "float32")
+        xo = T.decl_buffer((F, NB, tiles * TT), "float32")       # activation sums x scale, token-minor
+        for t in T.parallel(tiles * TT):
+            for sb in range(NS):
+                quantize_activation_superblock(x, T.min(t, n - 1), t < n, xq, xd, xo, t, sb, qtype, F)
+        for g in T.parallel(GROUPS):
+            w = T.decl_buffer((GR, SPAN * SUPER_BLOCK), "int8", scope="global")
+            sc = T.decl_buffer((GR, SPAN * BLOCKS * 2), "int16", scope="global")
+            om = T.decl_buffer((GR, SPAN * BLOCKS * F), "float32", scope="global")
+            acc = T.decl_buffer((TT, 8), "float32", scope="global")
+            dot = T.decl_buffer((TT, 8), "int32", scope="global")
+            off = T.decl_buffer((TT,), "float32", scope="global")
+            off_sb = T.decl_buffer((TT,), "float32", scope="global")
+            for c in range(SPANS):
+                for r in range(T.min(GR, N - g * GR)):
+                    for j in range(T.min(SPAN, NS - c * SPAN) * BLOCKS):
+                        w[r, T.ramp(j * BLOCK, 1, BLOCK)] = _unsigned_quants(qtype, qs, s, g * GR + r,
+                                                                             c * SPAN * BLOCKS + j)
+                        for h in T.unroll(2):
+                            sc[r, j * 2 + h] = T.Cast("int16", ks8[g * GR + r, _sub_scale_byte(
+                                qtype, c * SPAN + j // BLOCKS, j % BLOCKS, h if qtype == "q6_k" else 0)])
+                        for f in T.unroll(F):
+                            om[r, j * F + f] = T.Cast("float32", ks8[g * GR + r, _offset_byte(
+                                qtype, c * SPAN + j // BLOCKS, j % BLOCKS, f)])
+                for tt in range(tiles):
+                    for r in range(T.min(GR, N - g * GR)):
+                        row = T.meta_var(g * GR + r)
+                        for t in T.unroll(TT):
+                            acc[t, T.ramp(0, 1, 8)] = T.Broadcast(T.float32(0), 8)
+                        off[T.ramp(0, 1, TT)] = T.Broadcast(T.float32(0), TT)
+                        for sbl in range(T.min(SPAN, NS - c * SPAN)):
+                            sb = T.meta_var(c * SPAN + sbl)
+                            for t in T.unroll(TT):
+                                dot[t, T.ramp(0, 1, 8)] = T.Broadcast(T.int32(0), 8)
+                            off_sb[T.ramp(0, 1, TT)] = T.Broadcast(T.float32(0), TT)
+                            for b in range(BLOCKS):
+                                j = T.meta_var(sbl * BLOCKS + b)
+                                for t in T.unroll(TT):
+                                    dot[t, T.ramp(0, 1, 8)] = dot[t, T.ramp(0, 1, 8)] + _scaled_dot(
+                                        w[r, T.ramp(j * BLOCK, 1, BLOCK)],
+                                        xq[tt * TT + t, T.ramp((sb * BLOCKS + b) * BLOCK, 1, BLOCK)],
+                                        _lane_sub_scales(qtype, sc[r, j * 2], sc[r, j * 2 + 1]))
+                                for f in T.unroll(F):
+                                    off_sb[T.ramp(0, 1, TT)] = off_sb[T.ramp(0, 1, TT)] + T.Broadcast(
+                                        om[r, j * F + f], TT) * xo[f, sb * BLOCKS + b, T.ramp(tt * TT, 1, TT)]
+                            d_super = T.meta_var(T.reinterpret("float32", ks[row, sb * W]))
+                            for t in T.unroll(TT):
+                                acc[t, T.ramp(0, 1, 8)] = acc[t, T.ramp(0, 1, 8)] + T.Cast(
+                                    "float32x8", dot[t, T.ramp(0, 1, 8)]) * T.Broadcast(d_super * xd[sb, tt * TT + t],
+                                                                                        8)
+                            off[T.ramp(0, 1, TT)] = off[T.ramp(0, 1, TT)] + T.Broadcast(
+                                _offset_coefficient(qtype, ks, row, sb * W), TT) * off_sb[T.ramp(0, 1, TT)]
+                        for t in T.unroll(TT):
+                            if tt * TT + t < n:
+                                y[tt * TT + t, row] = T.Select(c == 0, T.float32(0), y[tt * TT + t, row]) + (
+                                    lane_total(acc, t) + off[t])
+
+    return quant_gemm_q8k
+
+
+def _offset_coefficient(qtype, ks, row, first_word):
+    """What multiplies a super-block's sum of offset multipliers times activation sums: -dmin (q4_K, q5_K) or
+    -32 d_super (q6_K)."""
+    if qtype == "q6_k":
+        return T.float32(-32) * T.reinterpret("float32", ks[row, first_word])
+    return -T.reinterpret("float32", ks[row, first_word + 1])
+
+
+def make_gemv_q8k(qtype: str, N: int, K: int, prefetch_bytes: int = PREFETCH_BYTES):
+    """PrimFunc (x [1, K] f32, qs, s, ks, y [1, N] f32): the AVX2 decode matmul of a K-quant. The row x is
+    quantized once per super-block; each task takes a chunk of output rows and per row and super-block sums the
+    blocks' scaled dots in two int32 chains, converts once, and adds the offset term as 8 lanes (one a block;
+    q6_K: two vectors, one per half). Weights are prefetched prefetch_bytes of quants ahead, with the same
+    super-blocks' `ks` and bit planes."""
+    assert qtype in Q8K_TYPES, qtype
+    NB, NS, W = K // BLOCK, K // SUPER_BLOCK, KS_WORDS[qtype]
+    qs_shape, qs_dtype, S, KS = _weight_buffers(qtype, N, K)
+    F = _sums_per_block(qtype)
+    CHUNKS = min(TASKS, N)
+    ROWS = (N + CHUNKS - 1) // CHUNKS
+    QS_SB = qs_shape[1] // NS                                  # u32 words of quants a super-block
+    AHEAD = max(1, prefetch_bytes // (QS_SB * 4))              # super-blocks
+    QS_LINES = (QS_SB * 4 + 63) // 64 if prefetch_bytes else 0
+    PLANES = _BIT_PLANES[qtype] if prefetch_bytes else 0
+    KS_LINES = 1 if prefetch_bytes else 0
+
+    @T.prim_func
+    def quant_gemv_q8k(x: T.Buffer((1, K), "float32"), qs: T.Buffer(qs_shape, qs_dtype),
+                       s: T.Buffer((S, N, NB), "float32"), ks: T.Buffer((N, KS), "uint32"),
+                       y: T.Buffer((1, N), "float32")):
+        T.func_attr({"tirx.noalias": True, "op_pattern": 8})
+        ks8 = T.decl_buffer((N, KS * 4), "int8", data=ks.data)
+        xq = T.decl_buffer((1, K), "int8")
+        xd = T.decl_buffer((NS, 1), "float32")
+        xo = T.decl_buffer((F, NB, 1), "float32")
+        xo_blocks = T.decl_buffer((F, NB), "float32", data=xo.data)
+        qs_flat = T.decl_buffer((N * NS * QS_SB,), qs_dtype, data=qs.data)
+        s_flat = T.decl_buffer((S, N * NB), "float32", data=s.data)
+        ks_flat = T.decl_buffer((N * KS,), "uint32", data=ks.data)
+        for sb in range(NS):
+            quantize_activation_superblock(x, 0, True, xq, xd, xo, 0, sb, qtype, F)
+        for c in T.parallel(CHUNKS):
+            acc = T.decl_buffer((8,), "float32", scope="global")
+            off = T.decl_buffer((8,), "float32", scope="global")
+            dot = T.decl_buffer((2, 8), "int32", scope="global")
+            for i in range(T.min(ROWS, N - c * ROWS)):
+                row = T.meta_var(c * ROWS + i)
+                acc[T.ramp(0, 1, 8)] = T.Broadcast(T.float32(0), 8)
+                off[T.ramp(0, 1, 8)] = T.Broadcast(T.float32(0), 8)
+                for sb in range(NS):
+                    ahead = T.meta_var(T.min(row * NS + sb + AHEAD, N * NS - 1))    # a super-block
+                    for line in T.unroll(QS_LINES):
+                        _prefetch(qs_flat, T.min(ahead * QS_SB + line * 16, N * NS * QS_SB - 1))
+                    for line in T.unroll(KS_LINES):
+                        _prefetch(ks_flat, ahead * W)
+                    for p in T.unroll(PLANES):
+                        _prefetch(s_flat, (2 + p, ahead * BLOCKS))
+                    for h in T.unroll(2):
+                        dot[h, T.ramp(0, 1, 8)] = T.Broadcast(T.int32(0), 8)
+                    for b in T.unroll(BLOCKS):
+                        dot[b % 2, T.ramp(0, 1, 8)] = dot[b % 2, T.ramp(0, 1, 8)] + _scaled_dot(
+                            _unsigned_quants(qtype, qs, s, row, sb * BLOCKS + b),
+                            xq[0, T.ramp((sb * BLOCKS + b) * BLOCK, 1, BLOCK)],
+                            _lane_sub_scales(qtype, T.Cast("int16", ks8[row, _sub_scale_byte(qtype, sb, b, 0)]),
+                                             T.Cast("int16", ks8[row, _sub_scale_byte(qtype, sb, b, 1)])))
+                    acc[T.ramp(0, 1, 8)] = acc[T.ramp(0, 1, 8)] + T.Cast(
+                        "float32x8", dot[0, T.ramp(0, 1, 8)] + dot[1, T.ramp(0, 1, 8)]) * T.Broadcast(
+                            T.reinterpret("float32", ks[row, sb * W]) * xd[sb, 0], 8)
+                    off[T.ramp(0, 1, 8)] = off[T.ramp(0, 1, 8)] + T.Broadcast(
+                        _offset_coefficient(qtype, ks, row, sb * W), 8) * _block_offsets(
+                            qtype, ks8, xo_blocks, row, sb)
+                y[0, row] = lane_total(acc) + lane_total(off)
+
+    return quant_gemv_q8k
+
+
+def _block_offsets(qtype, ks8, xo_blocks, row, sb):
+    """float32x8: lane b holds block b's offset multipliers times its activation sums (q6_K: both halves')."""
+    blocks = T.ramp(sb * BLOCKS, 1, BLOCKS)
+    first = _offset_byte(qtype, sb, 0, 0)
+    if qtype != "q6_k":
+        return T.Cast("float32x8", ks8[row, T.ramp(first, 1, BLOCKS)]) * xo_blocks[0, blocks]
+    return (T.Cast("float32x8", ks8[row, T.ramp(first, 2, BLOCKS)]) * xo_blocks[0, blocks]
+            + T.Cast("float32x8", ks8[row, T.ramp(first + 1, 2, BLOCKS)]) * xo_blocks[1, blocks])
