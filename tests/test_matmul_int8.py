@@ -243,11 +243,13 @@ def _run_q8k(make, q, parts, n, k, x):
 
 
 @pytest.mark.parametrize("qtype", ["q4_k", "q5_k", "q6_k"])
-def test_q8k_matmuls_match_numpy(qtype, rng):
+def test_q8k_matmuls_match_numpy(qtype, rng, monkeypatch):
     """The AVX2 K-quant kernels with integer sub-scales (activations quantized per 256, ggml's q8_K) against numpy:
     70 rows (row groups of 32, the last short), 3 super-blocks (K spans of 2, the last short), 11 tokens (a cut
     tile), a zero super-block, an outlier and a token of small activations; the GEMV on two of the tokens."""
+    from sharpi.codegen.kernels import quant_matmul_q8k
     from sharpi.codegen.kernels.quant_matmul_q8k import make_gemm_q8k, make_gemv_q8k
+    monkeypatch.setattr(quant_matmul_q8k, "SPAN_BYTES", 2 * quant_matmul_q8k.GROUP_ROWS * 256)
     n, k, tokens = 70, 768, 11
     q, parts = _weight(qtype, n, k, rng)
     x = rng.standard_normal((tokens, k)).astype(np.float32)
