@@ -73,13 +73,28 @@ def decode_bytes(manifest, context: int, budget: int = 0, gguf: Path | None = No
 
     cfg = ModelConfig.from_dict(manifest.config)
     if gguf is None:
-        sizes = {p.name.split(":")[0]: 0 for p in manifest.params}
-        for p in manifest.params:
-            sizes[p.name.split(":")[0]] += p.nbytes
+        sizes = weight_read_bytes(manifest)
     else:
         sizes = {name: t.span[1] for name, t in GGUFFile(gguf).tensors.items()}
     weights = sum(sizes.values()) - (0 if cfg.tied_embeddings else sizes["token_embd.weight"])
     return weights + held_slots(cfg, context, budget) * slot_bytes(manifest, cfg, None if gguf is None else cache)
+
+
+def weight_read_bytes(manifest) -> dict[str, int]:
+    """Per weight tensor, the bytes its decode matmul reads: every part, except that where the tensor has the
+    K-quants' `ks` part (read by quant_matmul_q8k's GEMV) its f32 scale planes are not read, only the bit planes
+    after them (`s` planes 2 on: q5_k's fifth bits, q6_k's high bits)."""
+    parts: dict[str, dict] = {}
+    for p in manifest.params:
+        tensor, _, part = p.name.rpartition(":")
+        parts.setdefault(tensor, {})[part] = p
+    sizes = {}
+    for tensor, by_part in parts.items():
+        sizes[tensor] = sum(p.nbytes for p in by_part.values())
+        if "ks" in by_part:
+            planes = by_part["s"].shape[0]
+            sizes[tensor] -= by_part["s"].nbytes * 2 // planes
+    return sizes
 
 
 def held_slots(cfg, context: int, budget: int = 0) -> int:
