@@ -18,19 +18,19 @@ order); only the AVX2 instruction set takes these kernels (AVX-VNNI and AVX-512 
 
 The prefill GEMM unpacks a group of GROUP_ROWS rows' quants once into scratch, a span of K (SPAN_BYTES) at a time,
 and every tile of tokens passes over it; per token the kernel then does one load, `vpmaddubsw`, `vpmaddwd` and
-`vpaddd` a block. The decode GEMV reads the quants, `ks`
-and the bit planes (q5_K's fifth bits, q6_K's high bits), never the f32 scale planes.
+`vpaddd` a block. The decode GEMV reads the quants, `ks` and the bit planes (q5_K's fifth bits, q6_K's high bits),
+never the f32 scale planes.
 """
 from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from ...common.quant_layout import BLOCK, K_QUANTS, KS_WORDS, LAYOUTS, SUPER_BLOCK
+from ...common.quant_layout import BLOCK, FLOAT_PLANES, K_QUANTS, KS_WORDS, LAYOUTS, SUPER_BLOCK
 from .common import token_count
 from .lanes import lane_max, lane_total
 from .quant_matmul import cpu_quants
-from .quant_matmul_int8 import (GEMM_TILE, PREFETCH_BYTES, TASKS, _abs_max8, _half_sum8, _intrin, _prefetch,
-                                _quantized_block, _unsigned_quants)
+from .quant_matmul_int8 import (GEMM_TILE, PREFETCH_BYTES, TASKS, _abs_max8, _activation_sums, _half_sum8, _intrin,
+                                _prefetch, _quantized_block, _unsigned_quants)
 
 Q8K_TYPES = K_QUANTS
 BLOCKS = SUPER_BLOCK // BLOCK   # blocks of 32 a super-block
@@ -39,14 +39,6 @@ GROUP_ROWS = 32        # rows a GEMM task unpacks together
 # a span's sums and adds them to y once, so longer spans amortize that (spans of 16 KB, which stay in L1, measured
 # 2-11% slower on the 1.5B and 8B shapes; 64-256 KB about level)
 SPAN_BYTES = 65536
-_BIT_PLANES = {"q4_k": 0, "q5_k": 1, "q6_k": 2}   # the `s` planes the unpacking reads: this many from plane 2
-
-
-def _sums_per_block(qtype) -> int:
-    """Activation sums (and offset multipliers) a block: q6_K's 16-element halves have sub-scales of their own."""
-    return 2 if qtype == "q6_k" else 1
-
-
 def _sub_scale_byte(qtype, sb, b, half):
     """Index, in a row of `ks` read as bytes, of the sub-scale of block b's half `half` of super-block sb."""
     words = KS_WORDS[qtype]
@@ -130,7 +122,7 @@ def make_gemm_q8k(qtype: str, N: int, K: int):
     GROUPS = (N + GR - 1) // GR
     SPAN = max(1, min(NS, SPAN_BYTES // (GR * SUPER_BLOCK)))    # super-blocks unpacked at a time
     SPANS = (NS + SPAN - 1) // SPAN
-    F = _sums_per_block(qtype)
+    F = _activation_sums(qtype)   # q6_K: one a 16-element half, which has its own sub-scale
     TT = GEMM_TILE
     n = token_count(None)
     tiles = (n + TT - 1) // TT
@@ -220,13 +212,14 @@ def make_gemv_q8k(qtype: str, N: int, K: int, prefetch_bytes: int = PREFETCH_BYT
     assert qtype in Q8K_TYPES, qtype
     NB, NS, W = K // BLOCK, K // SUPER_BLOCK, KS_WORDS[qtype]
     qs_shape, qs_dtype, S, KS = _weight_buffers(qtype, N, K)
-    F = _sums_per_block(qtype)
+    F = _activation_sums(qtype)
     CHUNKS = min(TASKS, N)
     ROWS = (N + CHUNKS - 1) // CHUNKS
     QS_SB = qs_shape[1] // NS                                  # u32 words of quants a super-block
     AHEAD = max(1, prefetch_bytes // (QS_SB * 4))              # super-blocks
     QS_LINES = (QS_SB * 4 + 63) // 64 if prefetch_bytes else 0
-    PLANES = _BIT_PLANES[qtype] if prefetch_bytes else 0
+    FIRST_BITS = FLOAT_PLANES[qtype]                           # the `s` planes after the floats hold bit fields
+    PLANES = S - FIRST_BITS if prefetch_bytes else 0
     KS_LINES = 1 if prefetch_bytes else 0
 
     @T.prim_func
@@ -259,7 +252,7 @@ def make_gemv_q8k(qtype: str, N: int, K: int, prefetch_bytes: int = PREFETCH_BYT
                     for line in T.unroll(KS_LINES):
                         _prefetch(ks_flat, ahead * W)
                     for p in T.unroll(PLANES):
-                        _prefetch(s_flat, (2 + p, ahead * BLOCKS))
+                        _prefetch(s_flat, (FIRST_BITS + p, ahead * BLOCKS))
                     for h in T.unroll(2):
                         dot[h, T.ramp(0, 1, 8)] = T.Broadcast(T.int32(0), 8)
                     for b in T.unroll(BLOCKS):
