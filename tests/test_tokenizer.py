@@ -70,3 +70,13 @@ def test_stream_equals_detokenize(smollm2, golden):
     assert _streamed(tok, ids, special=False) == tok.detokenize(ids, special=False)
     with pytest.raises(Exception, match="outside the vocabulary"):
         tok.stream().step(10**9)
+
+
+def test_a_merge_whose_result_is_not_a_token_is_refused_in_one_sentence():
+    """The tokenizers library raises a bare Exception for it; sharpi says which part of the GGUF is wrong."""
+    from sharpi.common.errors import TokenizerError
+    from sharpi.common.tokenizer import build_from_gguf_metadata
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt2", "tokenizer.ggml.tokens": ["a", "b"],
+            "tokenizer.ggml.merges": ["a b"]}
+    with pytest.raises(TokenizerError, match="merge 0 .* does not join two tokens"):
+        build_from_gguf_metadata(meta)

@@ -36,8 +36,7 @@ def write_tiny_llama(path: Path, *, arch: str = "llama", layers: int = 2, dim: i
     import gguf
 
     rng = np.random.default_rng(seed)
-    tokens = byte_level_vocab() + ["<|endoftext|>"]
-    vocab = len(tokens)
+    vocab = len(vocabulary())
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(layers)
     w.add_context_length(context)
@@ -52,13 +51,7 @@ def write_tiny_llama(path: Path, *, arch: str = "llama", layers: int = 2, dim: i
     if sliding_window:
         w.add_sliding_window(sliding_window)
     w.add_layer_norm_rms_eps(1e-5)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt2")
-    w.add_token_list(tokens)
-    w.add_token_types([1] * (vocab - 1) + [3])
-    w.add_token_merges([])
-    w.add_eos_token_id(vocab - 1)
-    w.add_bool("tokenizer.ggml.add_bos_token", False)
+    _add_vocab(w)
     if chat_template is not None:
         w.add_chat_template(chat_template)
     for key, value in (sampling or {}).items():
@@ -79,6 +72,34 @@ def write_tiny_llama(path: Path, *, arch: str = "llama", layers: int = 2, dim: i
             shapes.update({p + "attn_q_norm.weight": (head_dim,), p + "attn_k_norm.weight": (head_dim,)})
         if post_norms:
             shapes.update({p + "post_attention_norm.weight": (dim,), p + "post_ffw_norm.weight": (dim,)})
+    _add_tensors(w, shapes, rng, matrix_type, override_raw)
+    return _finish(w, path)
+
+
+def vocabulary(merges: tuple = ()) -> list[str]:
+    """The tiny models' tokens: the 256 bytes, each merge's result, <|endoftext|>."""
+    return byte_level_vocab() + [m.replace(" ", "") for m in merges] + ["<|endoftext|>"]
+
+
+def _add_vocab(w, merges: tuple = (), pre: str = "gpt2") -> None:
+    """A byte-level vocabulary with <|endoftext|> last as EOS, no BOS (llama.cpp loads it with one merge at
+    least; an empty list is not written)."""
+    tokens = vocabulary(merges)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types([1] * (len(tokens) - 1) + [3])
+    w.add_token_merges(list(merges))
+    w.add_eos_token_id(len(tokens) - 1)
+    w.add_bool("tokenizer.ggml.add_bos_token", False)
+
+
+def _add_tensors(w, shapes: dict, rng, matrix_type: str = "F32", override_raw: dict | None = None,
+                 scales: dict | None = None) -> None:
+    """Random tensors in the order of `shapes`: biases N(0, 0.25), norms 1 + N(0, 0.01), matrices (and stacks of
+    them: experts) N(0, 1 / cols) times scales.get(name, 1), quantized to matrix_type."""
+    import gguf
+
     override_raw = override_raw or {}
     for name, shape in shapes.items():
         if name in override_raw:
@@ -91,18 +112,89 @@ def write_tiny_llama(path: Path, *, arch: str = "llama", layers: int = 2, dim: i
         if len(shape) == 1:
             w.add_tensor(name, (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32))
             continue
-        data = (rng.standard_normal(shape) / np.sqrt(shape[1])).astype(np.float32)
+        data = (rng.standard_normal(shape) * (scales or {}).get(name, 1.0) / np.sqrt(shape[-1])).astype(np.float32)
         qtype = gguf.GGMLQuantizationType[matrix_type]
         if qtype == gguf.GGMLQuantizationType.F32:
             w.add_tensor(name, data)
         else:
             raw = gguf.quants.quantize(data, qtype)
             w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=qtype)
+
+
+def _finish(w, path: Path) -> Path:
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+MOE_ARCHS = ("olmoe", "qwen2moe", "qwen3moe", "granitemoe")
+MOE_MERGES = ("Ġ Ġ",)        # llama.cpp refuses a BPE vocabulary without merges
+# Granite's multipliers in the tiny granitemoe: each far from 1, so leaving one out moves the logits
+GRANITE_SCALES = {"embedding_scale": 3.0, "residual_scale": 0.5, "attention.scale": 0.2, "logit_scale": 4.0}
+
+
+def write_tiny_moe(path: Path, arch: str, *, layers: int = 2, dim: int = 64, heads: int = 4, kv_heads: int = 2,
+                   experts: int = 8, used: int = 2, expert_ffn: int = 32, shared_ffn: int = 48, context: int = 256,
+                   router_scale: float = 1.0, seed: int = 0, matrix_type: str = "F32") -> Path:
+    """A tiny mixture-of-experts GGUF of one of MOE_ARCHS, laid out as llama.cpp loads it: olmoe (q/k norms over
+    the whole projection; its k norm is dim long, so kv_heads = heads), qwen2moe (q/k/v biases, a shared expert
+    of shared_ffn with its sigmoid gate), qwen3moe (per-head q/k norms, head size 32 != dim / heads) and
+    granitemoe (GRANITE_SCALES). The router's weights are multiplied by router_scale (larger: the top-k choice
+    is further from a tie). Every model has its own output matrix."""
+    import gguf
+
+    assert arch in MOE_ARCHS, arch
+    if arch == "olmoe":
+        kv_heads = heads
+    head_dim = 32 if arch == "qwen3moe" else dim // heads
+    rng = np.random.default_rng(seed)
+    vocab = len(vocabulary(MOE_MERGES))
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(layers)
+    w.add_context_length(context)
+    w.add_embedding_length(dim)
+    w.add_feed_forward_length(expert_ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_expert_count(experts)
+    w.add_expert_used_count(used)
+    if arch in ("qwen2moe", "qwen3moe"):
+        w.add_expert_feed_forward_length(expert_ffn)
+    if arch == "qwen2moe":
+        w.add_expert_shared_feed_forward_length(shared_ffn)
+    if arch == "qwen3moe":
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    if arch == "granitemoe":
+        for key, value in GRANITE_SCALES.items():
+            w.add_float32(f"{arch}.{key}", value)
+    _add_vocab(w, merges=MOE_MERGES, pre="default")
+    q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
+    shapes = {"token_embd.weight": (vocab, dim), "output_norm.weight": (dim,), "output.weight": (vocab, dim)}
+    for l in range(layers):
+        p = f"blk.{l}."
+        shapes.update({p + "attn_norm.weight": (dim,), p + "ffn_norm.weight": (dim,),
+                       p + "attn_q.weight": (q_dim, dim), p + "attn_k.weight": (kv_dim, dim),
+                       p + "attn_v.weight": (kv_dim, dim), p + "attn_output.weight": (dim, q_dim)})
+        if arch == "qwen2moe":
+            shapes.update({p + "attn_q.bias": (q_dim,), p + "attn_k.bias": (kv_dim,), p + "attn_v.bias": (kv_dim,)})
+        if arch == "olmoe":
+            shapes.update({p + "attn_q_norm.weight": (q_dim,), p + "attn_k_norm.weight": (kv_dim,)})
+        if arch == "qwen3moe":
+            shapes.update({p + "attn_q_norm.weight": (head_dim,), p + "attn_k_norm.weight": (head_dim,)})
+        shapes.update({p + "ffn_gate_inp.weight": (experts, dim), p + "ffn_gate_exps.weight": (experts, expert_ffn, dim),
+                       p + "ffn_up_exps.weight": (experts, expert_ffn, dim),
+                       p + "ffn_down_exps.weight": (experts, dim, expert_ffn)})
+        if arch == "qwen2moe":
+            shapes.update({p + "ffn_gate_inp_shexp.weight": (dim,), p + "ffn_gate_shexp.weight": (shared_ffn, dim),
+                           p + "ffn_up_shexp.weight": (shared_ffn, dim), p + "ffn_down_shexp.weight": (dim, shared_ffn)})
+    scales = {name: router_scale for name in shapes if name.endswith("ffn_gate_inp.weight")}
+    _add_tensors(w, shapes, rng, matrix_type, scales=scales)
+    return _finish(w, path)
 
 
 def fake_llvm_build(tiny_artifact: Path, then=None):

@@ -11,7 +11,8 @@ MAX_SIZE = 1 << 24
 ROPE_LAYOUTS = ("norm", "neox")
 FFN_ACTIVATIONS = ("silu", "gelu_tanh")
 # fields added after artifacts of format version 2 were first written: a manifest may lack them (their defaults)
-LATER_FIELDS = ("post_norms", "ffn_activation")
+LATER_FIELDS = ("post_norms", "ffn_activation", "n_experts", "n_experts_used", "expert_ffn_dim",
+                "shared_expert_ffn_dim", "expert_weights_norm", "qk_norm_full", "residual_scale", "logit_scale")
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,23 @@ class ModelConfig:
     embed_scale: float = 1.0   # embeddings are multiplied by this (gemma: sqrt(dim))
     post_norms: bool = False   # gemma3: each sublayer's output RMS-normed before its residual add
     ffn_activation: str = "silu"   # the gated FFN's activation: silu (SwiGLU) or gelu_tanh (gemma3's GeGLU)
+    # Mixture of experts (olmoe, qwen2moe, qwen3moe, granitemoe): with n_experts > 0 the FFN is a router
+    # (blk.N.ffn_gate_inp) choosing n_experts_used of n_experts gated FFNs of expert_ffn_dim; their weights are the
+    # router's softmax at the chosen experts, divided by their sum where expert_weights_norm (qwen3moe,
+    # granitemoe). shared_expert_ffn_dim > 0 (qwen2moe): a shared gated FFN (blk.N.ffn_*_shexp) joins them, scaled
+    # by sigmoid(blk.N.ffn_gate_inp_shexp . x)
+    n_experts: int = 0
+    n_experts_used: int = 0
+    expert_ffn_dim: int = 0
+    shared_expert_ffn_dim: int = 0
+    expert_weights_norm: bool = False
+    qk_norm_full: bool = False     # olmoe: the q and k norms span the whole projection, not each head
+    residual_scale: float = 1.0    # granite: each sublayer's output is multiplied by this before its residual add
+    logit_scale: float = 1.0       # granite: the logits are divided by this
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 0
 
     def is_local(self, layer: int) -> bool:
         """Whether `layer` attends within a sliding window (every layer of a mistral-style llama, gemma3's local
@@ -77,7 +95,14 @@ class ModelConfig:
             "qkv_bias": schema.boolean, "qk_norm": schema.boolean, "sliding_window": schema.integer(0, MAX_SIZE),
             "swa_pattern": schema.integer(0, 4096), "rope_theta_local": schema.number(0, 1e30),
             "attn_scale": schema.number(0, 1e6), "embed_scale": positive, "post_norms": schema.boolean,
-            "ffn_activation": schema.one_of(*FFN_ACTIVATIONS)}, optional_keys=LATER_FIELDS)(d, path)
+            "ffn_activation": schema.one_of(*FFN_ACTIVATIONS), "n_experts": schema.integer(0, 4096),
+            "n_experts_used": schema.integer(0, 4096), "expert_ffn_dim": schema.integer(0, MAX_SIZE),
+            "shared_expert_ffn_dim": schema.integer(0, MAX_SIZE), "expert_weights_norm": schema.boolean,
+            "qk_norm_full": schema.boolean, "residual_scale": positive, "logit_scale": positive},
+            optional_keys=LATER_FIELDS)(d, path)
+        if d.get("n_experts", 0) and not 1 <= d.get("n_experts_used", 0) <= d["n_experts"]:
+            raise schema.SchemaError(f"{path}.n_experts_used", f"between 1 and n_experts ({d['n_experts']})",
+                                     d.get("n_experts_used"))
         if d["n_heads"] % d["n_kv_heads"]:
             raise schema.SchemaError(f"{path}.n_kv_heads", f"a divisor of n_heads ({d['n_heads']})",
                                      d["n_kv_heads"])

@@ -147,14 +147,24 @@ def _byte_level_bpe(tokens, merges, types, pre: str):
         raise TokenizerError(f"Pre-tokenizer {pre!r} is not supported (known: {known}).")
     vocab = {tok: i for i, tok in enumerate(tokens)}
     pairs = [tuple(m.split(" ", 1)) for m in merges]
-    hf = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False,
-                                ignore_merges=False))
+    _check_merges(pairs, vocab)
+    bpe = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False, ignore_merges=False)
+    hf = HFTokenizer(bpe)
     splits, gpt2_regex = PRE_TOKENIZERS[pre]
     steps = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in splits]
     steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=gpt2_regex))
     hf.pre_tokenizer = pre_tokenizers.Sequence(steps)
     hf.decoder = decoders.ByteLevel()
     return _with_added_tokens(hf, tokens, types, special_types=(TOKEN_CONTROL,))
+
+
+def _check_merges(pairs: list[tuple], vocab: dict) -> None:
+    """Each merge joins two tokens into a token of the vocabulary: checked here because the tokenizers library
+    fails on a bad one with a bare Exception or a Rust panic (not an Exception) instead of an error to report."""
+    for i, pair in enumerate(pairs):
+        if len(pair) != 2 or not all(part in vocab for part in pair) or pair[0] + pair[1] not in vocab:
+            raise TokenizerError(f"The GGUF's BPE merge {i} ({' '.join(pair)!r}) does not join two tokens of its "
+                                 f"vocabulary into a third.")
 
 
 def _sentencepiece_bpe(tokens, scores, types, unk_id, add_space_prefix: bool):

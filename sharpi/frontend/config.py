@@ -74,13 +74,57 @@ def _gemma3(cfg: ModelConfig, field, gguf: GGUFFile) -> ModelConfig:
                    post_norms=True, ffn_activation="gelu_tanh")
 
 
+def _experts(cfg: ModelConfig, field, *, expert_ffn_default: int, weights_norm: bool, shared: bool = False,
+             **flags) -> ModelConfig:
+    """A mixture-of-experts FFN (llama.cpp's build_moe_ffn): {arch}.expert_count experts, expert_used_count of
+    them a token. Whether the chosen experts' weights are divided by their sum is not in the GGUF: llama.cpp
+    hard-codes it per architecture (`weights_norm`)."""
+    n_experts = field.integer("expert_count")
+    cfg = replace(cfg, n_experts=n_experts, n_experts_used=field.integer("expert_used_count"),
+                  expert_ffn_dim=field.integer("expert_feed_forward_length", expert_ffn_default),
+                  expert_weights_norm=weights_norm, **flags)
+    if shared:
+        cfg = replace(cfg, shared_expert_ffn_dim=field.integer("expert_shared_feed_forward_length", cfg.ffn_dim))
+    return cfg
+
+
+def _qwen2moe(cfg: ModelConfig, field, gguf: GGUFFile) -> ModelConfig:
+    """qwen2 attention; experts of expert_feed_forward_length (else feed_forward_length / expert_used_count),
+    weights not renormalized; a shared expert gated by a sigmoid."""
+    used = field.integer("expert_used_count")
+    return _experts(cfg, field, expert_ffn_default=max(1, cfg.ffn_dim // used), weights_norm=False, shared=True,
+                    qkv_bias=True)
+
+
+def _granitemoe(cfg: ModelConfig, field, gguf: GGUFFile) -> ModelConfig:
+    """llama attention and RoPE with Granite's four multipliers (embeddings, attention scores, each sublayer's
+    output before its residual add, logits divided by logit_scale); experts of feed_forward_length, weights
+    renormalized."""
+    if f"{cfg.arch}.expert_shared_feed_forward_length" in gguf.metadata:
+        raise UnsupportedArchitectureError(f"{gguf.path.name} has Granite's shared expert, which sharpi does not "
+                                           f"implement yet.")
+    has_scale = f"{cfg.arch}.attention.scale" in gguf.metadata
+    attn_scale = field.number("attention.scale") if has_scale else 0.0     # 0: 1/sqrt(head_dim)
+    return _experts(cfg, field, expert_ffn_default=cfg.ffn_dim, weights_norm=True,
+                    embed_scale=field.number("embedding_scale", 1.0), attn_scale=attn_scale,
+                    residual_scale=field.number("residual_scale", 1.0), logit_scale=field.number("logit_scale"))
+
+
 # llama.cpp's src/models/*.cpp: qwen2 is llama plus biases on q, k and v; qwen3 llama plus per-head RMSNorm of q
-# and k before RoPE (its head size from key_length); both NEOX RoPE
+# and k before RoPE (its head size from key_length); both NEOX RoPE. The mixtures of experts: olmoe is llama
+# attention with q and k RMS-normed over their whole width and NEOX RoPE; qwen3moe is qwen3's attention; neither
+# has a shared expert, and only qwen3moe renormalizes the chosen experts' weights.
 ARCHITECTURES = {
     "llama": Architecture("norm", _llama),
     "qwen2": Architecture("neox", lambda cfg, field, gguf: replace(cfg, qkv_bias=True)),
     "qwen3": Architecture("neox", lambda cfg, field, gguf: replace(cfg, qk_norm=True)),
     "gemma3": Architecture("neox", _gemma3),
+    "olmoe": Architecture("neox", lambda cfg, field, gguf: _experts(
+        cfg, field, expert_ffn_default=cfg.ffn_dim, weights_norm=False, qk_norm=True, qk_norm_full=True)),
+    "qwen2moe": Architecture("neox", _qwen2moe),
+    "qwen3moe": Architecture("neox", lambda cfg, field, gguf: _experts(
+        cfg, field, expert_ffn_default=cfg.ffn_dim, weights_norm=True, qk_norm=True)),
+    "granitemoe": Architecture("norm", _granitemoe),
 }
 
 
@@ -152,16 +196,30 @@ def _expected_shapes(cfg: ModelConfig):
         p = f"blk.{l}."
         yield from {p + "attn_q.weight": (cfg.q_dim, cfg.dim), p + "attn_k.weight": (cfg.kv_dim, cfg.dim),
                     p + "attn_v.weight": (cfg.kv_dim, cfg.dim), p + "attn_output.weight": (cfg.dim, cfg.q_dim),
-                    p + "ffn_gate.weight": (cfg.ffn_dim, cfg.dim), p + "ffn_up.weight": (cfg.ffn_dim, cfg.dim),
-                    p + "ffn_down.weight": (cfg.dim, cfg.ffn_dim), p + "attn_norm.weight": (cfg.dim,),
-                    p + "ffn_norm.weight": (cfg.dim,)}.items()
+                    p + "attn_norm.weight": (cfg.dim,), p + "ffn_norm.weight": (cfg.dim,)}.items()
+        yield from _ffn_shapes(cfg, p)
         if cfg.qkv_bias:
             yield from {p + "attn_q.bias": (cfg.q_dim,), p + "attn_k.bias": (cfg.kv_dim,),
                         p + "attn_v.bias": (cfg.kv_dim,)}.items()
         if cfg.qk_norm:
-            yield from {p + "attn_q_norm.weight": (cfg.head_dim,), p + "attn_k_norm.weight": (cfg.head_dim,)}.items()
+            q_norm, k_norm = (cfg.q_dim, cfg.kv_dim) if cfg.qk_norm_full else (cfg.head_dim, cfg.head_dim)
+            yield from {p + "attn_q_norm.weight": (q_norm,), p + "attn_k_norm.weight": (k_norm,)}.items()
         if cfg.post_norms:
             yield from {p + "post_attention_norm.weight": (cfg.dim,), p + "post_ffw_norm.weight": (cfg.dim,)}.items()
     yield "output_norm.weight", (cfg.dim,)
     if not cfg.tied_embeddings:
         yield "output.weight", (cfg.vocab_size, cfg.dim)
+
+
+def _ffn_shapes(cfg: ModelConfig, p: str):
+    """Layer p's FFN tensors: the dense gated FFN, or the router, the experts [E, rows, cols] and a shared expert."""
+    if not cfg.is_moe:
+        yield from {p + "ffn_gate.weight": (cfg.ffn_dim, cfg.dim), p + "ffn_up.weight": (cfg.ffn_dim, cfg.dim),
+                    p + "ffn_down.weight": (cfg.dim, cfg.ffn_dim)}.items()
+        return
+    E, F, S = cfg.n_experts, cfg.expert_ffn_dim, cfg.shared_expert_ffn_dim
+    yield from {p + "ffn_gate_inp.weight": (E, cfg.dim), p + "ffn_gate_exps.weight": (E, F, cfg.dim),
+                p + "ffn_up_exps.weight": (E, F, cfg.dim), p + "ffn_down_exps.weight": (E, cfg.dim, F)}.items()
+    if S:
+        yield from {p + "ffn_gate_inp_shexp.weight": (cfg.dim,), p + "ffn_gate_shexp.weight": (S, cfg.dim),
+                    p + "ffn_up_shexp.weight": (S, cfg.dim), p + "ffn_down_shexp.weight": (cfg.dim, S)}.items()

@@ -1,10 +1,13 @@
-"""The exact float32 numpy forward pass for the llama family and gemma3: an independent reference for sharpi's kernels.
+"""The exact float32 numpy forward pass for the llama family, gemma3 and the mixtures of experts (olmoe, qwen2moe,
+qwen3moe, granitemoe): an independent reference for sharpi's kernels.
 
 Weights come from `gguf.quants.dequantize` (not from sharpi's repacking), attention is materialized in full,
 so nothing here shares code with the compiled path except the GGUF reader. One graph, as the frontend's, whose
 variants are the config's flags: `qkv_bias` (qwen2), `qk_norm` (qwen3, gemma3), `rope_layout`, `post_norms` and
 `ffn_activation` (gemma3), `embed_scale`, `attn_scale`, and sliding-window layers (`sliding_window`, `swa_pattern`,
-`rope_theta_local`: a mistral-style llama's every layer, gemma3's local ones). The config comes from
+`rope_theta_local`: a mistral-style llama's every layer, gemma3's local ones), the FFN's blocks (`gated_ffn`,
+`moe_ffn` with `n_experts_used`, `expert_weights_norm`, a shared expert), `qk_norm_full` (olmoe) and Granite's
+`residual_scale` and `logit_scale`. The config comes from
 `config_from_gguf`, except Gemma 3's, which `_gemma3_config` reads here on its own from the GGUF's metadata.
 """
 from __future__ import annotations
@@ -43,6 +46,7 @@ class NumpyReference:
         self.sliding_window = cfg.sliding_window
         self.swa_pattern = cfg.swa_pattern
         self.kv_types: tuple[str, str] | None = None
+        self.router_capture: list | None = None          # a list: each MoE layer's router probabilities [T, E]
         self.page_size = PAGE_SIZE                      # how q4_ch keys are grouped (kv_roundtrip)
         self.local_rope_theta = cfg.rope_theta_local   # 0: local layers keep the model's RoPE base
         self.embed_scale = np.float32(cfg.embed_scale)
@@ -157,11 +161,14 @@ class NumpyReference:
         q, k, v = (h @ W[p + "attn_q.weight"].T, h @ W[p + "attn_k.weight"].T, h @ W[p + "attn_v.weight"].T)
         if cfg.qkv_bias:                                   # qwen2
             q, k, v = q + W[p + "attn_q.bias"], k + W[p + "attn_k.bias"], v + W[p + "attn_v.bias"]
-        q = q.reshape(T, cfg.n_heads, hd)
-        k, v = k.reshape(T, cfg.n_kv_heads, hd), v.reshape(T, cfg.n_kv_heads, hd)
-        if cfg.qk_norm:                                    # qwen3, gemma3: per head, before RoPE
+        if cfg.qk_norm and cfg.qk_norm_full:               # olmoe: over the whole projection, before the heads
             q = rms_norm(q, W[p + "attn_q_norm.weight"], cfg.rms_eps)
             k = rms_norm(k, W[p + "attn_k_norm.weight"], cfg.rms_eps)
+        q = q.reshape(T, cfg.n_heads, hd)
+        k, v = k.reshape(T, cfg.n_kv_heads, hd), v.reshape(T, cfg.n_kv_heads, hd)
+        if cfg.qk_norm and not cfg.qk_norm_full:           # qwen3, gemma3: per head, before RoPE
+            q = rms_norm(q, W[p + "attn_q_norm.weight"].reshape(-1, hd), cfg.rms_eps)
+            k = rms_norm(k, W[p + "attn_k_norm.weight"].reshape(-1, hd), cfg.rms_eps)
         rope, theta, pos_scale = self.rope_for(l)
         rpos = np.asarray(pos) * pos_scale
         return rope(q, rpos, theta), rope(k, rpos, theta), v
@@ -179,19 +186,39 @@ class NumpyReference:
         cfg, W, p = self.config, self.weights, f"blk.{l}."
 
         def joined(out, post_norm):
-            return rms_norm(out, W[p + post_norm], cfg.rms_eps) if cfg.post_norms else out
+            out = rms_norm(out, W[p + post_norm], cfg.rms_eps) if cfg.post_norms else out
+            return out * np.float32(cfg.residual_scale) if cfg.residual_scale != 1 else out
 
         out = attn.reshape(x.shape[0], cfg.q_dim) @ W[p + "attn_output.weight"].T
         x = x + joined(out, "post_attention_norm.weight")
         h = rms_norm(x, W[p + "ffn_norm.weight"], cfg.rms_eps)
-        g, u = h @ W[p + "ffn_gate.weight"].T, h @ W[p + "ffn_up.weight"].T
-        act = gelu_tanh(g) if cfg.ffn_activation == "gelu_tanh" else silu(g)
-        return x + joined((act * u) @ W[p + "ffn_down.weight"].T, "post_ffw_norm.weight")
+        return x + joined(self._ffn(l, h), "post_ffw_norm.weight")
+
+    def _ffn(self, l, h):
+        """Layer l's FFN of the normed h [T, dim]: the dense gated FFN, or the mixture of experts (plus a shared
+        expert where the model has one)."""
+        cfg, W, p = self.config, self.weights, f"blk.{l}."
+        act = gelu_tanh if cfg.ffn_activation == "gelu_tanh" else silu
+        if not cfg.is_moe:
+            return gated_ffn(h, W[p + "ffn_gate.weight"], W[p + "ffn_up.weight"], W[p + "ffn_down.weight"], act)
+        out, probs = moe_ffn(h, W[p + "ffn_gate_inp.weight"], W[p + "ffn_gate_exps.weight"],
+                             W[p + "ffn_up_exps.weight"], W[p + "ffn_down_exps.weight"], cfg.n_experts_used,
+                             cfg.expert_weights_norm, act)
+        if self.router_capture is not None:
+            self.router_capture.append(probs)
+        if cfg.shared_expert_ffn_dim:                   # qwen2moe
+            shared = gated_ffn(h, W[p + "ffn_gate_shexp.weight"], W[p + "ffn_up_shexp.weight"],
+                               W[p + "ffn_down_shexp.weight"], act)
+            out = out + shared * sigmoid(h @ W[p + "ffn_gate_inp_shexp.weight"])[:, None]
+        return out
 
     def _logits(self, x):
         W = self.weights
         x = rms_norm(x, W["output_norm.weight"], self.config.rms_eps)
-        return (x @ W.get("output.weight", W["token_embd.weight"]).T).astype(np.float32)
+        logits = x @ W.get("output.weight", W["token_embd.weight"]).T
+        if self.config.logit_scale != 1:             # granite
+            logits = logits / np.float32(self.config.logit_scale)
+        return logits.astype(np.float32)
 
 
 def _dequantize(t, qtype, dequantize, rows_per_chunk: int = 16384) -> np.ndarray:
@@ -258,6 +285,35 @@ def _attention(q, k, v, visible, scale=None):
 
 def rms_norm(x, w, eps):
     return (x / np.sqrt((x * x).mean(-1, keepdims=True) + np.float32(eps)) * w).astype(np.float32)
+
+
+def gated_ffn(h, gate, up, down, act):
+    """act(h gate^T) * (h up^T), times down^T: the gated FFN (SwiGLU, GeGLU) of h [T, dim]."""
+    return (act(h @ gate.T) * (h @ up.T)) @ down.T
+
+
+def moe_ffn(h, router, gate_exps, up_exps, down_exps, k: int, normalize: bool, act=None):
+    """llama.cpp's build_moe_ffn for h [T, dim] -> (out [T, dim], router probabilities [T, E]): softmax over
+    all E experts of h router^T; the k most probable experts (ties: the lower index); their probabilities as
+    weights, divided by their sum (at least 2^-14) when `normalize`; the weighted sum of their gated FFNs
+    (experts [E, rows, cols])."""
+    act = act or silu
+    logits = h @ router.T
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs = (probs / probs.sum(-1, keepdims=True)).astype(np.float32)
+    chosen = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
+    weights = np.take_along_axis(probs, chosen, -1)
+    if normalize:
+        weights = weights / np.maximum(weights.sum(-1, keepdims=True), np.float32(6.103515625e-5))
+    out = np.zeros_like(h)
+    for t in range(len(h)):
+        for e, w in zip(chosen[t], weights[t]):
+            out[t] += w * gated_ffn(h[t:t + 1], gate_exps[e], up_exps[e], down_exps[e], act)[0]
+    return out, probs
+
+
+def sigmoid(x):
+    return (1.0 / (1.0 + np.exp(-x))).astype(np.float32)
 
 
 def silu(x):
