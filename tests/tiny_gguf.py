@@ -210,3 +210,19 @@ def fake_llvm_build(tiny_artifact: Path, then=None):
             then(staging)
         return manifest["kernels"]
     return build
+
+
+MOE_GOLDEN = Path(__file__).parent / "data" / "moe_golden.json"
+
+
+def write_golden_moe(folder: Path, arch: str) -> Path:
+    """The tiny MoE GGUF of `arch` whose llama.cpp logits tests/data/moe_golden.npz holds, checked byte for byte
+    against the sha256 recorded when they were made."""
+    import hashlib
+
+    model = json.loads(MOE_GOLDEN.read_text())["models"][arch]
+    path = write_tiny_moe(folder / f"{arch}.gguf", arch, seed=model["seed"], router_scale=model["router_scale"])
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == model["sha256"], (
+        "tiny_gguf.write_tiny_moe no longer writes the file the golden data was made from: run "
+        "tests/data/make_moe_golden.py again")
+    return path

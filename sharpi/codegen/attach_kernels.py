@@ -30,6 +30,7 @@ from .kernels.quant_matmul_amx import make_gemm_amx
 from .kernels.quant_matmul_q8k import Q8K_TYPES, make_gemm_q8k, make_gemv_q8k
 from .kernels.quant_matmul_vnni512 import make_gemm_vnni512, vnni512_fits
 from .kernels.quant_matmul import cpu_quants, make_embedding, make_matmul
+from .kernels.moe import make_moe_matmul, make_moe_route
 from .kernels.rope import make_rope
 from .kernels.snapkv import make_kv_compact, make_snapkv_score, make_snapkv_select
 from .kernels.gpu import attention as gpu_attention
@@ -142,6 +143,10 @@ class KernelAttacher(relax.PyExprMutator):
             return self._snapkv_select(args, call.ty)
         if name == ops.KV_COMPACT:
             return self._kv_compact(args, call.ty)
+        if name == ops.MOE_ROUTE:
+            return self._moe_route(args, call.ty)
+        if name == ops.MOE_MATMUL:
+            return self._moe_matmul(args, call.ty)
         if name.startswith(ops.DEQUANTIZE):
             return call  # consumed by a fused matmul or embedding; dead code after this pass
         raise CompileError(f"The frontend emitted {name}, which the {'GPU' if self.gpu else 'CPU'} codegen has "
@@ -195,6 +200,30 @@ class KernelAttacher(relax.PyExprMutator):
         make = make_gemv_int8 if decode else make_gemm_int8
         return self.kernel((f"{'gemv' if decode else 'gemm'}_int8", None if isa == "avx2" else "vnni", qtype, n_out,
                             k_in), lambda: make(qtype, n_out, k_in, isa))
+
+    def _moe_route(self, args, ty):
+        logits, k, normalize = args
+        experts, tokens = int(logits.ty.shape[1]), _static_int(logits.ty.shape[0])
+        k, normalize = int(_prim_constant(k)), bool(_prim_constant(normalize))
+        # a call_tir of one input is a reshape candidate to RewriteDataflowReshape, whose check needs a root block
+        gv = self.kernel(("moe_route", experts, k, int(normalize), tokens),
+                         lambda: _with_root_block(make_moe_route(experts, k, normalize, tokens)))
+        return relax.call_tir(gv, [logits], list(ty.fields))
+
+    def _moe_matmul(self, args, ty):
+        """The gathered matmul of the chosen experts, fused with the experts' dequantize as a matmul is; float32
+        arithmetic on every CPU."""
+        x, ids, experts = args
+        source = self._dequantize_source(experts)
+        if source is None:
+            raise CompileError("sharpi.moe_matmul takes the experts as a dequantize, which the frontend did not emit.")
+        qtype, parts, w_ty = source
+        rows, k_in = (int(d) for d in w_ty.shape)
+        tokens, slots, n_out = _static_int(ty.shape[0]), int(ty.shape[1]), int(ty.shape[2])
+        per_slot = len(x.ty.shape) == 3
+        gv = self.kernel(("moe_matmul", qtype, rows // n_out, n_out, k_in, slots, int(per_slot), tokens),
+                         lambda: make_moe_matmul(qtype, rows // n_out, n_out, k_in, slots, per_slot, tokens))
+        return relax.call_tir(gv, [x, ids, *self._cpu_parts(qtype, parts, rows, k_in)], ty)
 
     def _fuse_embedding(self, call):
         source = self._dequantize_source(call.args[0])
@@ -353,12 +382,13 @@ def _kv_key(kv: KVFormat) -> str | None:
 
 def _with_root_block(prim: tvm.tirx.PrimFunc) -> tvm.tirx.PrimFunc:
     """Wrap a hand-scheduled kernel's body in a root block, the form Relax's GPU passes expect of every PrimFunc
-    (RewriteDataflowReshape's pattern check asserts it); TVMScript does not let a thread-bound body have one."""
+    (RewriteDataflowReshape's pattern check asserts it of a kernel called with one input, on every target);
+    TVMScript does not let a thread-bound body have one."""
     return prim.with_body(s_tir.SBlockRealize([], True, s_tir.SBlock([], [], [], "root", prim.body)))
 
 
-def _check_gpu_layouts(mod: tvm.IRModule) -> None:
-    """Refuse weight types the GPU kernels lack before the mutator runs (an exception raised inside it reaches
+def _check_gpu_support(mod: tvm.IRModule) -> None:
+    """Refuse weight types and ops the GPU kernels lack before the mutator runs (an exception raised inside it reaches
     Python through TVM's FFI as a plain RuntimeError)."""
     for _, func in mod.functions_items():
         if not isinstance(func, relax.Function):
@@ -366,6 +396,9 @@ def _check_gpu_layouts(mod: tvm.IRModule) -> None:
         for block in func.body.blocks:
             for binding in block.bindings:
                 name = extern_name(binding.value) or ""
+                if name in (ops.MOE_ROUTE, ops.MOE_MATMUL):
+                    raise CompileError("Mixture-of-experts models compile for the CPU (llvm) only so far; their "
+                                       "GPU kernels are not written yet.")
                 qtype = name[len(ops.DEQUANTIZE):] if name.startswith(ops.DEQUANTIZE) else None
                 if qtype is not None and qtype not in GPU_LAYOUTS:
                     raise CompileError(f"Weights of type {qtype} have no GPU kernel yet (GPU layouts: "
@@ -383,6 +416,6 @@ def attach_kernels(mod: tvm.IRModule, cfg: ModelConfig, gpu: bool = False, int8_
     f at its offset (kernels.gpu.quant_matmul.scale_fields says why CUDA needs it). `decode_splits` > 0: a
     single sequence's one-token attention by that many workgroups a query head and a combining kernel."""
     if gpu:
-        _check_gpu_layouts(mod)
+        _check_gpu_support(mod)
     mod = KernelAttacher(mod, cfg, gpu, int8_isa, kv_types, scale_prefixes, decode_splits).run()
     return relax.transform.DeadCodeElimination()(mod)

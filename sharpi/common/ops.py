@@ -22,6 +22,17 @@ PAGED_ATTENTION = "sharpi.paged_attention"
 KV_APPEND_BATCH = "sharpi.kv_append_batch"
 PAGED_ATTENTION_BATCH = "sharpi.paged_attention_batch"
 
+# The mixture-of-experts FFN (llama.cpp's build_moe_ffn):
+# sharpi.moe_route(logits [n, E] f32, k: i64, normalize: i64) -> (ids [n, k] int32, weights [n, k] f32)
+#   softmax over the E experts, the k most probable in descending order (ties: the lower index), their
+#   probabilities as weights, divided by their sum (at least MOE_MIN_WEIGHT_SUM) when normalize is 1
+MOE_ROUTE = "sharpi.moe_route"
+MOE_MIN_WEIGHT_SUM = 6.103515625e-5
+# sharpi.moe_matmul(x [n, K] or [n, k, K], ids [n, k] int32, experts f32 [E * N, K]) -> [n, k, N]
+#   y[t, j] = experts[ids[t, j]] @ x[t] (or x[t, j]); experts is a dequantize (of the experts' [E, N, K]
+#   stored as [E * N, K]), which codegen fuses as it fuses a matmul's; ids are clamped into [0, E)
+MOE_MATMUL = "sharpi.moe_matmul"
+
 PAGE_SIZE = 16
 
 

@@ -4,7 +4,6 @@ gets a builder file of its own and an entry in BUILDERS."""
 from __future__ import annotations
 
 from ..common.config import ModelConfig
-from ..common.errors import UnsupportedArchitectureError
 from .llama import LlamaBuilder, llama_weights
 
 BUILDERS: dict = {}        # arch -> (load_weights, Builder) where the llama family's graph does not fit
@@ -12,7 +11,4 @@ BUILDERS: dict = {}        # arch -> (load_weights, Builder) where the llama fam
 
 def frontend_for(cfg: ModelConfig):
     """(load_weights(gguf, cfg, show_progress) -> WeightTable, Builder(cfg, weights, max_pages, kv_types=...))."""
-    if cfg.is_moe:      # the config and the numpy reference know them; the graph's MoE FFN is not built yet
-        raise UnsupportedArchitectureError(f"{cfg.arch} is a mixture-of-experts architecture, which sharpi reads "
-                                           f"but cannot compile yet.")
     return BUILDERS.get(cfg.arch, (llama_weights, LlamaBuilder))

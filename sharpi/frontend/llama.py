@@ -33,10 +33,14 @@ from .weights import WeightTable, load_weights
 
 LAYER_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 LAYER_VECTORS = ("attn_norm", "ffn_norm")
+# a mixture of experts' FFN in place of the dense one: the router and the experts ([E, N, K], read as [E * N, K])
+MOE_MATRICES = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+SHARED_EXPERT_MATRICES = ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
 # per-layer vectors the flags add, by flag, in the order they follow the base ones (after output_norm)
 FLAG_VECTORS = {"qkv_bias": ("attn_q.bias", "attn_k.bias", "attn_v.bias"),
                 "qk_norm": ("attn_q_norm.weight", "attn_k_norm.weight"),
-                "post_norms": ("post_attention_norm.weight", "post_ffw_norm.weight")}
+                "post_norms": ("post_attention_norm.weight", "post_ffw_norm.weight"),
+                "shared_expert_ffn_dim": ("ffn_gate_inp_shexp.weight",)}
 ACTIVATIONS = {"silu": R.nn.silu, "gelu_tanh": R.nn.gelu_tanh}
 
 
@@ -45,9 +49,17 @@ def layer_vectors(cfg: ModelConfig) -> list[str]:
     return [v for flag, names in FLAG_VECTORS.items() if getattr(cfg, flag) for v in names]
 
 
+def layer_matrices(cfg: ModelConfig) -> tuple[str, ...]:
+    """The per-layer matrices (names after `blk.N.`, before `.weight`): attention's, then the FFN's."""
+    if not cfg.is_moe:
+        return LAYER_MATRICES
+    return LAYER_MATRICES[:4] + MOE_MATRICES + (SHARED_EXPERT_MATRICES if cfg.shared_expert_ffn_dim else ())
+
+
 def llama_weights(gguf: GGUFFile, cfg: ModelConfig, show_progress: bool) -> WeightTable:
     """The weights the config's graph takes, in the order of its parameters."""
-    matrices = ["token_embd.weight"] + [f"blk.{l}.{m}.weight" for l in range(cfg.n_layers) for m in LAYER_MATRICES]
+    matrices = ["token_embd.weight"] + [f"blk.{l}.{m}.weight" for l in range(cfg.n_layers)
+                                        for m in layer_matrices(cfg)]
     if not cfg.tied_embeddings:
         matrices.append("output.weight")
     vectors = [f"blk.{l}.{v}.weight" for l in range(cfg.n_layers) for v in LAYER_VECTORS] + ["output_norm.weight"]
@@ -102,7 +114,10 @@ class LlamaBuilder:
                 if not all_logits:
                     x = bb.emit(R.strided_slice(x, axes=[0], begin=[n - 1], end=[n]))
                 head = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
-                logits = bb.emit_output(self._linear(x, head))
+                logits = self._linear(x, head)
+                if cfg.logit_scale != 1.0:          # granite
+                    logits = bb.emit(R.divide(logits, relax.const(cfg.logit_scale, "float32")))
+                logits = bb.emit_output(logits)
             bb.emit_func_output(logits)
 
     # -- weights ----------------------------------------------------------------------------------------------
@@ -146,29 +161,74 @@ class LlamaBuilder:
         x = bb.emit(R.add(x, self._sublayer_out(self._linear(attn, p + "attn_output.weight"),
                                                  p + "post_attention_norm.weight")))
         h = self._norm(x, p + "ffn_norm.weight")
-        gate, up = self._linear(h, p + "ffn_gate.weight"), self._linear(h, p + "ffn_up.weight")
-        act = bb.emit(R.multiply(ACTIVATIONS[cfg.ffn_activation](gate), up))
-        x = bb.emit(R.add(x, self._sublayer_out(self._linear(act, p + "ffn_down.weight"), p + "post_ffw_norm.weight")))
+        ffn = self._moe_ffn(p, h, n) if cfg.is_moe else self._gated_ffn(h, p + "ffn_{}.weight")
+        x = bb.emit(R.add(x, self._sublayer_out(ffn, p + "post_ffw_norm.weight")))
         return x, pool
 
     def _sublayer_out(self, out, post_norm: str):
-        """A sublayer's output as it joins the residual: RMS-normed first with post_norms."""
-        return self._norm(out, post_norm) if self.cfg.post_norms else out
+        """A sublayer's output as it joins the residual: RMS-normed first with post_norms, times residual_scale
+        (granite)."""
+        out = self._norm(out, post_norm) if self.cfg.post_norms else out
+        if self.cfg.residual_scale != 1.0:
+            out = self.bb.emit(R.multiply(out, relax.const(self.cfg.residual_scale, "float32")))
+        return out
+
+    # -- the FFN blocks ---------------------------------------------------------------------------------------
+    def _gated_ffn(self, h, name: str):
+        """act(h gate^T) * (h up^T), times down^T; `name` formats to the gate's, up's and down's tensor names."""
+        act = ACTIVATIONS[self.cfg.ffn_activation]
+        gate, up = self._linear(h, name.format("gate")), self._linear(h, name.format("up"))
+        return self._linear(self.bb.emit(R.multiply(act(gate), up)), name.format("down"))
+
+    def _moe_ffn(self, p: str, h, n):
+        """llama.cpp's build_moe_ffn: the router's k experts per token (ops.MOE_ROUTE), each expert's gated FFN
+        on its tokens (ops.MOE_MATMUL reads the chosen experts' rows only), their outputs summed with the
+        router's weights; plus a shared expert scaled by sigmoid(h . ffn_gate_inp_shexp) where the model has one."""
+        cfg, bb = self.cfg, self.bb
+        k = cfg.n_experts_used
+        logits = self._linear(h, p + "ffn_gate_inp.weight")
+        route = bb.emit(relax.call_dps_packed(
+            ops.MOE_ROUTE, [logits, relax.prim_value(tvm.tirx.IntImm("int64", k)),
+                            relax.prim_value(tvm.tirx.IntImm("int64", int(cfg.expert_weights_norm)))],
+            [tensor_type((n, k), "int32"), tensor_type((n, k), "float32")]))
+        ids, weights = bb.emit(relax.TupleGetItem(route, 0)), bb.emit(relax.TupleGetItem(route, 1))
+        act = ACTIVATIONS[cfg.ffn_activation]
+        gate = self._expert_linear(h, ids, p + "ffn_gate_exps.weight", n)
+        up = self._expert_linear(h, ids, p + "ffn_up_exps.weight", n)
+        down = self._expert_linear(bb.emit(R.multiply(act(gate), up)), ids, p + "ffn_down_exps.weight", n)
+        out = bb.emit(R.sum(R.multiply(down, R.expand_dims(weights, [-1])), axis=[1]))
+        if cfg.shared_expert_ffn_dim:
+            shared = self._gated_ffn(h, p + "ffn_{}_shexp.weight")
+            gate_in = bb.emit(R.matmul(h, self._vector(p + "ffn_gate_inp_shexp.weight")))
+            out = bb.emit(R.add(out, R.multiply(shared, R.expand_dims(R.sigmoid(gate_in), [-1]))))
+        return out
+
+    def _expert_linear(self, x, ids, name: str, n):
+        """[n, k, N]: x [n, K] (or [n, k, K], one row per chosen expert) times the chosen experts of `name`."""
+        experts, rows = self.cfg.n_experts, self.weights.shapes[name][0]
+        k = self.cfg.n_experts_used
+        return self.bb.emit(relax.call_dps_packed(ops.MOE_MATMUL, [x, ids, self._dequantize(name)],
+                                                  tensor_type((n, k, rows // experts), "float32")))
 
     def _qkv(self, p: str, h, n):
         """Layer `p`'s ("blk.N.") q [n, H, D], k and v [n, KVH, D] from the normed input h, before RoPE."""
         cfg = self.cfg
         q, k, v = (self._project(h, p + name, heads, n) for name, heads in
                    (("attn_q", cfg.n_heads), ("attn_k", cfg.n_kv_heads), ("attn_v", cfg.n_kv_heads)))
-        if cfg.qk_norm:
+        if cfg.qk_norm and not cfg.qk_norm_full:
             q, k = self._norm(q, p + "attn_q_norm.weight"), self._norm(k, p + "attn_k_norm.weight")
         return q, k, v
 
     def _project(self, h, name: str, heads: int, n):
+        """h times `name`'s matrix (plus its bias), RMS-normed over its whole width where qk_norm_full (olmoe's
+        q and k), as [n, heads, head_dim]."""
+        cfg = self.cfg
         y = self._linear(h, name + ".weight")
-        if self.cfg.qkv_bias:
+        if cfg.qkv_bias:
             y = self.bb.emit(R.add(y, self._vector(name + ".bias")))
-        return self.bb.emit(R.reshape(y, (n, heads, self.cfg.head_dim)))
+        if cfg.qk_norm and cfg.qk_norm_full and name.endswith(("attn_q", "attn_k")):
+            y = self._norm(y, name + "_norm.weight")
+        return self.bb.emit(R.reshape(y, (n, heads, cfg.head_dim)))
 
     def _attention(self, l, q, k, v, pool, page_table, kv_lens, n, scale: float | None = None, window: int = 0):
         """Append k and v to layer l's cache, attend; returns (attention output [n, q_dim], the pool)."""

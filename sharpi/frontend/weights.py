@@ -8,7 +8,7 @@ numpy arrays beside the GGUF's mapped pages.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 import numpy as np
@@ -16,7 +16,7 @@ import numpy as np
 from ..common.errors import CompileError
 from ..common.progress import progress_bar
 from ..common.quant_layout import FLOAT_PLANES, parts as layout_parts
-from .gguf_file import GGUFFile
+from .gguf_file import GGUFFile, GGUFTensor
 from .quant import check_repackable, layout_of, repack
 
 
@@ -44,7 +44,7 @@ class WeightTable:
         return [s.name for s in self.specs]
 
     def add_matrix(self, gguf: GGUFFile, name: str) -> None:
-        t = gguf.tensor(name)
+        t = as_matrix(gguf.tensor(name))
         qtype = layout_of(t)
         check_repackable(t, qtype)
         n, k = t.shape
@@ -84,7 +84,7 @@ class WeightTable:
             data = np.asarray(dequantize(t.data, GGMLQuantizationType(t.type_id)), dtype=np.float32)
             parts = {"w": np.ascontiguousarray(data.reshape(t.shape))}
         else:
-            parts = repack(t)
+            parts = repack(as_matrix(t))
             kept = {self.specs[i].name.rsplit(":", 1)[1] for i in indices}
             parts = {part: array for part, array in parts.items() if part in kept}
         self.gguf.release(name)
@@ -112,6 +112,15 @@ class WeightTable:
         if self._last is None or self._last[0] != name:
             self._last = (name, self.repacked(name))
         return self._last[1][self.specs[index].name.rsplit(":", 1)[1]]
+
+
+def as_matrix(t: GGUFTensor) -> GGUFTensor:
+    """A stack of matrices (a mixture's experts, [E, N, K]) as one [E * N, K] matrix, its rows expert by expert
+    (quant blocks never span rows, so the bytes are the same); a matrix as it is."""
+    if len(t.shape) != 3:
+        return t
+    experts, rows, cols = t.shape
+    return replace(t, shape=(experts * rows, cols), data=t.data.reshape(experts * rows, *t.data.shape[2:]))
 
 
 def all_finite(qtype: str, parts: dict[str, np.ndarray]) -> bool:

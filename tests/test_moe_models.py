@@ -1,0 +1,134 @@
+"""Mixture-of-experts models compiled for the CPU, on the tiny random GGUFs of tests/data/moe_golden.json:
+`--matmuls float` against the numpy reference and llama.cpp's logits (teacher-forced, and prefill then decode
+through the paged cache), the default int8 artifact within the dense tiny models' int8 bounds, and decode reading
+the chosen experts only.
+
+Tolerances as tests/test_architectures.py: the float path differs from the reference in summation order only
+(~1e-6 of the logits' scale), 1e-4 is ~100x that, and tests/test_moe_reference.py shows every MoE feature moving
+the logits by more than 1e-2."""
+import json
+import warnings
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+import sharpi
+from sharpi.common.errors import CompileError, SharpiWarning
+from sharpi.runtime.session import decode_batch
+from sharpi.testing.reference import NumpyReference, log_softmax
+from tiny_gguf import MOE_ARCHS, MOE_GOLDEN, write_golden_moe, write_tiny_moe
+
+GOLDEN = json.loads(MOE_GOLDEN.read_text())
+IDS = GOLDEN["ids"]
+RTOL = 1e-4
+
+
+def _err(got, expected) -> float:
+    return float(np.abs(got - expected).max() / np.abs(expected).max())
+
+
+@pytest.fixture(scope="module", params=MOE_ARCHS)
+def float_moe(request, tmp_path_factory):
+    """(arch, GGUF path, the `--matmuls float` model, the reference's logits over IDS)."""
+    arch = request.param
+    folder = tmp_path_factory.mktemp(arch)
+    path = write_golden_moe(folder, arch)
+    model = sharpi.load(sharpi.compile(str(path), target="llvm", output=folder / "art", matmuls="float"))
+    return arch, path, model, NumpyReference(path).forward(IDS)
+
+
+def test_teacher_forced_logits_equal_the_reference_and_llama_cpp(float_moe):
+    arch, _, model, expected = float_moe
+    got = model.score(IDS)
+    assert _err(got, expected) < RTOL
+    with np.load(Path(__file__).parent / "data" / "moe_golden.npz") as golden:
+        assert _err(got, golden[arch]) < RTOL
+
+
+def test_prefill_then_decode_equal_the_reference(float_moe):
+    """Prefill 30 tokens, then decode 18 through the cache (the decode kernels: one token, its k experts)."""
+    _, _, model, expected = float_moe
+    with model.session() as s:
+        assert _err(s.prefill(IDS[:30]), expected[29]) < RTOL
+        for i in range(30, len(IDS)):
+            assert _err(s.decode(IDS[i]), expected[i]) < RTOL, i
+
+
+def test_decode_batch_equals_the_reference(float_moe):
+    """Two sequences decoded together (decode_batch: two tokens routed to their own experts in one call)."""
+    _, _, model, expected = float_moe
+    with model.session() as a, model.session() as b:
+        a.prefill(IDS[:20])
+        b.prefill(IDS[:25])
+        rows = decode_batch([a, b], [IDS[20], IDS[25]])
+    assert _err(rows[0], expected[20]) < RTOL and _err(rows[1], expected[25]) < RTOL
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_int8_artifact_is_near_the_reference(arch, tmp_path):
+    """The default CPU artifact of a Q8_0 model (int8 matmuls where the CPU has AVX2) within the conformance
+    tolerance for int8 matmuls of the reference's log-probs, its top-1 never off by more than a near-tie."""
+    from sharpi.testing.conformance import tolerance_for
+    path = write_tiny_moe(tmp_path / f"{arch}.gguf", arch, seed=GOLDEN["models"][arch]["seed"],
+                          router_scale=GOLDEN["models"][arch]["router_scale"], matrix_type="Q8_0", shared_ffn=64)
+    model = sharpi.load(sharpi.compile(str(path), output=tmp_path / "art"))
+    if model.manifest.target["matmuls"] != "int8":
+        pytest.skip("this CPU has no AVX2: the default matmuls are float32 (tested above)")
+    want = log_softmax(NumpyReference(path).forward(IDS))[29:40]
+    with model.session() as s:
+        got = log_softmax(np.stack([s.prefill(IDS[:30])] + [s.decode(IDS[i]) for i in range(30, 40)]))
+    tol = tolerance_for(model.manifest)
+    assert np.abs(got - want).max() <= tol.logprob_atol
+    assert np.abs(got - want).max() > 1e-5                            # the int8 kernels ran
+    assert (want.max(-1) - want[np.arange(len(want)), got.argmax(-1)] <= tol.near_tie).all()
+
+
+def test_decode_reads_only_the_chosen_experts(tmp_path):
+    """qwen3moe with every expert that no position of the test selects (the reference's router) set to NaN:
+    prefill and decode logits equal the clean model's bit for bit."""
+    arch, tokens = "qwen3moe", IDS[:24]
+    clean = write_golden_moe(tmp_path, arch)
+    ref = NumpyReference(clean)
+    ref.router_capture = []
+    ref.forward(tokens)
+    k = ref.config.n_experts_used
+    unused = [sorted(set(range(ref.config.n_experts)) - set(np.argsort(-p, axis=-1)[:, :k].ravel().tolist()))
+              for p in ref.router_capture]
+    assert any(unused), "every expert is chosen somewhere: the test would poison nothing"
+    poisoned = _with_nan_experts(clean, tmp_path / "poisoned.gguf", unused)
+    logits = []
+    for path in (clean, poisoned):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "(?s).*NaN or infinite", SharpiWarning)
+            model = sharpi.load(sharpi.compile(str(path), target="llvm", output=tmp_path / f"art-{path.stem}",
+                                               matmuls="float"))
+        with model.session() as s:
+            logits.append(np.stack([s.prefill(tokens[:16])] + [s.decode(t) for t in tokens[16:]]))
+    assert np.isfinite(logits[1]).all()
+    np.testing.assert_array_equal(logits[1], logits[0])
+
+
+def _with_nan_experts(src: Path, dst: Path, unused: list[list[int]]) -> Path:
+    """A copy of src (F32 experts) with layer l's experts unused[l] NaN in their gate, up and down matrices."""
+    dst.write_bytes(src.read_bytes())
+    reader = gguf.GGUFReader(dst, "r+")
+    for tensor in reader.tensors:
+        layer, _, rest = tensor.name.partition(".")[2].partition(".")
+        if tensor.name.startswith("blk.") and rest in ("ffn_gate_exps.weight", "ffn_up_exps.weight",
+                                                       "ffn_down_exps.weight"):
+            for e in unused[int(layer)]:
+                tensor.data[e] = np.nan
+    reader.data.flush()
+    poisoned = sum(int(np.isnan(t.data).any(axis=(1, 2)).sum()) for t in gguf.GGUFReader(dst).tensors
+                   if t.name.endswith("_exps.weight"))
+    assert poisoned == 3 * sum(map(len, unused))
+    return dst
+
+
+def test_a_gpu_target_refuses_a_moe_model_in_one_sentence(tmp_path):
+    path = write_golden_moe(tmp_path, "olmoe")
+    with pytest.raises(CompileError, match="Mixture-of-experts models compile for the CPU"):
+        sharpi.compile(str(path), target="vulkan", output=tmp_path / "vk")
+    assert not (tmp_path / "vk").exists()
