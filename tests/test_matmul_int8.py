@@ -286,3 +286,27 @@ def test_q8k_extremes_do_not_saturate(rng):
     want = _expected("q6_k", parts, x, block=256)
     np.testing.assert_allclose(_run_q8k(make_gemm_q8k, "q6_k", parts, n, k, x), want, rtol=1e-6)
     np.testing.assert_allclose(_run_q8k(make_gemv_q8k, "q6_k", parts, n, k, x[:1])[0], want[0], rtol=1e-6)
+
+
+@pytest.mark.parametrize("per_slot", [False, True], ids=["shared-input", "per-slot-input"])
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q4_k", "q6_k"])
+def test_moe_gemv_reads_the_chosen_experts_rows(qtype, per_slot, rng):
+    """The MoE GEMV (ops.MOE_MATMUL with int8 activations) on every integer-dot ISA this CPU runs: 3 tokens, 2
+    slots each, over 4 experts of 24 rows; each (token, slot) equals the dense GEMV of its expert's rows, an id out
+    of range reads the nearest expert (clamped), not memory outside the weights."""
+    from sharpi.codegen.kernels.quant_matmul_int8 import make_moe_gemv_int8
+    experts, n, k, slots = 4, 24, 512, 2
+    q, parts = _weight(qtype, experts * n, k, rng)
+    ids = np.array([[3, 1], [0, 2], [7, -5]], np.int32)            # the last token's ids clamp to 3 and 0
+    x = rng.standard_normal((3, slots, k) if per_slot else (3, k)).astype(np.float32)
+    taken = [_t(p) for p in _as_cpu_kernel_takes(qtype, parts, experts * n, k)]
+    for isa in [isa for isa in VARIANTS if isa != "amx"]:       # AMX's decode GEMV is AVX-512 VNNI's
+        y = _t(np.zeros((3, slots, n), np.float32))
+        _build(make_moe_gemv_int8(qtype, experts, n, k, slots, per_slot, isa))(_t(x), _t(ids), *taken, y)
+        for t in range(3):
+            for j in range(slots):
+                e = min(max(ids[t, j], 0), experts - 1)
+                row = x[t, j:j + 1] if per_slot else x[t:t + 1]
+                want = _expected(qtype, parts, row)[e * n:(e + 1) * n]
+                np.testing.assert_allclose(y.numpy()[t, j], want, rtol=0, atol=2e-5 * np.abs(want).max(),
+                                           err_msg=f"{isa} token {t} slot {j}")

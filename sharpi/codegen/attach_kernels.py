@@ -25,7 +25,7 @@ from ..ir_passes.named_ops import extern_name
 from .kernels.paged_attention import (make_kv_append, make_kv_append_batch, make_paged_attention,
                                       make_paged_attention_batch)
 from ..common.quant_layout import KERNEL_PARTS, QUANTIZED, SUB_SCALES
-from .kernels.quant_matmul_int8 import INT8_DOT_TYPES, make_gemm_int8, make_gemv_int8
+from .kernels.quant_matmul_int8 import INT8_DOT_TYPES, make_gemm_int8, make_gemv_int8, make_moe_gemv_int8
 from .kernels.quant_matmul_amx import make_gemm_amx
 from .kernels.quant_matmul_q8k import Q8K_TYPES, make_gemm_q8k, make_gemv_q8k
 from .kernels.quant_matmul_vnni512 import make_gemm_vnni512, vnni512_fits
@@ -189,11 +189,10 @@ class KernelAttacher(relax.PyExprMutator):
         vpmaddubsw + vpmaddwd on AVX2)."""
         if self.int8_isa == "amx" and not decode:
             return self.kernel(("gemm_amx", qtype, n_out, k_in), lambda: make_gemm_amx(qtype, n_out, k_in))
-        wide = (self.int8_isa in ("avx512-vnni", "amx") and vnni512_fits(k_in)
-                and (not decode or qtype in self._GEMV_512))
-        if wide and decode:
+        if decode and self._gemv_isa(qtype, k_in) == "avx512-vnni":
             return self.kernel(("gemv_vnni512", qtype, n_out, k_in),
                                lambda: make_gemv_int8(qtype, n_out, k_in, "avx512-vnni"))
+        wide = self.int8_isa in ("avx512-vnni", "amx") and vnni512_fits(k_in) and not decode
         if wide:
             return self.kernel(("gemm_vnni512", qtype, n_out, k_in), lambda: make_gemm_vnni512(qtype, n_out, k_in))
         isa = "avx2" if self.int8_isa == "avx2" else "avx-vnni"
@@ -211,8 +210,9 @@ class KernelAttacher(relax.PyExprMutator):
         return relax.call_tir(gv, [logits], list(ty.fields))
 
     def _moe_matmul(self, args, ty):
-        """The gathered matmul of the chosen experts, fused with the experts' dequantize as a matmul is; float32
-        arithmetic on every CPU."""
+        """The gathered matmul of the chosen experts, fused with the experts' dequantize as a matmul is: the
+        integer-dot GEMV where the CPU has one for the type (each token reads its experts' rows on its own),
+        float32 otherwise."""
         x, ids, experts = args
         source = self._dequantize_source(experts)
         if source is None:
@@ -220,10 +220,21 @@ class KernelAttacher(relax.PyExprMutator):
         qtype, parts, w_ty = source
         rows, k_in = (int(d) for d in w_ty.shape)
         tokens, slots, n_out = _static_int(ty.shape[0]), int(ty.shape[1]), int(ty.shape[2])
-        per_slot = len(x.ty.shape) == 3
-        gv = self.kernel(("moe_matmul", qtype, rows // n_out, n_out, k_in, slots, int(per_slot), tokens),
-                         lambda: make_moe_matmul(qtype, rows // n_out, n_out, k_in, slots, per_slot, tokens))
+        per_slot, n_experts = len(x.ty.shape) == 3, rows // n_out
+        shape = (n_experts, n_out, k_in, slots, per_slot)
+        if self.int8_isa is not None and qtype in INT8_DOT_TYPES:
+            isa = self._gemv_isa(qtype, k_in)
+            gv = self.kernel(("moe_gemv_int8", isa, qtype, *shape, tokens),
+                             lambda: make_moe_gemv_int8(qtype, *shape, isa, tokens))
+        else:
+            gv = self.kernel(("moe_matmul", qtype, *shape, tokens), lambda: make_moe_matmul(qtype, *shape, tokens))
         return relax.call_tir(gv, [x, ids, *self._cpu_parts(qtype, parts, rows, k_in)], ty)
+
+    def _gemv_isa(self, qtype, k_in) -> str:
+        """The instruction set of the dense decode GEMV's integer dots (_int8_matmul's choice, q8k aside)."""
+        if self.int8_isa in ("avx512-vnni", "amx") and vnni512_fits(k_in) and qtype in self._GEMV_512:
+            return "avx512-vnni"
+        return "avx2" if self.int8_isa == "avx2" else "avx-vnni"
 
     def _fuse_embedding(self, call):
         source = self._dequantize_source(call.args[0])

@@ -313,70 +313,143 @@ def make_gemv_int8(qtype: str, N: int, K: int, isa: str = "avx2", prefetch_bytes
     rows and per row runs A independent chains of dot products (FMA latency) over units of one block (AVX2,
     AVX-VNNI) or two (AVX-512 VNNI: one 512-bit vpdpbusd a pair; K must hold whole pairs), and the offset term as
     one short dot product of the row's offset scales with the activation sums (VO blocks a vector instruction)."""
-    assert qtype in INT8_DOT_TYPES and isa in ISAS, (qtype, isa)
-    NB = K // BLOCK
-    W = 16 if isa == "avx512-vnni" else 8          # lanes of a unit's sums
-    NU = NB // (W // 8)
-    assert NU * (W // 8) == NB, (K, isa)
-    qs_shape, qs_dtype = cpu_quants(qtype, N, K)
-    S = LAYOUTS[qtype][1][2](N, K)[0]
+    g = _GemvRows(qtype, N, K, isa, prefetch_bytes)
     CHUNKS = min(TASKS, N)
     ROWS = (N + CHUNKS - 1) // CHUNKS   # the last chunk may be short
-    A = 4 if NU % 4 == 0 else 2 if NU % 2 == 0 else 1
-    VO = 16 if NB % 16 == 0 and W == 16 else 8 if NB % 8 == 0 else 4 if NB % 4 == 0 else 2 if NB % 2 == 0 else 1
-    fields, coefficient = _wide_offset(qtype) if W == 16 else _offset_fields(qtype)
-    F = max(1, len(fields))
-    # the prefetches of one step of the row's loop (A units: A * W / 8 blocks): the quants' cache lines and each
-    # scale plane's, PREFETCH_BYTES of quants ahead
-    STEP_BLOCKS = A * (W // 8)
-    QS_BLOCK = qs_shape[1] // NB                        # qs elements a block
-    QS_ITEM = 1 if qs_dtype == "int8" else 4
-    AHEAD = max(1, prefetch_bytes // (QS_BLOCK * QS_ITEM))   # blocks
-    QS_LINES = (STEP_BLOCKS * QS_BLOCK * QS_ITEM + 63) // 64 if prefetch_bytes else 0
-    PLANES = S if prefetch_bytes else 0
-    LINE = 64 // QS_ITEM                                 # qs elements a cache line
+    NB, F, W, NU = g.NB, g.F, g.W, g.NU
 
     @T.prim_func
-    def quant_gemv_int8(x: T.Buffer((1, K), "float32"), qs: T.Buffer(qs_shape, qs_dtype),
-                        s: T.Buffer((S, N, NB), "float32"), y: T.Buffer((1, N), "float32")):
+    def quant_gemv_int8(x: T.Buffer((1, K), "float32"), qs: T.Buffer(g.qs_shape, g.qs_dtype),
+                        s: T.Buffer((g.S, N, NB), "float32"), y: T.Buffer((1, N), "float32")):
         T.func_attr({"tirx.noalias": True, "op_pattern": 8})
         xq = T.decl_buffer((1, K), "int8")
         xd8 = T.decl_buffer((NB, 1, 8), "float32")
         xd = T.decl_buffer((NU, W), "float32", data=xd8.data)         # a unit's scales, 8 lanes a block
         xo = T.decl_buffer((F, NB, 1), "float32")
         xo_blocks = T.decl_buffer((F, NB), "float32", data=xo.data)   # the same sums, blocks as the last axis
-        qs_flat = T.decl_buffer((N * NB * QS_BLOCK,), qs_dtype, data=qs.data)
-        s_flat = T.decl_buffer((S, N * NB), "float32", data=s.data)
         for b in range(NB):
             quantize_activation_block(x, 0, True, xq, xd8, xo, 0, b, qtype, F)
         for c in T.parallel(CHUNKS):
-            acc = T.decl_buffer((A, W), "float32", scope="global")
-            off = T.decl_buffer((VO,), "float32", scope="global")
+            acc = T.decl_buffer((g.A, W), "float32", scope="global")
+            off = T.decl_buffer((g.VO,), "float32", scope="global")
             for i in range(T.min(ROWS, N - c * ROWS)):
-                row = T.meta_var(c * ROWS + i)
-                for a in T.unroll(A):
-                    acc[a, T.ramp(0, 1, W)] = T.Broadcast(T.float32(0), W)
-                for jj in range(NU // A):
-                    ahead = T.meta_var(T.min(row * NB + jj * STEP_BLOCKS + AHEAD, N * NB - 1))   # a block
-                    for line in T.unroll(QS_LINES):
-                        _prefetch(qs_flat, T.min(ahead * QS_BLOCK + line * LINE, N * NB * QS_BLOCK - 1))
-                    for f in T.unroll(PLANES):
-                        _prefetch(s_flat, (f, ahead))
-                    for a in T.unroll(A):
-                        acc[a, T.ramp(0, 1, W)] = acc[a, T.ramp(0, 1, W)] + _unit_term(
-                            qtype, qs, s, xq, xd, row, jj * A + a, isa)
-                for a in T.unroll(1, A):
-                    acc[0, T.ramp(0, 1, W)] = acc[0, T.ramp(0, 1, W)] + acc[a, T.ramp(0, 1, W)]
-                if len(fields) == 0:
-                    y[0, row] = lane_total(acc, 0, lanes=W)
-                else:
-                    off[_span(0, VO)] = T.Broadcast(T.float32(0), VO) if VO > 1 else T.float32(0)
-                    for ob in range(NB // VO):
-                        off[_span(0, VO)] = off[_span(0, VO)] + _offset_scales_by_sums(s, xo_blocks, fields, row,
-                                                                                       _span(ob * VO, VO))
-                    y[0, row] = lane_total(acc, 0, lanes=W) + T.float32(coefficient) * lane_total(off, lanes=VO)
+                g.row_dot(qs, s, xq, xd, xo_blocks, acc, off, c * ROWS + i, y, (0, c * ROWS + i))
 
     return quant_gemv_int8
+
+
+def make_moe_gemv_int8(qtype: str, E: int, N: int, K: int, k: int, per_slot: bool, isa: str = "avx2",
+                       tokens: int | None = None):
+    """PrimFunc (x [n, K] (or [n, k, K] where per_slot), ids [n, k] int32, *parts of the experts' [E * N, K],
+    y [n, k, N]): ops.MOE_MATMUL as make_gemv_int8's GEMV over each token's k chosen experts' rows only. The input
+    rows are quantized first (one a token, or one a token and slot); the tasks are (token, slot, chunk of rows)
+    triples, so every chosen expert's rows stream in one parallel loop. A token reads its experts' weights on its
+    own: the decode kernel (n = 1, and decode_batch's few tokens), not a GEMM that shares them across a prompt."""
+    g = _GemvRows(qtype, E * N, K, isa, PREFETCH_BYTES)
+    CHUNKS = max(1, min(TASKS // k, N))
+    ROWS = (N + CHUNKS - 1) // CHUNKS
+    R = k if per_slot else 1                                    # input rows a token
+    NB, F, W, NU = g.NB, g.F, g.W, g.NU
+    n = token_count(tokens)
+
+    @T.prim_func
+    def moe_gemv_int8(var_x: T.handle, var_ids: T.handle, qs: T.Buffer(g.qs_shape, g.qs_dtype),
+                      s: T.Buffer((g.S, E * N, NB), "float32"), var_y: T.handle):
+        T.func_attr({"tirx.noalias": True, "op_pattern": 8})
+        x_data = T.match_buffer(var_x, (n, R, K) if per_slot else (n, K), "float32")
+        ids = T.match_buffer(var_ids, (n, k), "int32")
+        y = T.match_buffer(var_y, (n, k, N), "float32")
+        x = T.decl_buffer((n * R, K), "float32", data=x_data.data)
+        xq = T.decl_buffer((n * R, K), "int8")
+        xd8 = T.decl_buffer((n * R, NB, 1, 8), "float32")
+        xo = T.decl_buffer((n * R, F, NB, 1), "float32")
+        for r in T.parallel(n * R):
+            xq_r = T.decl_buffer((1, K), "int8", data=xq.data, elem_offset=r * K)
+            xd8_r = T.decl_buffer((NB, 1, 8), "float32", data=xd8.data, elem_offset=r * NB * 8)
+            xo_r = T.decl_buffer((F, NB, 1), "float32", data=xo.data, elem_offset=r * F * NB)
+            for b in range(NB):
+                quantize_activation_block(x, r, True, xq_r, xd8_r, xo_r, 0, b, qtype, F)
+        for c in T.parallel(n * k * CHUNKS):
+            t = T.meta_var(c // (k * CHUNKS))
+            j = T.meta_var(c // CHUNKS % k)
+            r = T.meta_var(t * R + (j if per_slot else 0))
+            first = T.meta_var(T.max(0, T.min(ids[t, j], E - 1)) * N)     # the expert's first row, clamped
+            xq_r = T.decl_buffer((1, K), "int8", data=xq.data, elem_offset=r * K)
+            xd_r = T.decl_buffer((NU, W), "float32", data=xd8.data, elem_offset=r * NB * 8)
+            xo_r = T.decl_buffer((F, NB), "float32", data=xo.data, elem_offset=r * F * NB)
+            acc = T.decl_buffer((g.A, W), "float32", scope="global")
+            off = T.decl_buffer((g.VO,), "float32", scope="global")
+            for i in range(T.min(ROWS, N - c % CHUNKS * ROWS)):
+                g.row_dot(qs, s, xq_r, xd_r, xo_r, acc, off, first + c % CHUNKS * ROWS + i, y,
+                          (t, j, c % CHUNKS * ROWS + i))
+
+    return moe_gemv_int8
+
+
+class _GemvRows:
+    """The decode GEMV's work for one output row of a matrix of N rows (make_gemv_int8, make_moe_gemv_int8):
+    A chains of unit dots with prefetches ahead, then the offset term."""
+
+    def __init__(self, qtype: str, N: int, K: int, isa: str, prefetch_bytes: int):
+        assert qtype in INT8_DOT_TYPES and isa in ISAS, (qtype, isa)
+        NB = self.NB = K // BLOCK
+        W = self.W = 16 if isa == "avx512-vnni" else 8          # lanes of a unit's sums
+        NU = self.NU = NB // (W // 8)
+        assert NU * (W // 8) == NB, (K, isa)
+        self.qs_shape, self.qs_dtype = cpu_quants(qtype, N, K)
+        self.S = LAYOUTS[qtype][1][2](N, K)[0]
+        self.A = 4 if NU % 4 == 0 else 2 if NU % 2 == 0 else 1
+        self.VO = 16 if NB % 16 == 0 and W == 16 else 8 if NB % 8 == 0 else 4 if NB % 4 == 0 else 2 if NB % 2 == 0 else 1
+        self.fields, self.coefficient = _wide_offset(qtype) if W == 16 else _offset_fields(qtype)
+        self.F = max(1, len(self.fields))
+        self.qtype, self.isa, self.N = qtype, isa, N
+        # the prefetches of one step of the row's loop (A units: A * W / 8 blocks): the quants' cache lines and
+        # each scale plane's, prefetch_bytes of quants ahead
+        self.STEP_BLOCKS = self.A * (W // 8)
+        self.QS_BLOCK = self.qs_shape[1] // NB                        # qs elements a block
+        qs_item = 1 if self.qs_dtype == "int8" else 4
+        self.AHEAD = max(1, prefetch_bytes // (self.QS_BLOCK * qs_item))   # blocks
+        self.QS_LINES = (self.STEP_BLOCKS * self.QS_BLOCK * qs_item + 63) // 64 if prefetch_bytes else 0
+        self.PLANES = self.S if prefetch_bytes else 0
+        self.LINE = 64 // qs_item                                 # qs elements a cache line
+
+        self.row_dot = self._row_dot_macro()
+
+    def _row_dot_macro(self):
+        """A macro (qs, s, xq, xd, xo_blocks, acc, off, row, y, out): y[out] = row `row`'s output, acc and off
+        the task's accumulators."""
+        qtype, isa, N, NB, W, NU, A, VO = self.qtype, self.isa, self.N, self.NB, self.W, self.NU, self.A, self.VO
+        fields, coefficient, QS_BLOCK, LINE = self.fields, self.coefficient, self.QS_BLOCK, self.LINE
+        S, qs_dtype, STEP_BLOCKS, AHEAD = self.S, self.qs_dtype, self.STEP_BLOCKS, self.AHEAD
+        QS_LINES, PLANES = self.QS_LINES, self.PLANES
+
+        @T.macro
+        def row_dot(qs, s, xq, xd, xo_blocks, acc, off, row, y, out):
+            qs_flat = T.decl_buffer((N * NB * QS_BLOCK,), qs_dtype, data=qs.data)
+            s_flat = T.decl_buffer((S, N * NB), "float32", data=s.data)
+            for a in T.unroll(A):
+                acc[a, T.ramp(0, 1, W)] = T.Broadcast(T.float32(0), W)
+            for jj in range(NU // A):
+                ahead = T.meta_var(T.min(row * NB + jj * STEP_BLOCKS + AHEAD, N * NB - 1))   # a block
+                for line in T.unroll(QS_LINES):
+                    _prefetch(qs_flat, T.min(ahead * QS_BLOCK + line * LINE, N * NB * QS_BLOCK - 1))
+                for f in T.unroll(PLANES):
+                    _prefetch(s_flat, (f, ahead))
+                for a in T.unroll(A):
+                    acc[a, T.ramp(0, 1, W)] = acc[a, T.ramp(0, 1, W)] + _unit_term(qtype, qs, s, xq, xd, row,
+                                                                                   jj * A + a, isa)
+            for a in T.unroll(1, A):
+                acc[0, T.ramp(0, 1, W)] = acc[0, T.ramp(0, 1, W)] + acc[a, T.ramp(0, 1, W)]
+            if len(fields) == 0:
+                y[out] = lane_total(acc, 0, lanes=W)
+            else:
+                off[_span(0, VO)] = T.Broadcast(T.float32(0), VO) if VO > 1 else T.float32(0)
+                for ob in range(NB // VO):
+                    off[_span(0, VO)] = off[_span(0, VO)] + _offset_scales_by_sums(s, xo_blocks, fields, row,
+                                                                                   _span(ob * VO, VO))
+                y[out] = lane_total(acc, 0, lanes=W) + T.float32(coefficient) * lane_total(off, lanes=VO)
+
+        return row_dot
 
 
 def _offset_scales_by_sums(s, sums, fields, row, blocks):
