@@ -65,7 +65,7 @@ def read_bandwidth(threads: int) -> float:
 
 def decode_bytes(manifest, context: int, budget: int = 0, gguf: Path | None = None, cache: str = "f16") -> int:
     """Bytes one decode step reads at `context` tokens: the weights (the embedding table's only one row unless it
-    is also the output matrix) and the KV slots of every layer (a window's at most; SnapKV's budget at most).
+    is also the output matrix; of a mixture's experts the k chosen of E) and the KV slots of every layer (a window's at most; SnapKV's budget at most).
     With `gguf`, llama.cpp's: the GGUF's tensors (sharpi's layouts hold f32 scales, ~1.2-1.3x the K-quants'
     bytes) and its cache of `cache` types."""
     from sharpi.common.config import ModelConfig
@@ -76,8 +76,14 @@ def decode_bytes(manifest, context: int, budget: int = 0, gguf: Path | None = No
         sizes = weight_read_bytes(manifest)
     else:
         sizes = {name: t.span[1] for name, t in GGUFFile(gguf).tensors.items()}
-    weights = sum(sizes.values()) - (0 if cfg.tied_embeddings else sizes["token_embd.weight"])
-    return weights + held_slots(cfg, context, budget) * slot_bytes(manifest, cfg, None if gguf is None else cache)
+    weights = sum(_read_share(cfg, name) * size for name, size in sizes.items())
+    weights -= 0 if cfg.tied_embeddings else sizes["token_embd.weight"]
+    return int(weights) + held_slots(cfg, context, budget) * slot_bytes(manifest, cfg, None if gguf is None else cache)
+
+
+def _read_share(cfg, tensor: str) -> float:
+    """The share of a weight tensor a decode step reads: a mixture's experts only the chosen ones'."""
+    return cfg.n_experts_used / cfg.n_experts if cfg.n_experts and tensor.endswith("_exps.weight") else 1.0
 
 
 def weight_read_bytes(manifest) -> dict[str, int]:

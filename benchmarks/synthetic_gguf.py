@@ -4,8 +4,11 @@ CPU issue's compile memory, load memory and speed at 1.5B and 7B).
     python benchmarks/synthetic_gguf.py SHAPE OUT.gguf [--seed N]
 
 SHAPE is one of SHAPES: `qwen2-1.5b` (Qwen2.5-1.5B: 28 layers of 1536, 12 heads over 2 KV heads, QKV biases, tied
-embeddings, vocabulary 151,936) or `llama-7b` (Mistral-7B's shape: 32 layers of 4096, FFN 14336, 32 heads over 8 KV
-heads, vocabulary 32,000). Weights are typed as llama.cpp's Q4_K_M mix: Q4_K, with Q6_K for the output (or tied
+embeddings, vocabulary 151,936), `llama-7b` (Mistral-7B's shape: 32 layers of 4096, FFN 14336, 32 heads over 8 KV
+heads, vocabulary 32,000), and two mixtures of experts: `olmoe-1b-7b` (OLMoE-1B-7B: 16 layers of 2048, 64 experts
+of 1024 rows, 8 a token, 16 heads, q/k norms over the whole projection, vocabulary 50,304) and `qwen3-30b-a3b`
+(Qwen3-30B-A3B: 48 layers of 2048, 128 experts of 768, 8 a token, 32 heads of 128 over 4 KV heads, per-head q/k
+norms, vocabulary 151,936; an 18 GB file). Expert stacks are [E, N, K], the router F32. Weights are typed as llama.cpp's Q4_K_M mix: Q4_K, with Q6_K for the output (or tied
 embedding) matrix and for attn_v and ffn_down in half the layers. Each tensor's blocks are random bytes whose
 f16 scales are set so that a weight's spread is about 1/sqrt(K) (a residual stream that stays finite); tensors
 are generated and written one at a time (gguf's add_tensor_info, then write_tensor_data), so writing a 4 GB file
@@ -34,11 +37,19 @@ class Shape:
     rope_base: float
     qkv_bias: bool
     tied: bool
+    experts: int = 0           # a mixture of experts: `experts` FFNs of `ffn` rows, `used` of them a token
+    used: int = 0
+    head_dim: int = 0          # 0: dim / heads
+    qk_norm: str = ""          # "head" (qwen3moe) or "full" (olmoe: over the whole projection)
 
 
 SHAPES = {
     "qwen2-1.5b": Shape("qwen2", 28, 1536, 8960, 12, 2, 151936, 32768, 1e6, qkv_bias=True, tied=True),
     "llama-7b": Shape("llama", 32, 4096, 14336, 32, 8, 32000, 32768, 1e6, qkv_bias=False, tied=False),
+    "olmoe-1b-7b": Shape("olmoe", 16, 2048, 1024, 16, 16, 50304, 4096, 1e4, qkv_bias=False, tied=False,
+                         experts=64, used=8, qk_norm="full"),
+    "qwen3-30b-a3b": Shape("qwen3moe", 48, 2048, 768, 32, 4, 151936, 40960, 1e6, qkv_bias=False, tied=False,
+                           experts=128, used=8, head_dim=128, qk_norm="head"),
 }
 
 _BLOCK_BYTES = {"Q4_K": 144, "Q6_K": 210}
@@ -59,19 +70,29 @@ def _random_blocks(qtype: str, n: int, k: int, rng: np.random.Generator) -> np.n
 
 def _tensors(shape: Shape) -> list[tuple[str, tuple[int, ...], str]]:
     """(name, logical shape [N, K] or [N], type) in llama.cpp's order."""
-    s, head_dim = shape, shape.dim // shape.heads
+    s, head_dim = shape, shape.head_dim or shape.dim // shape.heads
+    q_dim, kv_dim = s.heads * head_dim, s.kv_heads * head_dim
     out = [("token_embd.weight", (s.vocab, s.dim), "Q6_K" if s.tied else "Q4_K")]
     for layer in range(s.layers):
         p, heavy = f"blk.{layer}.", "Q6_K" if layer % 2 == 0 else "Q4_K"
         out += [(p + "attn_norm.weight", (s.dim,), "F32"),
-                (p + "attn_q.weight", (s.heads * head_dim, s.dim), "Q4_K"),
-                (p + "attn_k.weight", (s.kv_heads * head_dim, s.dim), "Q4_K"),
-                (p + "attn_v.weight", (s.kv_heads * head_dim, s.dim), heavy),
-                (p + "attn_output.weight", (s.dim, s.heads * head_dim), "Q4_K"),
-                (p + "ffn_norm.weight", (s.dim,), "F32"),
-                (p + "ffn_gate.weight", (s.ffn, s.dim), "Q4_K"),
-                (p + "ffn_up.weight", (s.ffn, s.dim), "Q4_K"),
-                (p + "ffn_down.weight", (s.dim, s.ffn), heavy)]
+                (p + "attn_q.weight", (q_dim, s.dim), "Q4_K"),
+                (p + "attn_k.weight", (kv_dim, s.dim), "Q4_K"),
+                (p + "attn_v.weight", (kv_dim, s.dim), heavy),
+                (p + "attn_output.weight", (s.dim, q_dim), "Q4_K"),
+                (p + "ffn_norm.weight", (s.dim,), "F32")]
+        if s.qk_norm:
+            norms = (q_dim, kv_dim) if s.qk_norm == "full" else (head_dim, head_dim)
+            out += [(p + "attn_q_norm.weight", (norms[0],), "F32"), (p + "attn_k_norm.weight", (norms[1],), "F32")]
+        if s.experts:     # llama.cpp's Q4_K_M keeps the router in F32
+            out += [(p + "ffn_gate_inp.weight", (s.experts, s.dim), "F32"),
+                    (p + "ffn_gate_exps.weight", (s.experts, s.ffn, s.dim), "Q4_K"),
+                    (p + "ffn_up_exps.weight", (s.experts, s.ffn, s.dim), "Q4_K"),
+                    (p + "ffn_down_exps.weight", (s.experts, s.dim, s.ffn), heavy)]
+        else:
+            out += [(p + "ffn_gate.weight", (s.ffn, s.dim), "Q4_K"),
+                    (p + "ffn_up.weight", (s.ffn, s.dim), "Q4_K"),
+                    (p + "ffn_down.weight", (s.dim, s.ffn), heavy)]
         if s.qkv_bias:
             out += [(p + f"attn_{x}.bias", (n,), "F32") for x, n in
                     (("q", s.heads * head_dim), ("k", s.kv_heads * head_dim), ("v", s.kv_heads * head_dim))]
@@ -82,11 +103,14 @@ def _tensors(shape: Shape) -> list[tuple[str, tuple[int, ...], str]]:
 
 
 def _array(name: str, logical: tuple[int, ...], qtype: str, rng: np.random.Generator) -> np.ndarray:
+    if qtype == "F32" and len(logical) == 2:        # a router: logits of spread ~1
+        return (rng.standard_normal(logical) / np.sqrt(logical[1])).astype(np.float32)
     if qtype == "F32":
         scale = 0.1 if name.endswith(".bias") else 0.05
         base = 0.0 if name.endswith(".bias") else 1.0
         return (base + scale * rng.standard_normal(logical)).astype(np.float32)
-    return _random_blocks(qtype, *logical, rng)
+    *stack, n, k = logical
+    return _random_blocks(qtype, int(np.prod(stack, dtype=np.int64)) * n, k, rng).reshape(*stack, n, -1)
 
 
 def _vocabulary(size: int) -> tuple[list[str], list[str]]:
@@ -118,6 +142,13 @@ def write(shape_name: str, path: Path, seed: int = 0, show_progress: bool = True
     w.add_head_count_kv(shape.kv_heads)
     w.add_rope_freq_base(shape.rope_base)
     w.add_layer_norm_rms_eps(1e-6)
+    if shape.experts:
+        w.add_expert_count(shape.experts)
+        w.add_expert_used_count(shape.used)
+        w.add_expert_feed_forward_length(shape.ffn)
+    if shape.head_dim:
+        w.add_key_length(shape.head_dim)
+        w.add_value_length(shape.head_dim)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2" if shape.arch == "qwen2" else "default")
     w.add_token_list(tokens)
@@ -131,8 +162,10 @@ def write(shape_name: str, path: Path, seed: int = 0, show_progress: bool = True
         if qtype == "F32":
             w.add_tensor_info(name, logical, np.dtype(np.float32), int(np.prod(logical)) * 4)
         else:
-            nbytes = logical[0] * logical[1] // _SUPER * _BLOCK_BYTES[qtype]
-            w.add_tensor_info(name, (logical[0], nbytes // logical[0]), np.dtype(np.uint8), nbytes, raw_dtype=raw)
+            *rows, k = logical
+            row_bytes = k // _SUPER * _BLOCK_BYTES[qtype]
+            nbytes = int(np.prod(rows, dtype=np.int64)) * row_bytes
+            w.add_tensor_info(name, (*rows, row_bytes), np.dtype(np.uint8), nbytes, raw_dtype=raw)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()

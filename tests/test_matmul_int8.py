@@ -230,15 +230,15 @@ def test_amx_is_a_feature_of_the_cpu_name():
     assert "tdpbusd" in _build(make_gemm_amx("q4_0", 32, 256), make_target("sapphirerapids")).mod.inspect_source("asm")
 
 
-def _run_q8k(make, q, parts, n, k, x):
+def _run_q8k(make, q, parts, n, k, x, ids=None, out_shape=None):
     """A quant_matmul_q8k kernel on the parts with their f32 scale planes NaN: it must read only the quants, the
-    bit planes and `ks`."""
+    bit planes and `ks` (with `ids`: a MoE kernel, which takes them after x)."""
     from sharpi.common.quant_layout import FLOAT_PLANES
     s = parts["s"].copy()
     s[:FLOAT_PLANES[q]] = np.nan
     taken = _as_cpu_kernel_takes(q, {**parts, "s": s}, n, k, sub_scales=True)
-    y = _t(np.zeros((len(x), n), np.float32))
-    _build(make(q, n, k))(_t(x), *[_t(p) for p in taken], y)
+    y = _t(np.zeros(out_shape or (len(x), n), np.float32))
+    _build(make(q, n, k))(_t(x), *([] if ids is None else [_t(ids)]), *[_t(p) for p in taken], y)
     return y.numpy()
 
 
@@ -292,12 +292,12 @@ def test_q8k_extremes_do_not_saturate(rng):
 @pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q4_k", "q6_k"])
 def test_moe_gemv_reads_the_chosen_experts_rows(qtype, per_slot, rng):
     """The MoE GEMV (ops.MOE_MATMUL with int8 activations) on every integer-dot ISA this CPU runs: 3 tokens, 2
-    slots each, over 4 experts of 24 rows; each (token, slot) equals the dense GEMV of its expert's rows, an id out
-    of range reads the nearest expert (clamped), not memory outside the weights."""
+    slots each, over 4 experts of 24 rows (expert 2 chosen by no one); each (token, slot) equals the dense GEMV of
+    its expert's rows, an id out of range reads the nearest expert (clamped), not memory outside the weights."""
     from sharpi.codegen.kernels.quant_matmul_int8 import make_moe_gemv_int8
     experts, n, k, slots = 4, 24, 512, 2
     q, parts = _weight(qtype, experts * n, k, rng)
-    ids = np.array([[3, 1], [0, 2], [7, -5]], np.int32)            # the last token's ids clamp to 3 and 0
+    ids = np.array([[3, 1], [0, 3], [7, -5]], np.int32)            # the last token's ids clamp to 3 and 0
     x = rng.standard_normal((3, slots, k) if per_slot else (3, k)).astype(np.float32)
     taken = [_t(p) for p in _as_cpu_kernel_takes(qtype, parts, experts * n, k)]
     for isa in [isa for isa in VARIANTS if isa != "amx"]:       # AMX's decode GEMV is AVX-512 VNNI's
@@ -310,3 +310,21 @@ def test_moe_gemv_reads_the_chosen_experts_rows(qtype, per_slot, rng):
                 want = _expected(qtype, parts, row)[e * n:(e + 1) * n]
                 np.testing.assert_allclose(y.numpy()[t, j], want, rtol=0, atol=2e-5 * np.abs(want).max(),
                                            err_msg=f"{isa} token {t} slot {j}")
+
+
+@pytest.mark.parametrize("qtype", ["q4_k", "q5_k", "q6_k"])
+def test_moe_q8k_gemv_reads_the_chosen_experts_rows(qtype, rng):
+    """The AVX2 K-quant MoE GEMV (integer sub-scales, activations per 256) per slot against numpy's emulation of
+    the expert's rows, the f32 scale planes NaN (it reads `ks` and the bit planes only), ids clamped."""
+    from sharpi.codegen.kernels.quant_matmul_q8k import make_moe_gemv_q8k
+    experts, n, k, slots = 3, 16, 512, 2
+    q, parts = _weight(qtype, experts * n, k, rng)
+    ids = np.array([[2, 0], [9, -1]], np.int32)
+    x = rng.standard_normal((2, slots, k)).astype(np.float32)
+    got = _run_q8k(lambda q_, n_, k_: make_moe_gemv_q8k(q_, experts, n, k_, slots, True), q, parts, experts * n, k,
+                   x, ids=ids, out_shape=(2, slots, n))
+    for t in range(2):
+        for j in range(slots):
+            e = min(max(ids[t, j], 0), experts - 1)
+            want = _expected(q, parts, x[t, j:j + 1], block=256)[e * n:(e + 1) * n]
+            np.testing.assert_allclose(got[t, j], want, rtol=0, atol=2e-5 * np.abs(want).max())

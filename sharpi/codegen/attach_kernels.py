@@ -27,7 +27,7 @@ from .kernels.paged_attention import (make_kv_append, make_kv_append_batch, make
 from ..common.quant_layout import KERNEL_PARTS, QUANTIZED, SUB_SCALES
 from .kernels.quant_matmul_int8 import INT8_DOT_TYPES, make_gemm_int8, make_gemv_int8, make_moe_gemv_int8
 from .kernels.quant_matmul_amx import make_gemm_amx
-from .kernels.quant_matmul_q8k import Q8K_TYPES, make_gemm_q8k, make_gemv_q8k
+from .kernels.quant_matmul_q8k import Q8K_TYPES, make_gemm_q8k, make_gemv_q8k, make_moe_gemv_q8k
 from .kernels.quant_matmul_vnni512 import make_gemm_vnni512, vnni512_fits
 from .kernels.quant_matmul import cpu_quants, make_embedding, make_matmul
 from .kernels.moe import make_moe_matmul, make_moe_route
@@ -211,8 +211,8 @@ class KernelAttacher(relax.PyExprMutator):
 
     def _moe_matmul(self, args, ty):
         """The gathered matmul of the chosen experts, fused with the experts' dequantize as a matmul is: the
-        integer-dot GEMV where the CPU has one for the type (each token reads its experts' rows on its own),
-        float32 otherwise."""
+        integer-dot GEMV where the CPU has one for the type (each token reads its experts' rows on its own; AVX2's
+        K-quants with integer sub-scales, as the dense matmuls), float32 otherwise."""
         x, ids, experts = args
         source = self._dequantize_source(experts)
         if source is None:
@@ -222,13 +222,16 @@ class KernelAttacher(relax.PyExprMutator):
         tokens, slots, n_out = _static_int(ty.shape[0]), int(ty.shape[1]), int(ty.shape[2])
         per_slot, n_experts = len(x.ty.shape) == 3, rows // n_out
         shape = (n_experts, n_out, k_in, slots, per_slot)
-        if self.int8_isa is not None and qtype in INT8_DOT_TYPES:
+        sub_scales = self.int8_isa == "avx2" and qtype in Q8K_TYPES
+        if sub_scales:
+            gv = self.kernel(("moe_gemv_q8k", qtype, *shape, tokens), lambda: make_moe_gemv_q8k(qtype, *shape, tokens))
+        elif self.int8_isa is not None and qtype in INT8_DOT_TYPES:
             isa = self._gemv_isa(qtype, k_in)
             gv = self.kernel(("moe_gemv_int8", isa, qtype, *shape, tokens),
                              lambda: make_moe_gemv_int8(qtype, *shape, isa, tokens))
         else:
             gv = self.kernel(("moe_matmul", qtype, *shape, tokens), lambda: make_moe_matmul(qtype, *shape, tokens))
-        return relax.call_tir(gv, [x, ids, *self._cpu_parts(qtype, parts, rows, k_in)], ty)
+        return relax.call_tir(gv, [x, ids, *self._cpu_parts(qtype, parts, rows, k_in, sub_scales)], ty)
 
     def _gemv_isa(self, qtype, k_in) -> str:
         """The instruction set of the dense decode GEMV's integer dots (_int8_matmul's choice, q8k aside)."""

@@ -344,7 +344,9 @@ def make_moe_gemv_int8(qtype: str, E: int, N: int, K: int, k: int, per_slot: boo
     y [n, k, N]): ops.MOE_MATMUL as make_gemv_int8's GEMV over each token's k chosen experts' rows only. The input
     rows are quantized first (one a token, or one a token and slot); the tasks are (token, slot, chunk of rows)
     triples, so every chosen expert's rows stream in one parallel loop. A token reads its experts' weights on its
-    own: the decode kernel (n = 1, and decode_batch's few tokens), not a GEMM that shares them across a prompt."""
+    own: the decode kernel; for a prompt, a GEMM that shares an expert's rows across the tokens routed to it is
+    yet to come (a grouped form of this GEMV, each expert's rows kept in cache while its tokens pass, measured
+    slower than this one: the work a (row, token) pair does, not the weights' traffic, bounds it)."""
     g = _GemvRows(qtype, E * N, K, isa, PREFETCH_BYTES)
     CHUNKS = max(1, min(TASKS // k, N))
     ROWS = (N + CHUNKS - 1) // CHUNKS
@@ -363,12 +365,7 @@ def make_moe_gemv_int8(qtype: str, E: int, N: int, K: int, k: int, per_slot: boo
         xq = T.decl_buffer((n * R, K), "int8")
         xd8 = T.decl_buffer((n * R, NB, 1, 8), "float32")
         xo = T.decl_buffer((n * R, F, NB, 1), "float32")
-        for r in T.parallel(n * R):
-            xq_r = T.decl_buffer((1, K), "int8", data=xq.data, elem_offset=r * K)
-            xd8_r = T.decl_buffer((NB, 1, 8), "float32", data=xd8.data, elem_offset=r * NB * 8)
-            xo_r = T.decl_buffer((F, NB, 1), "float32", data=xo.data, elem_offset=r * F * NB)
-            for b in range(NB):
-                quantize_activation_block(x, r, True, xq_r, xd8_r, xo_r, 0, b, qtype, F)
+        quantize_rows(x, xq, xd8, xo, n * R, qtype, NB, F, K)
         for c in T.parallel(n * k * CHUNKS):
             t = T.meta_var(c // (k * CHUNKS))
             j = T.meta_var(c // CHUNKS % k)
@@ -384,6 +381,19 @@ def make_moe_gemv_int8(qtype: str, E: int, N: int, K: int, k: int, per_slot: boo
                           (t, j, c % CHUNKS * ROWS + i))
 
     return moe_gemv_int8
+
+
+@T.macro
+def quantize_rows(x, xq, xd8, xo, rows, qtype, NB, F, K):
+    """Rows 0 .. rows - 1 of x [rows, K] quantized per block (in parallel over rows) into xq [rows, K], their
+    scales into xd8 [rows, NB, 1, 8] and their activation sums into xo [rows, F, NB, 1]: each row as the GEMV's
+    one input row."""
+    for r in T.parallel(rows):
+        xq_r = T.decl_buffer((1, K), "int8", data=xq.data, elem_offset=r * K)
+        xd8_r = T.decl_buffer((NB, 1, 8), "float32", data=xd8.data, elem_offset=r * NB * 8)
+        xo_r = T.decl_buffer((F, NB, 1), "float32", data=xo.data, elem_offset=r * F * NB)
+        for b in range(NB):
+            quantize_activation_block(x, r, True, xq_r, xd8_r, xo_r, 0, b, qtype, F)
 
 
 class _GemvRows:

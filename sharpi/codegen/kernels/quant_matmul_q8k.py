@@ -209,32 +209,20 @@ def make_gemv_q8k(qtype: str, N: int, K: int, prefetch_bytes: int = PREFETCH_BYT
     blocks' scaled dots in two int32 chains, converts once, and adds the offset term as 8 lanes (one a block;
     q6_K: two vectors, one per half). Weights are prefetched prefetch_bytes of quants ahead, with the same
     super-blocks' `ks` and bit planes."""
-    assert qtype in Q8K_TYPES, qtype
-    NB, NS, W = K // BLOCK, K // SUPER_BLOCK, KS_WORDS[qtype]
-    qs_shape, qs_dtype, S, KS = _weight_buffers(qtype, N, K)
-    F = _activation_sums(qtype)
+    g = _GemvRowsQ8K(qtype, N, K, prefetch_bytes)
+    NB, NS, F = g.NB, g.NS, g.F
     CHUNKS = min(TASKS, N)
     ROWS = (N + CHUNKS - 1) // CHUNKS
-    QS_SB = qs_shape[1] // NS                                  # u32 words of quants a super-block
-    AHEAD = max(1, prefetch_bytes // (QS_SB * 4))              # super-blocks
-    QS_LINES = (QS_SB * 4 + 63) // 64 if prefetch_bytes else 0
-    FIRST_BITS = FLOAT_PLANES[qtype]                           # the `s` planes after the floats hold bit fields
-    PLANES = S - FIRST_BITS if prefetch_bytes else 0
-    KS_LINES = 1 if prefetch_bytes else 0
 
     @T.prim_func
-    def quant_gemv_q8k(x: T.Buffer((1, K), "float32"), qs: T.Buffer(qs_shape, qs_dtype),
-                       s: T.Buffer((S, N, NB), "float32"), ks: T.Buffer((N, KS), "uint32"),
+    def quant_gemv_q8k(x: T.Buffer((1, K), "float32"), qs: T.Buffer(g.qs_shape, g.qs_dtype),
+                       s: T.Buffer((g.S, N, NB), "float32"), ks: T.Buffer((N, g.KS), "uint32"),
                        y: T.Buffer((1, N), "float32")):
         T.func_attr({"tirx.noalias": True, "op_pattern": 8})
-        ks8 = T.decl_buffer((N, KS * 4), "int8", data=ks.data)
         xq = T.decl_buffer((1, K), "int8")
         xd = T.decl_buffer((NS, 1), "float32")
         xo = T.decl_buffer((F, NB, 1), "float32")
         xo_blocks = T.decl_buffer((F, NB), "float32", data=xo.data)
-        qs_flat = T.decl_buffer((N * NS * QS_SB,), qs_dtype, data=qs.data)
-        s_flat = T.decl_buffer((S, N * NB), "float32", data=s.data)
-        ks_flat = T.decl_buffer((N * KS,), "uint32", data=ks.data)
         for sb in range(NS):
             quantize_activation_superblock(x, 0, True, xq, xd, xo, 0, sb, qtype, F)
         for c in T.parallel(CHUNKS):
@@ -242,34 +230,107 @@ def make_gemv_q8k(qtype: str, N: int, K: int, prefetch_bytes: int = PREFETCH_BYT
             off = T.decl_buffer((8,), "float32", scope="global")
             dot = T.decl_buffer((2, 8), "int32", scope="global")
             for i in range(T.min(ROWS, N - c * ROWS)):
-                row = T.meta_var(c * ROWS + i)
-                acc[T.ramp(0, 1, 8)] = T.Broadcast(T.float32(0), 8)
-                off[T.ramp(0, 1, 8)] = T.Broadcast(T.float32(0), 8)
-                for sb in range(NS):
-                    ahead = T.meta_var(T.min(row * NS + sb + AHEAD, N * NS - 1))    # a super-block
-                    for line in T.unroll(QS_LINES):
-                        _prefetch(qs_flat, T.min(ahead * QS_SB + line * 16, N * NS * QS_SB - 1))
-                    for line in T.unroll(KS_LINES):
-                        _prefetch(ks_flat, ahead * W)
-                    for p in T.unroll(PLANES):
-                        _prefetch(s_flat, (FIRST_BITS + p, ahead * BLOCKS))
-                    for h in T.unroll(2):
-                        dot[h, T.ramp(0, 1, 8)] = T.Broadcast(T.int32(0), 8)
-                    for b in T.unroll(BLOCKS):
-                        dot[b % 2, T.ramp(0, 1, 8)] = dot[b % 2, T.ramp(0, 1, 8)] + _scaled_dot(
-                            _unsigned_quants(qtype, qs, s, row, sb * BLOCKS + b),
-                            xq[0, T.ramp((sb * BLOCKS + b) * BLOCK, 1, BLOCK)],
-                            _lane_sub_scales(qtype, T.Cast("int16", ks8[row, _sub_scale_byte(qtype, sb, b, 0)]),
-                                             T.Cast("int16", ks8[row, _sub_scale_byte(qtype, sb, b, 1)])))
-                    acc[T.ramp(0, 1, 8)] = acc[T.ramp(0, 1, 8)] + T.Cast(
-                        "float32x8", dot[0, T.ramp(0, 1, 8)] + dot[1, T.ramp(0, 1, 8)]) * T.Broadcast(
-                            T.reinterpret("float32", ks[row, sb * W]) * xd[sb, 0], 8)
-                    off[T.ramp(0, 1, 8)] = off[T.ramp(0, 1, 8)] + T.Broadcast(
-                        _offset_coefficient(qtype, ks, row, sb * W), 8) * _block_offsets(
-                            qtype, ks8, xo_blocks, row, sb)
-                y[0, row] = lane_total(acc) + lane_total(off)
+                g.row_dot(qs, s, ks, xq, xd, xo_blocks, acc, off, dot, c * ROWS + i, y, (0, c * ROWS + i))
 
     return quant_gemv_q8k
+
+
+def make_moe_gemv_q8k(qtype: str, E: int, N: int, K: int, k: int, per_slot: bool, tokens: int | None = None):
+    """PrimFunc (x [n, K] (or [n, k, K] where per_slot), ids [n, k] int32, qs, s, ks of the experts' [E * N, K],
+    y [n, k, N]): ops.MOE_MATMUL on AVX2 for a K-quant, make_gemv_q8k's rows over each token's k chosen experts
+    only (as quant_matmul_int8.make_moe_gemv_int8: inputs quantized first, (token, slot, chunk) tasks, ids
+    clamped into the experts)."""
+    g = _GemvRowsQ8K(qtype, E * N, K, PREFETCH_BYTES)
+    NB, NS, F = g.NB, g.NS, g.F
+    CHUNKS = max(1, min(TASKS // k, N))
+    ROWS = (N + CHUNKS - 1) // CHUNKS
+    R = k if per_slot else 1
+    n = token_count(tokens)
+
+    @T.prim_func
+    def moe_gemv_q8k(var_x: T.handle, var_ids: T.handle, qs: T.Buffer(g.qs_shape, g.qs_dtype),
+                     s: T.Buffer((g.S, E * N, NB), "float32"), ks: T.Buffer((E * N, g.KS), "uint32"),
+                     var_y: T.handle):
+        T.func_attr({"tirx.noalias": True, "op_pattern": 8})
+        x_data = T.match_buffer(var_x, (n, R, K) if per_slot else (n, K), "float32")
+        ids = T.match_buffer(var_ids, (n, k), "int32")
+        y = T.match_buffer(var_y, (n, k, N), "float32")
+        x = T.decl_buffer((n * R, K), "float32", data=x_data.data)
+        xq = T.decl_buffer((n * R, K), "int8")
+        xd = T.decl_buffer((n * R, NS, 1), "float32")
+        xo = T.decl_buffer((n * R, F, NB, 1), "float32")
+        for r in T.parallel(n * R):
+            xq_r = T.decl_buffer((1, K), "int8", data=xq.data, elem_offset=r * K)
+            xd_r = T.decl_buffer((NS, 1), "float32", data=xd.data, elem_offset=r * NS)
+            xo_r = T.decl_buffer((F, NB, 1), "float32", data=xo.data, elem_offset=r * F * NB)
+            for sb in range(NS):
+                quantize_activation_superblock(x, r, True, xq_r, xd_r, xo_r, 0, sb, qtype, F)
+        for c in T.parallel(n * k * CHUNKS):
+            t = T.meta_var(c // (k * CHUNKS))
+            j = T.meta_var(c // CHUNKS % k)
+            r = T.meta_var(t * R + (j if per_slot else 0))
+            first = T.meta_var(T.max(0, T.min(ids[t, j], E - 1)) * N)     # the expert's first row, clamped
+            xq_r = T.decl_buffer((1, K), "int8", data=xq.data, elem_offset=r * K)
+            xd_r = T.decl_buffer((NS, 1), "float32", data=xd.data, elem_offset=r * NS)
+            xo_r = T.decl_buffer((F, NB), "float32", data=xo.data, elem_offset=r * F * NB)
+            acc = T.decl_buffer((8,), "float32", scope="global")
+            off = T.decl_buffer((8,), "float32", scope="global")
+            dot = T.decl_buffer((2, 8), "int32", scope="global")
+            for i in range(T.min(ROWS, N - c % CHUNKS * ROWS)):
+                g.row_dot(qs, s, ks, xq_r, xd_r, xo_r, acc, off, dot, first + c % CHUNKS * ROWS + i, y,
+                          (t, j, c % CHUNKS * ROWS + i))
+
+    return moe_gemv_q8k
+
+
+class _GemvRowsQ8K:
+    """The q8k decode GEMV's work for one output row of a matrix of N rows (make_gemv_q8k, make_moe_gemv_q8k)."""
+
+    def __init__(self, qtype: str, N: int, K: int, prefetch_bytes: int):
+        assert qtype in Q8K_TYPES, qtype
+        self.NB, self.NS, W = K // BLOCK, K // SUPER_BLOCK, KS_WORDS[qtype]
+        self.qs_shape, self.qs_dtype, self.S, self.KS = _weight_buffers(qtype, N, K)
+        self.F = _activation_sums(qtype)
+        NB, NS, S, KS, qs_shape, qs_dtype = self.NB, self.NS, self.S, self.KS, self.qs_shape, self.qs_dtype
+        QS_SB = qs_shape[1] // NS                                  # u32 words of quants a super-block
+        AHEAD = max(1, prefetch_bytes // (QS_SB * 4))              # super-blocks
+        QS_LINES = (QS_SB * 4 + 63) // 64 if prefetch_bytes else 0
+        FIRST_BITS = FLOAT_PLANES[qtype]                           # the `s` planes after the floats hold bit fields
+        PLANES = S - FIRST_BITS if prefetch_bytes else 0
+        KS_LINES = 1 if prefetch_bytes else 0
+
+        @T.macro
+        def row_dot(qs, s, ks, xq, xd, xo_blocks, acc, off, dot, row, y, out):
+            ks8 = T.decl_buffer((N, KS * 4), "int8", data=ks.data)
+            qs_flat = T.decl_buffer((N * NS * QS_SB,), qs_dtype, data=qs.data)
+            s_flat = T.decl_buffer((S, N * NB), "float32", data=s.data)
+            ks_flat = T.decl_buffer((N * KS,), "uint32", data=ks.data)
+            acc[T.ramp(0, 1, 8)] = T.Broadcast(T.float32(0), 8)
+            off[T.ramp(0, 1, 8)] = T.Broadcast(T.float32(0), 8)
+            for sb in range(NS):
+                ahead = T.meta_var(T.min(row * NS + sb + AHEAD, N * NS - 1))    # a super-block
+                for line in T.unroll(QS_LINES):
+                    _prefetch(qs_flat, T.min(ahead * QS_SB + line * 16, N * NS * QS_SB - 1))
+                for line in T.unroll(KS_LINES):
+                    _prefetch(ks_flat, ahead * W)
+                for p in T.unroll(PLANES):
+                    _prefetch(s_flat, (FIRST_BITS + p, ahead * BLOCKS))
+                for h in T.unroll(2):
+                    dot[h, T.ramp(0, 1, 8)] = T.Broadcast(T.int32(0), 8)
+                for b in T.unroll(BLOCKS):
+                    dot[b % 2, T.ramp(0, 1, 8)] = dot[b % 2, T.ramp(0, 1, 8)] + _scaled_dot(
+                        _unsigned_quants(qtype, qs, s, row, sb * BLOCKS + b),
+                        xq[0, T.ramp((sb * BLOCKS + b) * BLOCK, 1, BLOCK)],
+                        _lane_sub_scales(qtype, T.Cast("int16", ks8[row, _sub_scale_byte(qtype, sb, b, 0)]),
+                                         T.Cast("int16", ks8[row, _sub_scale_byte(qtype, sb, b, 1)])))
+                acc[T.ramp(0, 1, 8)] = acc[T.ramp(0, 1, 8)] + T.Cast(
+                    "float32x8", dot[0, T.ramp(0, 1, 8)] + dot[1, T.ramp(0, 1, 8)]) * T.Broadcast(
+                        T.reinterpret("float32", ks[row, sb * W]) * xd[sb, 0], 8)
+                off[T.ramp(0, 1, 8)] = off[T.ramp(0, 1, 8)] + T.Broadcast(
+                    _offset_coefficient(qtype, ks, row, sb * W), 8) * _block_offsets(qtype, ks8, xo_blocks, row, sb)
+            y[out] = lane_total(acc) + lane_total(off)
+
+        self.row_dot = row_dot
 
 
 def _block_offsets(qtype, ks8, xo_blocks, row, sb):
