@@ -328,3 +328,58 @@ def test_moe_q8k_gemv_reads_the_chosen_experts_rows(qtype, rng):
             e = min(max(ids[t, j], 0), experts - 1)
             want = _expected(q, parts, x[t, j:j + 1], block=256)[e * n:(e + 1) * n]
             np.testing.assert_allclose(got[t, j], want, rtol=0, atol=2e-5 * np.abs(want).max())
+
+
+def _moe_ids(rng, tokens, slots, experts):
+    """Each token's `slots` distinct experts, expert 1 taken by no one, expert 0 by enough tokens to fill more than
+    one tile; the last token's ids out of range (they clamp to experts - 1 and 0)."""
+    ids = np.stack([rng.choice([e for e in range(experts) if e != 1], slots, replace=False) for _ in range(tokens)])
+    ids[:GEMM_TILE + 3, 0] = 0
+    ids[-1] = [experts + 4, -2][:slots]
+    return ids.astype(np.int32)
+
+
+def _check_moe_rows(got, x, ids, q, parts, n, per_slot, block=32):
+    experts = len(dequantize_layout(q, parts)) // n
+    for t in range(len(ids)):
+        for j in range(ids.shape[1]):
+            e = min(max(ids[t, j], 0), experts - 1)
+            row = x[t, j:j + 1] if per_slot else x[t:t + 1]
+            want = _expected(q, parts, row, block)[e * n:(e + 1) * n]
+            np.testing.assert_allclose(got[t, j], want, rtol=0, atol=2e-5 * np.abs(want).max(),
+                                       err_msg=f"token {t} slot {j}")
+
+
+@pytest.mark.parametrize("per_slot", [False, True], ids=["shared-input", "per-slot-input"])
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q4_k", "q6_k"])
+def test_moe_gemm_groups_the_tokens_by_expert(qtype, per_slot, rng):
+    """The prompt's MoE GEMM (tokens sorted by expert, each expert's tiles past its rows): 21 tokens, 2 slots, 5
+    experts of 24 rows, one expert with two tiles, one with none, cut tiles, clamped ids; each (token, slot)
+    equals the GEMV of its expert's rows, on the 256-bit ISAs this CPU has."""
+    from sharpi.codegen.kernels.quant_matmul_int8 import make_moe_gemm_int8
+    experts, n, k, slots, tokens = 5, 24, 512, 2, 21
+    q, parts = _weight(qtype, experts * n, k, rng)
+    ids = _moe_ids(rng, tokens, slots, experts)
+    x = rng.standard_normal((tokens, slots, k) if per_slot else (tokens, k)).astype(np.float32)
+    taken = [_t(p) for p in _as_cpu_kernel_takes(qtype, parts, experts * n, k)]
+    for isa in [isa for isa in ("avx2", "avx-vnni") if isa in VARIANTS]:
+        y = _t(np.full((tokens, slots, n), np.nan, np.float32))
+        _build(make_moe_gemm_int8(qtype, experts, n, k, slots, per_slot, isa))(_t(x), _t(ids), *taken, y)
+        _check_moe_rows(y.numpy(), x, ids, qtype, parts, n, per_slot)
+
+
+@pytest.mark.parametrize("per_slot", [False, True], ids=["shared-input", "per-slot-input"])
+@pytest.mark.parametrize("qtype", ["q4_k", "q5_k", "q6_k"])
+def test_moe_q8k_gemm_groups_the_tokens_by_expert(qtype, per_slot, rng, monkeypatch):
+    """The AVX2 K-quant prompt MoE GEMM as the int8 one above, with spans of K (3 super-blocks in spans of 2) and
+    row groups that cut an expert's rows (40 rows in groups of 32), the f32 scale planes NaN."""
+    from sharpi.codegen.kernels import quant_matmul_q8k
+    from sharpi.codegen.kernels.quant_matmul_q8k import make_moe_gemm_q8k
+    monkeypatch.setattr(quant_matmul_q8k, "SPAN_BYTES", 2 * quant_matmul_q8k.GROUP_ROWS * 256)
+    experts, n, k, slots, tokens = 4, 40, 768, 2, 19
+    q, parts = _weight(qtype, experts * n, k, rng)
+    ids = _moe_ids(rng, tokens, slots, experts)
+    x = rng.standard_normal((tokens, slots, k) if per_slot else (tokens, k)).astype(np.float32)
+    got = _run_q8k(lambda q_, n_, k_: make_moe_gemm_q8k(q_, experts, n, k_, slots, per_slot), q, parts,
+                   experts * n, k, x, ids=ids, out_shape=(tokens, slots, n))
+    _check_moe_rows(got, x, ids, q, parts, n, per_slot, block=256)

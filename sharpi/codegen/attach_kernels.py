@@ -25,9 +25,11 @@ from ..ir_passes.named_ops import extern_name
 from .kernels.paged_attention import (make_kv_append, make_kv_append_batch, make_paged_attention,
                                       make_paged_attention_batch)
 from ..common.quant_layout import KERNEL_PARTS, QUANTIZED, SUB_SCALES
-from .kernels.quant_matmul_int8 import INT8_DOT_TYPES, make_gemm_int8, make_gemv_int8, make_moe_gemv_int8
+from .kernels.quant_matmul_int8 import (INT8_DOT_TYPES, make_gemm_int8, make_gemv_int8, make_moe_gemm_int8,
+                                        make_moe_gemv_int8)
 from .kernels.quant_matmul_amx import make_gemm_amx
-from .kernels.quant_matmul_q8k import Q8K_TYPES, make_gemm_q8k, make_gemv_q8k, make_moe_gemv_q8k
+from .kernels.quant_matmul_q8k import (Q8K_TYPES, make_gemm_q8k, make_gemv_q8k, make_moe_gemm_q8k,
+                                       make_moe_gemv_q8k)
 from .kernels.quant_matmul_vnni512 import make_gemm_vnni512, vnni512_fits
 from .kernels.quant_matmul import cpu_quants, make_embedding, make_matmul
 from .kernels.moe import make_moe_matmul, make_moe_route
@@ -210,9 +212,10 @@ class KernelAttacher(relax.PyExprMutator):
         return relax.call_tir(gv, [logits], list(ty.fields))
 
     def _moe_matmul(self, args, ty):
-        """The gathered matmul of the chosen experts, fused with the experts' dequantize as a matmul is: the
-        integer-dot GEMV where the CPU has one for the type (each token reads its experts' rows on its own; AVX2's
-        K-quants with integer sub-scales, as the dense matmuls), float32 otherwise."""
+        """The gathered matmul of the chosen experts, fused with the experts' dequantize as a matmul is: with
+        integer dots where the CPU has them for the type (AVX2's K-quants with integer sub-scales, as the dense
+        matmuls), a prompt's tokens grouped by expert through a GEMM, a decode step's each through the GEMV of
+        its experts' rows; float32 otherwise."""
         x, ids, experts = args
         source = self._dequantize_source(experts)
         if source is None:
@@ -223,8 +226,13 @@ class KernelAttacher(relax.PyExprMutator):
         per_slot, n_experts = len(x.ty.shape) == 3, rows // n_out
         shape = (n_experts, n_out, k_in, slots, per_slot)
         sub_scales = self.int8_isa == "avx2" and qtype in Q8K_TYPES
-        if sub_scales:
+        if sub_scales and tokens is None:
+            gv = self.kernel(("moe_gemm_q8k", qtype, *shape), lambda: make_moe_gemm_q8k(qtype, *shape))
+        elif sub_scales:
             gv = self.kernel(("moe_gemv_q8k", qtype, *shape, tokens), lambda: make_moe_gemv_q8k(qtype, *shape, tokens))
+        elif self.int8_isa is not None and qtype in INT8_DOT_TYPES and tokens is None:
+            isa = "avx2" if self.int8_isa == "avx2" else "avx-vnni"
+            gv = self.kernel(("moe_gemm_int8", isa, qtype, *shape), lambda: make_moe_gemm_int8(qtype, *shape, isa))
         elif self.int8_isa is not None and qtype in INT8_DOT_TYPES:
             isa = self._gemv_isa(qtype, k_in)
             gv = self.kernel(("moe_gemv_int8", isa, qtype, *shape, tokens),

@@ -3,7 +3,8 @@
 moe_route turns each token's router logits into its k experts and their weights; moe_matmul multiplies each
 token's input by the rows of its chosen experts only, so a token reads k experts' weights, not E. The experts
 of a layer are one [E * N, K] matrix in sharpi's layouts (its rows expert by expert), dequantized on the fly as
-quant_matmul's kernels do.
+quant_matmul's kernels do. group_by_expert sorts a prompt's (token, slot) pairs by expert for the integer
+GEMMs (quant_matmul_int8, quant_matmul_q8k), which then share each expert's rows across its tokens.
 """
 from __future__ import annotations
 
@@ -80,6 +81,32 @@ def _x(x, per_slot, t, j, c):
 def _expert(ids, t, j, E):
     """The chosen expert, clamped into [0, E): no id reads outside the experts' rows."""
     return T.max(0, T.min(ids[t, j], E - 1))
+
+
+def grouped_rows(n, k: int, E: int, TT: int):
+    """The rows group_by_expert's order can take: the n * k pairs, each expert's run padded to whole tiles of TT."""
+    return n * k + E * (TT - 1)
+
+
+@T.macro
+def group_by_expert(ids, n, k, E, TT, bounds, pair, fill):
+    """A counting sort of the (token, slot) pairs by their chosen expert. pair[p] is the flat pair index
+    t * k + j at sorted position p, or -1 where p pads an expert's run to a whole tile of TT; expert e holds
+    positions bounds[e] .. bounds[e + 1] (multiples of TT), and bounds[E] the rows in use. fill [E] is scratch.
+    Serial: n * k small integer steps, against the GEMM's n * k * N * K."""
+    for e in range(E):
+        fill[e] = 0
+    for p in range(n * k):
+        fill[_expert(ids, p // k, p % k, E)] = fill[_expert(ids, p // k, p % k, E)] + 1
+    bounds[0] = 0
+    for e in range(E):
+        bounds[e + 1] = bounds[e] + (fill[e] + (TT - 1)) // TT * TT
+        fill[e] = bounds[e]
+    for p in range(grouped_rows(n, k, E, TT)):
+        pair[p] = -1
+    for p in range(n * k):
+        pair[fill[_expert(ids, p // k, p % k, E)]] = T.Cast("int32", p)
+        fill[_expert(ids, p // k, p % k, E)] = fill[_expert(ids, p // k, p % k, E)] + 1
 
 
 def _quant_moe_matmul(qtype, E, N, K, k, per_slot, n, x_shape):

@@ -30,6 +30,7 @@ from tvm.script import tirx as T
 from ...common.quant_layout import BLOCK, LAYOUTS
 from .lanes import lane_max, lane_total
 from .common import token_count
+from .moe import group_by_expert, grouped_rows
 from .quant_matmul import cpu_quants
 
 INT8_DOT_TYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k")
@@ -503,7 +504,6 @@ def make_gemm_int8(qtype: str, N: int, K: int, isa: str = "avx2"):
     CHUNKS = min(TASKS, N)
     ROWS = (N + CHUNKS - 1) // CHUNKS
     F = _activation_sums(qtype)
-    has_offset = qtype != "q8_0"
     n = token_count(None)
     tiles = (n + TT - 1) // TT
 
@@ -525,22 +525,84 @@ def make_gemm_int8(qtype: str, N: int, K: int, isa: str = "avx2"):
             u = T.decl_buffer((BLOCK,), "int8", scope="global")
             for tt in range(tiles):
                 for i in range(T.min(ROWS, N - c * ROWS)):
-                    row = T.meta_var(c * ROWS + i)
-                    for t in T.unroll(TT):
-                        acc[t, T.ramp(0, 1, 8)] = T.Broadcast(T.float32(0), 8)
-                    off[T.ramp(0, 1, TT)] = T.Broadcast(T.float32(0), TT)
-                    for b in range(NB):
-                        u[T.ramp(0, 1, BLOCK)] = _unsigned_quants(qtype, qs, s, row, b)
-                        for t in T.unroll(TT):
-                            acc[t, T.ramp(0, 1, 8)] = acc[t, T.ramp(0, 1, 8)] + T.Cast("float32x8", _block_dot(
-                                qtype, qs, u[T.ramp(0, 1, BLOCK)], xq, tt * TT + t, row, b, isa)) * (
-                                    _lane_scales(qtype, s, row, b) * xd8[b, tt * TT + t, T.ramp(0, 1, 8)])
-                        if has_offset:
-                            off[T.ramp(0, 1, TT)] = off[T.ramp(0, 1, TT)] + tile_offset(
-                                _offset_fields(qtype), s, xo, row, b, tt * TT, TT)
+                    gemm_tile_row(qtype, qs, s, xq, xd8, xo, acc, off, u, c * ROWS + i, tt, isa, NB, TT)
                     for t in T.unroll(TT):
                         if tt * TT + t < n:
-                            y[tt * TT + t, row] = lane_total(acc, t) + off[t]
+                            y[tt * TT + t, c * ROWS + i] = lane_total(acc, t) + off[t]
 
     return quant_gemm_int8
+
+
+@T.macro
+def gemm_tile_row(qtype, qs, s, xq, xd8, xo, acc, off, u, row, tt, isa, NB, TT):
+    """Row `row` of the weights times tile tt's TT quantized tokens: the integer dots into acc [TT, 8] (a token's
+    8 lanes, still to be summed), the offset terms into off [TT]; u [BLOCK] holds a block's unpacked quants."""
+    for t in T.unroll(TT):
+        acc[t, T.ramp(0, 1, 8)] = T.Broadcast(T.float32(0), 8)
+    off[T.ramp(0, 1, TT)] = T.Broadcast(T.float32(0), TT)
+    for b in range(NB):
+        u[T.ramp(0, 1, BLOCK)] = _unsigned_quants(qtype, qs, s, row, b)
+        for t in T.unroll(TT):
+            acc[t, T.ramp(0, 1, 8)] = acc[t, T.ramp(0, 1, 8)] + T.Cast("float32x8", _block_dot(
+                qtype, qs, u[T.ramp(0, 1, BLOCK)], xq, tt * TT + t, row, b, isa)) * (
+                    _lane_scales(qtype, s, row, b) * xd8[b, tt * TT + t, T.ramp(0, 1, 8)])
+        if qtype != "q8_0":
+            off[T.ramp(0, 1, TT)] = off[T.ramp(0, 1, TT)] + tile_offset(
+                _offset_fields(qtype), s, xo, row, b, tt * TT, TT)
+
+
+def make_moe_gemm_int8(qtype: str, E: int, N: int, K: int, k: int, per_slot: bool, isa: str = "avx2"):
+    """PrimFunc (x [n, K] (or [n, k, K] where per_slot), ids [n, k] int32, *parts of the experts' [E * N, K],
+    y [n, k, N]), n symbolic: ops.MOE_MATMUL for a prompt, make_gemm_int8's GEMM on each expert's tokens.
+
+    The (token, slot) pairs are sorted by expert (moe.group_by_expert), each expert's run padded to whole tiles;
+    their input rows are quantized in that order. Each task takes a chunk of every expert's output rows and
+    runs the tiles of that expert's tokens past them, so an expert's rows are read once a tile, not once a token;
+    the outputs go back to their (token, slot) places."""
+    assert qtype in INT8_DOT_TYPES and isa in ISAS[:2], (qtype, isa)
+    NB = K // BLOCK
+    qs_shape, qs_dtype = cpu_quants(qtype, E * N, K)
+    S = LAYOUTS[qtype][1][2](E * N, K)[0]
+    TT = GEMM_TILE
+    CHUNKS = min(TASKS, N)
+    ROWS = (N + CHUNKS - 1) // CHUNKS
+    F = _activation_sums(qtype)
+    R = k if per_slot else 1                                    # input rows a token
+    n = token_count(None)
+    P = grouped_rows(n, k, E, TT)
+
+    @T.prim_func
+    def moe_gemm_int8(var_x: T.handle, var_ids: T.handle, qs: T.Buffer(qs_shape, qs_dtype),
+                      s: T.Buffer((S, E * N, NB), "float32"), var_y: T.handle):
+        T.func_attr({"tirx.noalias": True, "op_pattern": 8})
+        x_data = T.match_buffer(var_x, (n, R, K) if per_slot else (n, K), "float32")
+        ids = T.match_buffer(var_ids, (n, k), "int32")
+        y_data = T.match_buffer(var_y, (n, k, N), "float32")
+        x = T.decl_buffer((n * R, K), "float32", data=x_data.data)
+        y = T.decl_buffer((n * k, N), "float32", data=y_data.data)
+        bounds = T.decl_buffer((E + 1,), "int32")
+        pair = T.decl_buffer((P,), "int32")
+        fill = T.decl_buffer((E,), "int32")
+        xq = T.decl_buffer((P, K), "int8")
+        xd8 = T.decl_buffer((NB, P, 8), "float32")
+        xo = T.decl_buffer((F, NB, P), "float32")
+        group_by_expert(ids, n, k, E, TT, bounds, pair, fill)
+        for p in T.parallel(P):
+            for b in range(NB):
+                quantize_activation_block(x, T.max(pair[p], 0) // (k // R), pair[p] >= 0, xq, xd8, xo, p, b,
+                                          qtype, F)
+        for c in T.parallel(CHUNKS):
+            acc = T.decl_buffer((TT, 8), "float32", scope="global")
+            off = T.decl_buffer((TT,), "float32", scope="global")
+            u = T.decl_buffer((BLOCK,), "int8", scope="global")
+            for e in range(E):
+                for tt in range(bounds[e] // TT, bounds[e + 1] // TT):
+                    for i in range(T.min(ROWS, N - c * ROWS)):
+                        gemm_tile_row(qtype, qs, s, xq, xd8, xo, acc, off, u, e * N + c * ROWS + i, tt, isa, NB,
+                                      TT)
+                        for t in T.unroll(TT):
+                            if pair[tt * TT + t] >= 0:
+                                y[pair[tt * TT + t], c * ROWS + i] = lane_total(acc, t) + off[t]
+
+    return moe_gemm_int8
 

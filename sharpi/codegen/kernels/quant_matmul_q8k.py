@@ -28,6 +28,7 @@ from tvm.script import tirx as T
 from ...common.quant_layout import BLOCK, FLOAT_PLANES, K_QUANTS, KS_WORDS, LAYOUTS, SUPER_BLOCK
 from .common import token_count
 from .lanes import lane_max, lane_total
+from .moe import group_by_expert, grouped_rows
 from .quant_matmul import cpu_quants
 from .quant_matmul_int8 import (GEMM_TILE, PREFETCH_BYTES, TASKS, _abs_max8, _activation_sums, _half_sum8, _intrin,
                                 _prefetch, _quantized_block, _unsigned_quants)
@@ -149,47 +150,14 @@ def make_gemm_q8k(qtype: str, N: int, K: int):
             off = T.decl_buffer((TT,), "float32", scope="global")
             off_sb = T.decl_buffer((TT,), "float32", scope="global")
             for c in range(SPANS):
-                for r in range(T.min(GR, N - g * GR)):
-                    for j in range(T.min(SPAN, NS - c * SPAN) * BLOCKS):
-                        w[r, T.ramp(j * BLOCK, 1, BLOCK)] = _unsigned_quants(qtype, qs, s, g * GR + r,
-                                                                             c * SPAN * BLOCKS + j)
-                        for h in T.unroll(2):
-                            sc[r, j * 2 + h] = T.Cast("int16", ks8[g * GR + r, _sub_scale_byte(
-                                qtype, c * SPAN + j // BLOCKS, j % BLOCKS, h if qtype == "q6_k" else 0)])
-                        for f in T.unroll(F):
-                            om[r, j * F + f] = T.Cast("float32", ks8[g * GR + r, _offset_byte(
-                                qtype, c * SPAN + j // BLOCKS, j % BLOCKS, f)])
+                unpack_span(qtype, qs, s, ks8, w, sc, om, g * GR, T.min(GR, N - g * GR), c, SPAN, NS, F)
                 for tt in range(tiles):
                     for r in range(T.min(GR, N - g * GR)):
-                        row = T.meta_var(g * GR + r)
-                        for t in T.unroll(TT):
-                            acc[t, T.ramp(0, 1, 8)] = T.Broadcast(T.float32(0), 8)
-                        off[T.ramp(0, 1, TT)] = T.Broadcast(T.float32(0), TT)
-                        for sbl in range(T.min(SPAN, NS - c * SPAN)):
-                            sb = T.meta_var(c * SPAN + sbl)
-                            for t in T.unroll(TT):
-                                dot[t, T.ramp(0, 1, 8)] = T.Broadcast(T.int32(0), 8)
-                            off_sb[T.ramp(0, 1, TT)] = T.Broadcast(T.float32(0), TT)
-                            for b in range(BLOCKS):
-                                j = T.meta_var(sbl * BLOCKS + b)
-                                for t in T.unroll(TT):
-                                    dot[t, T.ramp(0, 1, 8)] = dot[t, T.ramp(0, 1, 8)] + _scaled_dot(
-                                        w[r, T.ramp(j * BLOCK, 1, BLOCK)],
-                                        xq[tt * TT + t, T.ramp((sb * BLOCKS + b) * BLOCK, 1, BLOCK)],
-                                        _lane_sub_scales(qtype, sc[r, j * 2], sc[r, j * 2 + 1]))
-                                for f in T.unroll(F):
-                                    off_sb[T.ramp(0, 1, TT)] = off_sb[T.ramp(0, 1, TT)] + T.Broadcast(
-                                        om[r, j * F + f], TT) * xo[f, sb * BLOCKS + b, T.ramp(tt * TT, 1, TT)]
-                            d_super = T.meta_var(T.reinterpret("float32", ks[row, sb * W]))
-                            for t in T.unroll(TT):
-                                acc[t, T.ramp(0, 1, 8)] = acc[t, T.ramp(0, 1, 8)] + T.Cast(
-                                    "float32x8", dot[t, T.ramp(0, 1, 8)]) * T.Broadcast(d_super * xd[sb, tt * TT + t],
-                                                                                        8)
-                            off[T.ramp(0, 1, TT)] = off[T.ramp(0, 1, TT)] + T.Broadcast(
-                                _offset_coefficient(qtype, ks, row, sb * W), TT) * off_sb[T.ramp(0, 1, TT)]
+                        span_tile_row(qtype, w, sc, om, ks, xq, xd, xo, acc, dot, off, off_sb, r, g * GR + r, tt, c,
+                                      SPAN, NS, W, F, TT)
                         for t in T.unroll(TT):
                             if tt * TT + t < n:
-                                y[tt * TT + t, row] = T.Select(c == 0, T.float32(0), y[tt * TT + t, row]) + (
+                                y[tt * TT + t, g * GR + r] = T.Select(c == 0, T.float32(0), y[tt * TT + t, g * GR + r]) + (
                                     lane_total(acc, t) + off[t])
 
     return quant_gemm_q8k
@@ -201,6 +169,117 @@ def _offset_coefficient(qtype, ks, row, first_word):
     if qtype == "q6_k":
         return T.float32(-32) * T.reinterpret("float32", ks[row, first_word])
     return -T.reinterpret("float32", ks[row, first_word + 1])
+
+
+@T.macro
+def unpack_span(qtype, qs, s, ks8, w, sc, om, first, rows, c, SPAN, NS, F):
+    """Span c (SPAN super-blocks of K) of rows first .. first + rows into the GEMM's scratch: the quants in lane
+    order into w, the sub-scales as int16 into sc, the offset multipliers as f32 into om."""
+    for r in range(rows):
+        for j in range(T.min(SPAN, NS - c * SPAN) * BLOCKS):
+            w[r, T.ramp(j * BLOCK, 1, BLOCK)] = _unsigned_quants(qtype, qs, s, first + r, c * SPAN * BLOCKS + j)
+            for h in T.unroll(2):
+                sc[r, j * 2 + h] = T.Cast("int16", ks8[first + r, _sub_scale_byte(
+                    qtype, c * SPAN + j // BLOCKS, j % BLOCKS, h if qtype == "q6_k" else 0)])
+            for f in T.unroll(F):
+                om[r, j * F + f] = T.Cast("float32", ks8[first + r, _offset_byte(
+                    qtype, c * SPAN + j // BLOCKS, j % BLOCKS, f)])
+
+
+@T.macro
+def span_tile_row(qtype, w, sc, om, ks, xq, xd, xo, acc, dot, off, off_sb, r, row, tt, c, SPAN, NS, W, F, TT):
+    """Unpacked row r (the weights' row `row`) times tile tt's TT tokens over span c: the products into acc
+    [TT, 8] (a token's 8 lanes, still to be summed), the offset terms into off [TT]; dot and off_sb hold a
+    super-block's integer sums and offsets."""
+    for t in T.unroll(TT):
+        acc[t, T.ramp(0, 1, 8)] = T.Broadcast(T.float32(0), 8)
+    off[T.ramp(0, 1, TT)] = T.Broadcast(T.float32(0), TT)
+    for sbl in range(T.min(SPAN, NS - c * SPAN)):
+        sb = T.meta_var(c * SPAN + sbl)
+        for t in T.unroll(TT):
+            dot[t, T.ramp(0, 1, 8)] = T.Broadcast(T.int32(0), 8)
+        off_sb[T.ramp(0, 1, TT)] = T.Broadcast(T.float32(0), TT)
+        for b in range(BLOCKS):
+            j = T.meta_var(sbl * BLOCKS + b)
+            for t in T.unroll(TT):
+                dot[t, T.ramp(0, 1, 8)] = dot[t, T.ramp(0, 1, 8)] + _scaled_dot(
+                    w[r, T.ramp(j * BLOCK, 1, BLOCK)],
+                    xq[tt * TT + t, T.ramp((sb * BLOCKS + b) * BLOCK, 1, BLOCK)],
+                    _lane_sub_scales(qtype, sc[r, j * 2], sc[r, j * 2 + 1]))
+            for f in T.unroll(F):
+                off_sb[T.ramp(0, 1, TT)] = off_sb[T.ramp(0, 1, TT)] + T.Broadcast(
+                    om[r, j * F + f], TT) * xo[f, sb * BLOCKS + b, T.ramp(tt * TT, 1, TT)]
+        d_super = T.meta_var(T.reinterpret("float32", ks[row, sb * W]))
+        for t in T.unroll(TT):
+            acc[t, T.ramp(0, 1, 8)] = acc[t, T.ramp(0, 1, 8)] + T.Cast(
+                "float32x8", dot[t, T.ramp(0, 1, 8)]) * T.Broadcast(d_super * xd[sb, tt * TT + t], 8)
+        off[T.ramp(0, 1, TT)] = off[T.ramp(0, 1, TT)] + T.Broadcast(
+            _offset_coefficient(qtype, ks, row, sb * W), TT) * off_sb[T.ramp(0, 1, TT)]
+
+
+def make_moe_gemm_q8k(qtype: str, E: int, N: int, K: int, k: int, per_slot: bool):
+    """PrimFunc (x [n, K] (or [n, k, K] where per_slot), ids [n, k] int32, qs, s, ks of the experts' [E * N, K],
+    y [n, k, N]), n symbolic: ops.MOE_MATMUL for a prompt on AVX2, make_gemm_q8k on each expert's tokens (sorted
+    by expert as quant_matmul_int8.make_moe_gemm_int8 sorts them): a task unpacks a span of its group of each
+    chosen expert's rows once, and that expert's tiles pass over it."""
+    assert qtype in Q8K_TYPES, qtype
+    NB, NS, W = K // BLOCK, K // SUPER_BLOCK, KS_WORDS[qtype]
+    qs_shape, qs_dtype, S, KS = _weight_buffers(qtype, E * N, K)
+    GR = min(GROUP_ROWS, N)
+    GROUPS = (N + GR - 1) // GR
+    SPAN = max(1, min(NS, SPAN_BYTES // (GR * SUPER_BLOCK)))
+    SPANS = (NS + SPAN - 1) // SPAN
+    F = _activation_sums(qtype)
+    TT = GEMM_TILE
+    R = k if per_slot else 1
+    n = token_count(None)
+    P = grouped_rows(n, k, E, TT)
+
+    @T.prim_func
+    def moe_gemm_q8k(var_x: T.handle, var_ids: T.handle, qs: T.Buffer(qs_shape, qs_dtype),
+                     s: T.Buffer((S, E * N, NB), "float32"), ks: T.Buffer((E * N, KS), "uint32"), var_y: T.handle):
+        T.func_attr({"tirx.noalias": True, "op_pattern": 8})
+        x_data = T.match_buffer(var_x, (n, R, K) if per_slot else (n, K), "float32")
+        ids = T.match_buffer(var_ids, (n, k), "int32")
+        y_data = T.match_buffer(var_y, (n, k, N), "float32")
+        x = T.decl_buffer((n * R, K), "float32", data=x_data.data)
+        y = T.decl_buffer((n * k, N), "float32", data=y_data.data)
+        ks8 = T.decl_buffer((E * N, KS * 4), "int8", data=ks.data)
+        bounds = T.decl_buffer((E + 1,), "int32")
+        pair = T.decl_buffer((P,), "int32")
+        fill = T.decl_buffer((E,), "int32")
+        xq = T.decl_buffer((P, K), "int8")
+        xd = T.decl_buffer((NS, P), "float32")
+        xo = T.decl_buffer((F, NB, P), "float32")
+        group_by_expert(ids, n, k, E, TT, bounds, pair, fill)
+        for p in T.parallel(P):
+            for sb in range(NS):
+                quantize_activation_superblock(x, T.max(pair[p], 0) // (k // R), pair[p] >= 0, xq, xd, xo, p, sb,
+                                               qtype, F)
+        for g in T.parallel(GROUPS):
+            w = T.decl_buffer((GR, SPAN * SUPER_BLOCK), "int8", scope="global")
+            sc = T.decl_buffer((GR, SPAN * BLOCKS * 2), "int16", scope="global")
+            om = T.decl_buffer((GR, SPAN * BLOCKS * F), "float32", scope="global")
+            acc = T.decl_buffer((TT, 8), "float32", scope="global")
+            dot = T.decl_buffer((TT, 8), "int32", scope="global")
+            off = T.decl_buffer((TT,), "float32", scope="global")
+            off_sb = T.decl_buffer((TT,), "float32", scope="global")
+            for e in range(E):
+                if bounds[e + 1] > bounds[e]:
+                    for c in range(SPANS):
+                        unpack_span(qtype, qs, s, ks8, w, sc, om, e * N + g * GR, T.min(GR, N - g * GR), c, SPAN,
+                                    NS, F)
+                        for tt in range(bounds[e] // TT, bounds[e + 1] // TT):
+                            for r in range(T.min(GR, N - g * GR)):
+                                span_tile_row(qtype, w, sc, om, ks, xq, xd, xo, acc, dot, off, off_sb, r,
+                                              e * N + g * GR + r, tt, c, SPAN, NS, W, F, TT)
+                                for t in T.unroll(TT):
+                                    if pair[tt * TT + t] >= 0:
+                                        y[pair[tt * TT + t], g * GR + r] = T.Select(
+                                            c == 0, T.float32(0), y[pair[tt * TT + t], g * GR + r]) + (
+                                                lane_total(acc, t) + off[t])
+
+    return moe_gemm_q8k
 
 
 def make_gemv_q8k(qtype: str, N: int, K: int, prefetch_bytes: int = PREFETCH_BYTES):
