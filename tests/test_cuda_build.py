@@ -2,6 +2,7 @@
 run and compared with the CPU artifact only where a CUDA device exists."""
 from __future__ import annotations
 
+import os
 import shutil
 
 import numpy as np
@@ -11,8 +12,14 @@ import sharpi
 from sharpi.codegen.targets.cuda import fatbin_entries
 from tiny_gguf import write_tiny_llama
 
-pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None and not __import__("os").path.exists(
-    "/usr/local/cuda/bin/nvcc"), reason="the cuda target compiles with nvcc, which this machine lacks")
+
+@pytest.fixture(autouse=True)
+def _nvcc():
+    """Skip where nvcc is missing, except in CI, which installs it (.ci/run) and must fail without it."""
+    if shutil.which("nvcc") is None and not os.path.exists("/usr/local/cuda/bin/nvcc"):
+        if os.environ.get("CI"):
+            pytest.fail("CI has no nvcc: .ci/run installs NVIDIA's nvcc wheel where the machine lacks the toolkit")
+        pytest.skip("the cuda target compiles with nvcc, which this machine lacks")
 
 
 def _cuda_device() -> bool:
