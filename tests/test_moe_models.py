@@ -1,4 +1,4 @@
-"""Mixture-of-experts models compiled for the CPU, on the tiny random GGUFs of tests/data/moe_golden.json:
+"""Mixture-of-experts models compiled for the CPU (and Vulkan), on the tiny random GGUFs of tests/data/moe_golden.json:
 `--matmuls float` against the numpy reference and llama.cpp's logits (teacher-forced, and prefill then decode
 through the paged cache), the default int8 artifact within the dense tiny models' int8 bounds, and decode reading
 the chosen experts only.
@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 import sharpi
-from sharpi.common.errors import CompileError, SharpiWarning
+from sharpi.common.errors import SharpiWarning
+from sharpi.common.manifest import Manifest
 from sharpi.runtime.session import decode_batch
 from sharpi.testing.reference import NumpyReference, log_softmax
 from tiny_gguf import MOE_ARCHS, MOE_GOLDEN, write_golden_moe, write_tiny_moe
@@ -127,8 +128,20 @@ def _with_nan_experts(src: Path, dst: Path, unused: list[list[int]]) -> Path:
     return dst
 
 
-def test_a_gpu_target_refuses_a_moe_model_in_one_sentence(tmp_path):
-    path = write_golden_moe(tmp_path, "olmoe")
-    with pytest.raises(CompileError, match="Mixture-of-experts models compile for the CPU"):
-        sharpi.compile(str(path), target="vulkan", output=tmp_path / "vk")
-    assert not (tmp_path / "vk").exists()
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_vulkan_artifact_equals_the_reference(arch, tmp_path):
+    """A Q8_0 model compiled for Vulkan (the GPU route and gathered matmul kernels, on lavapipe in CI): teacher-forced
+    logits, and prefill then decode through the paged cache, equal the reference's within the float path's bound
+    (the GPU dequantizes Q8_0 to the reference's float32 values; only the summation order differs)."""
+    from vulkan_device import on_vulkan
+    path = write_tiny_moe(tmp_path / f"{arch}.gguf", arch, seed=GOLDEN["models"][arch]["seed"],
+                          router_scale=GOLDEN["models"][arch]["router_scale"], matrix_type="Q8_0", shared_ffn=64)
+    artifact = sharpi.compile(str(path), target="vulkan", output=tmp_path / "vk")
+    assert any(k.startswith("gpu_moe_matmul_q8_0") for k in Manifest.read(artifact).kernels)
+    model = on_vulkan(lambda: sharpi.load(artifact))
+    expected = NumpyReference(path).forward(IDS[:40])
+    assert _err(model.score(IDS[:40]), expected) < RTOL
+    with model.session() as s:
+        assert _err(s.prefill(IDS[:30]), expected[29]) < RTOL
+        for i in range(30, 40):
+            assert _err(s.decode(IDS[i]), expected[i]) < RTOL, i

@@ -38,6 +38,7 @@ from .kernels.snapkv import make_kv_compact, make_snapkv_score, make_snapkv_sele
 from .kernels.gpu import attention as gpu_attention
 from .kernels.gpu import elementwise as gpu_elementwise
 from .kernels.gpu import kv_rows as gpu_kv_rows
+from .kernels.gpu import moe as gpu_moe
 from .kernels.gpu import snapkv as gpu_snapkv
 from .kernels.gpu.quant_matmul import GPU_LAYOUTS, make_gpu_matmul
 
@@ -206,6 +207,10 @@ class KernelAttacher(relax.PyExprMutator):
         logits, k, normalize = args
         experts, tokens = int(logits.ty.shape[1]), _static_int(logits.ty.shape[0])
         k, normalize = int(_prim_constant(k)), bool(_prim_constant(normalize))
+        if self.gpu:
+            gv = self.kernel(("gpu_moe_route", experts, k, int(normalize), tokens),
+                             lambda: _with_root_block(gpu_moe.make_gpu_moe_route(experts, k, normalize, tokens)))
+            return relax.call_tir(gv, [logits], list(ty.fields))
         # a call_tir of one input is a reshape candidate to RewriteDataflowReshape, whose check needs a root block
         gv = self.kernel(("moe_route", experts, k, int(normalize), tokens),
                          lambda: _with_root_block(make_moe_route(experts, k, normalize, tokens)))
@@ -225,6 +230,10 @@ class KernelAttacher(relax.PyExprMutator):
         tokens, slots, n_out = _static_int(ty.shape[0]), int(ty.shape[1]), int(ty.shape[2])
         per_slot, n_experts = len(x.ty.shape) == 3, rows // n_out
         shape = (n_experts, n_out, k_in, slots, per_slot)
+        if self.gpu:
+            gv = self.kernel(("gpu_moe_matmul", qtype, *shape, tokens),
+                             lambda: gpu_moe.make_gpu_moe_matmul(qtype, *shape, tokens, self.scale_prefixes))
+            return relax.call_tir(gv, [x, ids, *self._gpu_parts(qtype, parts, rows, k_in)], ty)
         sub_scales = self.int8_isa == "avx2" and qtype in Q8K_TYPES
         if sub_scales and tokens is None:
             gv = self.kernel(("moe_gemm_q8k", qtype, *shape), lambda: make_moe_gemm_q8k(qtype, *shape))
@@ -418,9 +427,6 @@ def _check_gpu_support(mod: tvm.IRModule) -> None:
         for block in func.body.blocks:
             for binding in block.bindings:
                 name = extern_name(binding.value) or ""
-                if name in (ops.MOE_ROUTE, ops.MOE_MATMUL):
-                    raise CompileError("Mixture-of-experts models compile for the CPU (llvm) only so far; their "
-                                       "GPU kernels are not written yet.")
                 qtype = name[len(ops.DEQUANTIZE):] if name.startswith(ops.DEQUANTIZE) else None
                 if qtype is not None and qtype not in GPU_LAYOUTS:
                     raise CompileError(f"Weights of type {qtype} have no GPU kernel yet (GPU layouts: "

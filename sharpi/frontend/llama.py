@@ -112,7 +112,9 @@ class LlamaBuilder:
                     x, pool = self._layer(layer, x, pos, pool, page_table, kv_lens, n)
                 x = bb.emit(R.nn.rms_norm(x, self._vector("output_norm.weight"), axes=[-1], epsilon=cfg.rms_eps))
                 if not all_logits:
-                    x = bb.emit(R.strided_slice(x, axes=[0], begin=[n - 1], end=[n]))
+                    # in bounds (a prompt has a token), which keeps the row count 1 rather than an expression
+                    # of n that Relax's GPU fusion cannot type
+                    x = bb.emit(R.strided_slice(x, axes=[0], begin=[n - 1], end=[n], assume_inbound=True))
                 head = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
                 logits = self._linear(x, head)
                 if cfg.logit_scale != 1.0:          # granite
