@@ -2,7 +2,8 @@
 artifacts take turns, a round of --steps greedy decode steps each (on a fork of the prefilled session), for --rounds
 rounds; prints min and median ms per step. --prefill: the artifacts take turns prefilling the prompt in a fresh
 session; prints min and median ms per prefill and tokens/s. Turns make a noisy neighbour slow every artifact alike,
-so a few percent show.
+so a few percent show. Each later artifact's time over the first's, per round, with a 95% bootstrap interval of
+their median: an interval below 1.03 excludes a loss of more than 3%.
 
     python benchmarks/ab.py ART_A ART_B [...] [--prefill] [--prompt-tokens 512] [--steps 24] [--rounds 7] [--threads 2]
 """
@@ -47,6 +48,7 @@ def main(argv=None) -> int:
     for name, v in times.items():
         median = statistics.median(v)
         print(f"{name}: min {min(v):.2f} ms, median {median:.2f} ms/step ({1e3 / median:.1f} tok/s)")
+    _print_ratios(times)
     return 0
 
 
@@ -65,7 +67,21 @@ def _prefill_ab(args, models, ids) -> int:
         median = statistics.median(v)
         print(f"{name}: prefill of {len(ids)} tokens min {min(v):.1f} ms, median {median:.1f} ms "
               f"({len(ids) / median * 1e3:.1f} tok/s)")
+    _print_ratios(times)
     return 0
+
+
+def _print_ratios(times: dict[str, list[float]], resamples: int = 4000) -> None:
+    """Each later artifact's time over the first's in the same round: the median ratio and its 95% bootstrap
+    interval (rounds resampled with replacement)."""
+    names = list(times)
+    base = np.array(times[names[0]])
+    rng = np.random.default_rng(0)
+    for name in names[1:]:
+        ratios = np.array(times[name]) / base
+        medians = np.median(rng.choice(ratios, (resamples, len(ratios))), axis=1)
+        low, high = np.percentile(medians, [2.5, 97.5])
+        print(f"{name} / {names[0]}: time ratio median {np.median(ratios):.3f}, 95% interval [{low:.3f}, {high:.3f}]")
 
 
 if __name__ == "__main__":

@@ -38,7 +38,6 @@ from .common.manifest import (ARTIFACT, FORMAT_VERSION, LIBRARY, MANIFEST_NAME, 
 from .common.ops import PAGE_SIZE, SELECT_PARAMS
 from .common.output_dir import check_output_dir, install, staging_dir, writing_into
 from .common.progress import progress_bar
-from .common.quant_layout import SUB_SCALES
 from .common.settings import home_folder
 from .common.snapkv_settings import fit_recency, knobs_from_keywords, settings_from
 from .common.targets import DEFAULT_TARGET
@@ -222,11 +221,11 @@ def export_onnx(model: str | Path, output: str | Path | None = None, *, weights:
 
 def front_half(gguf_path: Path, options: CompileOptions, kv_types: tuple[str, str], show_progress: bool,
                dump_ir: str | Path | None, architectures=None, emitter_name: str = "",
-               integer_sub_scales: bool = False) -> FrontHalf:
+               sub_scales: str = "none") -> FrontHalf:
     """The GGUF read (config, tokenizer, weights), the model built as Relax functions with a KV pool of
     `kv_types` (keys', values'), the IR passes run (SnapKV unless off), the IR dumped if asked.
-    `architectures`: those the emitter supports (None: all the frontend builds); `integer_sub_scales`: the
-    emitter's kernels read the K-quants' `ks` part (else it is left out)."""
+    `architectures`: those the emitter supports (None: all the frontend builds); `sub_scales`: which K-quant
+    matrices the emitter's kernels read through their `ks` part (Target.sub_scales_for)."""
     gguf = GGUFFile(gguf_path)
     cfg = config_from_gguf(gguf)
     if architectures is not None and cfg.arch not in architectures:
@@ -237,8 +236,7 @@ def front_half(gguf_path: Path, options: CompileOptions, kv_types: tuple[str, st
     load_weights, builder = frontend_for(cfg)
     options = _without_snapkv_if_all_local(options, cfg, show_progress)
     weights = load_weights(gguf, cfg, show_progress)
-    if not integer_sub_scales:
-        weights.drop_part(SUB_SCALES)
+    weights.choose_scales(lambda name: sub_scales == "all" or (sub_scales == "experts" and name in weights.experts))
     max_pages = math.ceil(max_context / PAGE_SIZE)
     mod = builder(cfg, weights, max_pages, kv_types=kv_types).build()
     functions = list(BASE_FUNCTIONS)
@@ -256,7 +254,7 @@ def _compile_artifact(gguf_path: Path, gguf_sha256: str, options: CompileOptions
     """The front half, then the target's build into a staging folder, the manifest, the move into place."""
     started = time.perf_counter()
     front = front_half(gguf_path, options, options.kv_types, show_progress, dump_ir,
-                       integer_sub_scales=emitter.integer_sub_scales(options))
+                       sub_scales=emitter.sub_scales_for(options))
     options, settings = front.options, front.options.snapkv_defaults
     staging = staging_dir(output)
     with _writing(staging, output):

@@ -136,7 +136,7 @@ def _k_quant_matrices(layers: int, dim: int, ffn: int, rng) -> dict:
 
 def test_k_quants_on_avx2_multiply_with_integer_sub_scales(tmp_path, rng):
     """An AVX2 artifact (--mcpu x86-64-v3) of a Q4_K_M-like tiny model: its K-quant matmuls are
-    quant_matmul_q8k's, which read the `ks` weight part that only such artifacts store; prefill and decode stay
+    quant_matmul_q8k's, which read the `ks` weight part that only such artifacts store (in place of `s`); prefill and decode stay
     within the int8 tolerance of the float32 reference, and decode gives prefill's log-probs."""
     from sharpi.testing.reference import NumpyReference
     from tiny_gguf import write_tiny_llama
@@ -148,6 +148,8 @@ def test_k_quants_on_avx2_multiply_with_integer_sub_scales(tmp_path, rng):
     for prefix in ("gemm_q8k_q4_k", "gemm_q8k_q5_k", "gemm_q8k_q6_k", "gemv_q8k_q4_k", "gemv_q8k_q6_k"):
         assert any(k.startswith(prefix) for k in model.manifest.kernels), (prefix, model.manifest.kernels)
     assert sum(p.name.endswith(":ks") for p in model.manifest.params) == 14
+    parts = [p.name.rsplit(":", 1) for p in model.manifest.params]
+    assert not {t for t, part in parts if part == "ks"} & {t for t, part in parts if part == "s"}   # (qs, ks) only
     ids = list(range(1, 40))
     scored = log_softmax(model.score(ids))
     expected = log_softmax(NumpyReference(path).forward(ids))

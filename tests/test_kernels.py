@@ -19,13 +19,13 @@ TARGET = make_target(None)
 
 
 def _as_cpu_kernel_takes(qtype, parts, n, k, sub_scales=False):
-    """The quants as the CPU kernels take them (codegen inserts the same zero-copy view), with the K-quants'
-    `ks` part only for the kernels that read it (`sub_scales`: quant_matmul_q8k's)."""
+    """The quants as the CPU kernels take them (codegen inserts the same zero-copy view), then a K-quant's `ks`
+    part for the kernels that read it (`sub_scales`: quant_matmul_q8k's), its `s` part for the others."""
     from sharpi.codegen.kernels.quant_matmul import cpu_quants
     if "qs" not in parts:
         return list(parts.values())
     shape, dtype = cpu_quants(qtype, n, k)
-    rest = [parts["s"]] + ([parts["ks"]] if sub_scales else [])
+    rest = [parts["ks"] if sub_scales else parts["s"]]
     return [parts["qs"].view(dtype).reshape(shape)] + rest
 
 

@@ -8,7 +8,7 @@ import pytest
 from sharpi.codegen.kernels.gpu.quant_matmul import GPU_LAYOUTS
 from sharpi.codegen.kernels.quant_matmul import make_embedding, make_matmul
 from sharpi.frontend.gguf_file import GGUFTensor
-from sharpi.common.quant_layout import dequantize_layout, sub_scales
+from sharpi.common.quant_layout import dequantize_layout, scale_planes, sub_scales
 from sharpi.frontend.quant import layout_of, repack
 from test_kernels import _as_cpu_kernel_takes, _build, _t
 
@@ -75,6 +75,20 @@ def _assert_sub_scales_multiply_back(qtype, parts):
     np.testing.assert_array_equal(parts["s"][1], (-(dmin[..., None] * mn)).reshape(n, -1))
 
 
+def test_ks_holds_everything_the_scale_planes_do(rng):
+    """A K-quant's `ks` part (its sub-scales and bit fields) rebuilds its `s` planes bit for bit, so a target that
+    stores (qs, ks) loses nothing, and dequantizes to the GGUF's weights without `s`."""
+    import gguf
+    for name in ("Q4_K", "Q5_K", "Q6_K"):
+        t, raw = _tensor(name, 6, 512, rng)
+        parts = repack(t)
+        np.testing.assert_array_equal(scale_planes(name.lower(), parts["ks"]).view(np.uint32),
+                                      parts["s"].view(np.uint32))
+        expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[name]).reshape(6, 512)
+        np.testing.assert_array_equal(dequantize_layout(name.lower(), {"qs": parts["qs"], "ks": parts["ks"]}),
+                                      expected)
+
+
 def test_the_sub_scale_part_is_stored_only_for_the_kernels_that_read_it(tmp_path, rng):
     """A K-quant's `ks` part is in the weight table as the GGUF is read; a target whose kernels do not read it
     (all but the llvm target's AVX2 integer-dot kernels) has it dropped: the parameters close ranks in order and
@@ -97,17 +111,22 @@ def test_the_sub_scale_part_is_stored_only_for_the_kernels_that_read_it(tmp_path
     assert table.names == ["blk.0.attn_q.weight:qs", "blk.0.attn_q.weight:s", "blk.0.ffn_up.weight:qs",
                            "blk.0.ffn_up.weight:s", "blk.0.ffn_up.weight:ks", "output_norm.weight:w"]
     assert set(table.repacked("blk.0.ffn_up.weight")) == {"qs", "s", "ks"}
-    table.drop_part("ks")
+    table.choose_scales(lambda name: False)
     assert [s.name for s in table.specs] == [n for n in table.names if not n.endswith(":ks")]
     assert table.tensors["blk.0.ffn_up.weight"][1] == [2, 3] and table.tensors["output_norm.weight"][1] == [4]
     assert set(table.repacked("blk.0.ffn_up.weight")) == {"qs", "s"}
+    compact = load_weights(GGUFFile(path), ["blk.0.attn_q.weight", "blk.0.ffn_up.weight"], [], False)
+    compact.choose_scales(lambda name: True)                 # what a target whose kernels read `ks` stores
+    assert compact.names == ["blk.0.attn_q.weight:qs", "blk.0.attn_q.weight:s", "blk.0.ffn_up.weight:qs",
+                             "blk.0.ffn_up.weight:ks"]
+    assert set(compact.repacked("blk.0.ffn_up.weight")) == {"qs", "ks"}
     llvm = target_for("llvm")
     int8 = CompileOptions(target="llvm", matmuls="int8")
-    assert llvm.integer_sub_scales(replace(int8, mcpu="x86-64-v3"))
-    assert not llvm.integer_sub_scales(replace(int8, mcpu="sapphirerapids"))
-    assert not llvm.integer_sub_scales(replace(int8, mcpu="x86-64-v3", matmuls="float"))
-    assert not target_for("vulkan").integer_sub_scales(CompileOptions(target="vulkan"))
-    assert not target_for("cuda").integer_sub_scales(CompileOptions(target="cuda"))
+    assert llvm.sub_scales_for(replace(int8, mcpu="x86-64-v3")) == "all"
+    assert llvm.sub_scales_for(replace(int8, mcpu="sapphirerapids")) == "experts"
+    assert llvm.sub_scales_for(replace(int8, mcpu="x86-64-v3", matmuls="float")) == "none"
+    assert target_for("vulkan").sub_scales_for(CompileOptions(target="vulkan")) == "none"
+    assert target_for("cuda").sub_scales_for(CompileOptions(target="cuda")) == "none"
 
 
 @pytest.mark.parametrize("name", TYPES)
@@ -146,13 +165,16 @@ def test_matmul(name, n_out, k_in, tokens, static, rng):
     np.testing.assert_allclose(y.numpy(), x @ w.T, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", TYPES)
-def test_embedding(name, rng):
+@pytest.mark.parametrize("name,sub_scales", [(t, False) for t in TYPES] + [(t, True) for t in TYPES if "K" in t])
+def test_embedding(name, sub_scales, rng):
+    """Rows of the table, from (qs, s), and for the K-quants from (qs, ks) too (the layout of the targets whose
+    matmuls read `ks`), equal to the GGUF's dequantized weights."""
     q, parts = _weight(name, 50, 512, rng)
     w = dequantize_layout(q, parts)
     ids = np.array([0, 49, 7, 7, 31], np.int32)
     y = _t(np.zeros((5, 512), np.float32))
-    _build(make_embedding(q, 50, 512))(_t(ids), *[_t(p) for p in _as_cpu_kernel_takes(q, parts, 50, 512)], y)
+    taken = _as_cpu_kernel_takes(q, parts, 50, 512, sub_scales)
+    _build(make_embedding(q, 50, 512, sub_scales))(_t(ids), *[_t(p) for p in taken], y)
     np.testing.assert_array_equal(y.numpy(), w[ids])
 
 

@@ -231,12 +231,9 @@ def test_amx_is_a_feature_of_the_cpu_name():
 
 
 def _run_q8k(make, q, parts, n, k, x, ids=None, out_shape=None):
-    """A quant_matmul_q8k kernel on the parts with their f32 scale planes NaN: it must read only the quants, the
-    bit planes and `ks` (with `ids`: a MoE kernel, which takes them after x)."""
-    from sharpi.common.quant_layout import FLOAT_PLANES
-    s = parts["s"].copy()
-    s[:FLOAT_PLANES[q]] = np.nan
-    taken = _as_cpu_kernel_takes(q, {**parts, "s": s}, n, k, sub_scales=True)
+    """A quant_matmul_q8k kernel on the quants and `ks` (the layout without `s`; with `ids`: a MoE kernel, which
+    takes them after x)."""
+    taken = _as_cpu_kernel_takes(q, parts, n, k, sub_scales=True)
     y = _t(np.zeros(out_shape or (len(x), n), np.float32))
     _build(make(q, n, k))(_t(x), *([] if ids is None else [_t(ids)]), *[_t(p) for p in taken], y)
     return y.numpy()

@@ -86,6 +86,49 @@ def test_int8_artifact_is_near_the_reference(arch, tmp_path):
     assert (want.max(-1) - want[np.arange(len(want)), got.argmax(-1)] <= tol.near_tie).all()
 
 
+def _k_quant_experts(layers: int, experts: int, dim: int, ffn: int, rng) -> dict:
+    """Q4_K_M-like experts for write_tiny_moe's override_raw: Q4_K gate, Q5_K up, Q6_K down, random GGUF blocks
+    (test_kquants._raw) of each expert stacked as llama.cpp stores them."""
+    import test_kquants
+    raw = {}
+    for layer in range(layers):
+        for name, qtype, (n, k) in (("gate", "Q4_K", (ffn, dim)), ("up", "Q5_K", (ffn, dim)),
+                                    ("down", "Q6_K", (dim, ffn))):
+            qt, blocks = test_kquants._raw(qtype, experts * n, k, rng)
+            raw[f"blk.{layer}.ffn_{name}_exps.weight"] = (blocks.reshape(experts, n, -1), qt)
+    return raw
+
+
+@pytest.mark.parametrize("mcpu", [None, "x86-64-v3"])
+def test_k_quant_experts_are_stored_near_the_gguf_size(mcpu, tmp_path, rng):
+    """A qwen3moe with K-quant experts: on any CPU with integer dots the experts are stored as (qs, ks), about the
+    GGUF's bytes (quant_layout: at most 1.03x), and multiplied by quant_matmul_q8k's kernels; with AVX2 alone
+    (x86-64-v3) every K-quant is, elsewhere the dense ones keep `s`. The logits stay within the int8 tolerance of
+    the reference through prefill and decode."""
+    from sharpi.testing.conformance import tolerance_for
+    experts, dim, ffn = 8, 256, 256
+    raw = _k_quant_experts(2, experts, dim, ffn, rng)
+    path = write_tiny_moe(tmp_path / "kq.gguf", "qwen3moe", dim=dim, expert_ffn=ffn, experts=experts,
+                          matrix_type="Q8_0", router_scale=4.0, override_raw=raw)
+    model = sharpi.load(sharpi.compile(str(path), output=tmp_path / "art", use_cache=False,
+                                       **({"mcpu": mcpu} if mcpu else {})))
+    if model.manifest.target["matmuls"] != "int8":
+        pytest.skip("this CPU has no integer dots: the default matmuls are float32")
+    params = {p.name: p for p in model.manifest.params}
+    for name, (blocks, _) in raw.items():
+        assert f"{name}:ks" in params and f"{name}:s" not in params, name
+        stored = sum(int(np.prod(params[f"{name}:{part}"].shape)) * 4 for part in ("qs", "ks"))
+        assert stored <= 1.03 * blocks.nbytes, (name, stored / blocks.nbytes)
+    assert any(k.startswith("moe_gemm_q8k") for k in model.manifest.kernels)
+    assert any(k.startswith("moe_gemv_q8k") for k in model.manifest.kernels)
+    want = log_softmax(NumpyReference(path).forward(IDS))[29:40]
+    with model.session() as s:
+        got = log_softmax(np.stack([s.prefill(IDS[:30])] + [s.decode(IDS[i]) for i in range(30, 40)]))
+    tol = tolerance_for(model.manifest)
+    assert np.abs(got - want).max() <= tol.logprob_atol
+    assert (want.max(-1) - want[np.arange(len(want)), got.argmax(-1)] <= tol.near_tie).all()
+
+
 def test_decode_reads_only_the_chosen_experts(tmp_path):
     """qwen3moe with every expert that no position of the test selects (the reference's router) set to NaN:
     prefill and decode logits equal the clean model's bit for bit."""

@@ -137,12 +137,14 @@ GRANITE_SCALES = {"embedding_scale": 3.0, "residual_scale": 0.5, "attention.scal
 
 def write_tiny_moe(path: Path, arch: str, *, layers: int = 2, dim: int = 64, heads: int = 4, kv_heads: int = 2,
                    experts: int = 8, used: int = 2, expert_ffn: int = 32, shared_ffn: int = 48, context: int = 256,
-                   router_scale: float = 1.0, seed: int = 0, matrix_type: str = "F32") -> Path:
+                   router_scale: float = 1.0, seed: int = 0, matrix_type: str = "F32",
+                   override_raw: dict | None = None) -> Path:
     """A tiny mixture-of-experts GGUF of one of MOE_ARCHS, laid out as llama.cpp loads it: olmoe (q/k norms over
     the whole projection; its k norm is dim long, so kv_heads = heads), qwen2moe (q/k/v biases, a shared expert
     of shared_ffn with its sigmoid gate), qwen3moe (per-head q/k norms, head size 32 != dim / heads) and
     granitemoe (GRANITE_SCALES). The router's weights are multiplied by router_scale (larger: the top-k choice
-    is further from a tie). Every model has its own output matrix."""
+    is further from a tie). Every model has its own output matrix. `override_raw`: name -> (GGUF bytes, type), as
+    write_tiny_llama's."""
     import gguf
 
     assert arch in MOE_ARCHS, arch
@@ -193,7 +195,7 @@ def write_tiny_moe(path: Path, arch: str, *, layers: int = 2, dim: int = 64, hea
             shapes.update({p + "ffn_gate_inp_shexp.weight": (dim,), p + "ffn_gate_shexp.weight": (shared_ffn, dim),
                            p + "ffn_up_shexp.weight": (shared_ffn, dim), p + "ffn_down_shexp.weight": (dim, shared_ffn)})
     scales = {name: router_scale for name in shapes if name.endswith("ffn_gate_inp.weight")}
-    _add_tensors(w, shapes, rng, matrix_type, scales=scales)
+    _add_tensors(w, shapes, rng, matrix_type, override_raw, scales=scales)
     return _finish(w, path)
 
 

@@ -169,7 +169,7 @@ class KernelAttacher(relax.PyExprMutator):
             gv = self.kernel(("gpu_matmul", qtype, n_out, k_in, tokens),
                              lambda: make_gpu_matmul(qtype, n_out, k_in, tokens, self.scale_prefixes))
             return relax.call_tir(gv, [call.args[0], *self._gpu_parts(qtype, parts, n_out, k_in)], call.ty)
-        sub_scales = self.int8_isa == "avx2" and qtype in Q8K_TYPES
+        sub_scales = self._reads_sub_scales(qtype, parts)
         if sub_scales:
             make = make_gemv_q8k if tokens == 1 else make_gemm_q8k
             gv = self.kernel((f"{'gemv' if tokens == 1 else 'gemm'}_q8k", qtype, n_out, k_in),
@@ -178,7 +178,7 @@ class KernelAttacher(relax.PyExprMutator):
             gv = self._int8_matmul(qtype, n_out, k_in, decode=tokens == 1)
         else:
             gv = self.kernel(("matmul", qtype, n_out, k_in, tokens), lambda: make_matmul(qtype, n_out, k_in, tokens))
-        return relax.call_tir(gv, [call.args[0], *self._cpu_parts(qtype, parts, n_out, k_in, sub_scales)], call.ty)
+        return relax.call_tir(gv, [call.args[0], *self._cpu_parts(qtype, parts, n_out, k_in)], call.ty)
 
     # The decode GEMV's unpacking of 4-bit quants into 64 lanes costs what the wider dot saves: on a znver5, 2
     # threads, a 32768 x 2048 GEMV took 1-3% longer in 512 bits than AVX-VNNI's 256 for q4_0 and q4_k, 3-10%
@@ -234,7 +234,7 @@ class KernelAttacher(relax.PyExprMutator):
             gv = self.kernel(("gpu_moe_matmul", qtype, *shape, tokens),
                              lambda: gpu_moe.make_gpu_moe_matmul(qtype, *shape, tokens, self.scale_prefixes))
             return relax.call_tir(gv, [x, ids, *self._gpu_parts(qtype, parts, rows, k_in)], ty)
-        sub_scales = self.int8_isa == "avx2" and qtype in Q8K_TYPES
+        sub_scales = self._reads_sub_scales(qtype, parts)
         if sub_scales and tokens is None:
             gv = self.kernel(("moe_gemm_q8k", qtype, *shape), lambda: make_moe_gemm_q8k(qtype, *shape))
         elif sub_scales:
@@ -248,7 +248,7 @@ class KernelAttacher(relax.PyExprMutator):
                              lambda: make_moe_gemv_int8(qtype, *shape, isa, tokens))
         else:
             gv = self.kernel(("moe_matmul", qtype, *shape, tokens), lambda: make_moe_matmul(qtype, *shape, tokens))
-        return relax.call_tir(gv, [x, ids, *self._cpu_parts(qtype, parts, rows, k_in, sub_scales)], ty)
+        return relax.call_tir(gv, [x, ids, *self._cpu_parts(qtype, parts, rows, k_in)], ty)
 
     def _gemv_isa(self, qtype, k_in) -> str:
         """The instruction set of the dense decode GEMV's integer dots (_int8_matmul's choice, q8k aside)."""
@@ -266,19 +266,27 @@ class KernelAttacher(relax.PyExprMutator):
             gv = self.kernel(("gpu_embedding", qtype, vocab, dim),
                              lambda: gpu_elementwise.make_gpu_embedding(qtype, vocab, dim, self.scale_prefixes))
             return relax.call_tir(gv, [call.args[1], *self._gpu_parts(qtype, parts, vocab, dim)], call.ty)
-        gv = self.kernel(("embedding", qtype, vocab, dim), lambda: make_embedding(qtype, vocab, dim))
+        sub_scales = _holds_sub_scales(parts)
+        gv = self.kernel(("embedding", qtype, vocab, dim) + (("ks",) if sub_scales else ()),
+                         lambda: make_embedding(qtype, vocab, dim, sub_scales))
         return relax.call_tir(gv, [call.args[1], *self._cpu_parts(qtype, parts, vocab, dim)], call.ty)
 
-    def _cpu_parts(self, qtype, parts, n_out, k_in, sub_scales: bool = False):
+    def _reads_sub_scales(self, qtype, parts) -> bool:
+        """Whether a matmul's weight is a K-quant stored as (qs, ks), which quant_matmul_q8k's integer-dot kernels
+        read (the compiler stores that form where the target's kernels read it: Target.sub_scales_for)."""
+        if not _holds_sub_scales(parts):
+            return False
+        if self.int8_isa is None or qtype not in Q8K_TYPES:
+            raise CompileError(f"The graph holds a {qtype} weight as its {SUB_SCALES!r} part, which only the "
+                               f"integer-dot kernels read; this compile has none.")
+        return True
+
+    def _cpu_parts(self, qtype, parts, n_out, k_in):
         """The weight parts as the CPU kernels take them: quants through a zero-copy view where their dtype
-        differs from the stored layout (q8_0's u32 words read as int8); the K-quants' `ks` part only for the
-        kernels that read it (`sub_scales`), which the frontend gave the graph for this target."""
+        differs from the stored layout (q8_0's u32 words read as int8); the scales as the graph has them, `s`,
+        or a K-quant's `ks` (quant_layout)."""
         if not parts or qtype not in QUANTIZED:
             return parts
-        if sub_scales and len(parts) == KERNEL_PARTS:
-            raise CompileError(f"The {qtype} matmul kernels for this target read the weights' {SUB_SCALES!r} "
-                               f"part, which the graph was built without.")
-        parts = parts if sub_scales else parts[:KERNEL_PARTS]
         shape, dtype = cpu_quants(qtype, n_out, k_in)
         if str(parts[0].ty.dtype) == dtype:
             return parts
@@ -409,6 +417,11 @@ class KernelAttacher(relax.PyExprMutator):
 def _kv_key(kv: KVFormat) -> str | None:
     """Kernel-name part for the KV types: none for float32, so f32 kernel names stay as they were."""
     return None if kv.name == "f32" else "kv" + kv.name
+
+
+def _holds_sub_scales(parts) -> bool:
+    """Whether a quantized weight's parts are a K-quant's (qs, ks), not (qs, s): quant_layout's two forms."""
+    return len(parts) == KERNEL_PARTS and str(parts[1].ty.dtype) == "uint32"
 
 
 def _with_root_block(prim: tvm.tirx.PrimFunc) -> tvm.tirx.PrimFunc:

@@ -19,11 +19,15 @@ which are exact in f32, so the weights are bit-identical to ggml's dequantizatio
          w = (q + 16 * hi_e - 32) * (d0 if e < 16 else d1), hi_e = 2-bit field e % 16 of (h0 if e < 16 else h1)
          (d0, d1: d_super * the int8 scales of the block's two 16-halves; h0, h1: the 2-bit high parts of
          elements 0-15 and 16-31, 16 a word, stored as the bits of an f32 like q5_0's qh)
-The K-quants have a third part, `ks`: their super-block scales as integers, for kernels that multiply by the 6- and
-8-bit sub-scales in integer arithmetic (quant_matmul_q8k, llama.cpp's q8_K dot products); it is stored only where
-the target's kernels read it (WeightTable.drop_part). uint32 [N, K/256 * KS_WORDS], per super-block:
-  q4_k, q5_k:  d_super, dmin (f32 bits), then 8 sub-scales and 8 mins (uint8, 0-63)   d = d_super * sc, m = -dmin * mn
-  q6_k:        d_super (f32 bits), then 16 sub-scales (int8), one per 16 weights      d0, d1 = d_super * sc
+The K-quants have a third part, `ks`: per super-block, its scales as integers and its bit fields, all a kernel
+that multiplies by the 6- and 8-bit sub-scales in integer arithmetic needs besides the quants (quant_matmul_q8k,
+llama.cpp's q8_K dot products). A target whose kernels read it stores the K-quants as (qs, ks), without `s`: within
+1.03x of the GGUF's bytes (q4_k 148/144, q5_k 180/176, q6_k 212/210), where (qs, s) is 1.2-1.33x; the others store
+(qs, s) (WeightTable.choose_scales). uint32 [N, K/256 * KS_WORDS], per super-block:
+  q4_k:  d_super | dmin << 16 (their f16 bits, as the GGUF block starts), then 8 sub-scales and 8 mins (uint8,
+         0-63)                                                                     d = d_super * sc, m = -dmin * mn
+  q5_k:  as q4_k, then the 8 blocks' qh words (s's qh plane)
+  q6_k:  d_super (f32 bits), then 16 sub-scales (int8), one per 16 weights, then the 8 blocks' (h0, h1) word pairs
 Quants are always in u32 words: WGSL (the Vulkan path) has no 8- or 16-bit storage types.
 Dense types have one part `w` [N, K]: f32, f16, or bf16 kept as uint16 (the upper half of an f32).
 Every other GGUF type is expanded to f16 at load. Scales are f32 rather than GGUF's f16: one conversion per
@@ -59,7 +63,9 @@ FLOAT_PLANES = {"q4_0": 1, "q4_1": 2, "q5_0": 1, "q5_1": 2, "q8_0": 1, "q4_k": 2
 QUANTIZED = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k")
 K_QUANTS = ("q4_k", "q5_k", "q6_k")
 SUPER_BLOCK = 256   # the K-quants' super-block: their tensors need K % 256 == 0
-KS_WORDS = {"q4_k": 6, "q5_k": 6, "q6_k": 5}   # u32 words of `ks` a super-block
+KS_WORDS = {"q4_k": 5, "q5_k": 13, "q6_k": 21}   # u32 words of `ks` a super-block
+KS_BITS = {"q4_k": 5, "q5_k": 5, "q6_k": 5}      # the word of `ks` where a super-block's bit fields start
+BIT_WORDS = {"q4_k": 0, "q5_k": 1, "q6_k": 2}    # bit-field words a 32-block (s's planes after FLOAT_PLANES)
 SUB_SCALES = "ks"
 KERNEL_PARTS = 2    # the parts every kernel takes (qs, s); only quant_matmul_q8k's take `ks` too
 
@@ -77,21 +83,41 @@ def sub_scales(qtype: str, ks: np.ndarray) -> tuple[np.ndarray, ...]:
     """A K-quant's `ks` part [N, K/256 * KS_WORDS] -> (d_super [N, NS], dmin [N, NS], sub-scales [N, NS, 8],
     mins [N, NS, 8]) for q4_k and q5_k, (d_super [N, NS], sub-scales [N, NS, 16]) for q6_k; integers as int32."""
     words = np.ascontiguousarray(ks).reshape(ks.shape[0], -1, KS_WORDS[qtype])
-    floats = words.view(np.float32)
-    ints = np.ascontiguousarray(words[..., 2 if qtype != "q6_k" else 1:])
+    ints = np.ascontiguousarray(words[..., 1:KS_BITS[qtype]])
     if qtype == "q6_k":
-        return floats[..., 0], ints.view(np.int8).astype(np.int32)
+        return words[..., 0].view(np.float32), ints.view(np.int8).astype(np.int32)
+    halves = np.ascontiguousarray(words[..., 0]).view(np.float16).reshape(*words.shape[:2], 2).astype(np.float32)
     sc_mn = ints.view(np.uint8).astype(np.int32)
-    return floats[..., 0], floats[..., 1], sc_mn[..., :8], sc_mn[..., 8:]
+    return halves[..., 0], halves[..., 1], sc_mn[..., :8], sc_mn[..., 8:]
+
+
+def scale_planes(qtype: str, ks: np.ndarray) -> np.ndarray:
+    """A K-quant's `s` part [S, N, K/32] rebuilt from its `ks` part (the products are exact in f32, so equal to the
+    repacked planes bit for bit)."""
+    n = ks.shape[0]
+    words = np.ascontiguousarray(ks).reshape(n, -1, KS_WORDS[qtype])
+    bits = words[..., KS_BITS[qtype]:].reshape(n, -1, BIT_WORDS[qtype]) if BIT_WORDS[qtype] else None
+    if qtype == "q6_k":
+        d_super, sc = sub_scales(qtype, ks)
+        d = (d_super[..., None] * sc).astype(np.float32).reshape(n, -1, 2)
+        planes = [d[..., 0], d[..., 1], bits[..., 0].view(np.float32), bits[..., 1].view(np.float32)]
+    else:
+        d_super, dmin, sc, mn = sub_scales(qtype, ks)
+        planes = [(d_super[..., None] * sc).astype(np.float32).reshape(n, -1),
+                  (-(dmin[..., None] * mn)).astype(np.float32).reshape(n, -1)]
+        if bits is not None:
+            planes.append(bits[..., 0].view(np.float32))
+    return np.ascontiguousarray(np.stack(planes))      # all f32: a bit field's NaN pattern is never converted
 
 
 def dequantize_layout(qtype: str, parts: dict[str, np.ndarray]) -> np.ndarray:
-    """numpy dequantization of a sharpi layout: the reference the kernel tests compare against."""
+    """numpy dequantization of a sharpi layout (a K-quant's without `s` too): the reference the kernel tests compare
+    against."""
     if qtype in ("f32", "f16"):
         return parts["w"].astype(np.float32)
     if qtype == "bf16":
         return (parts["w"].astype(np.uint32) << 16).view(np.float32)
-    s = parts["s"]
+    s = parts["s"] if "s" in parts else scale_planes(qtype, parts["ks"])
     d = s[0][..., None]
     if qtype == "q8_0":
         quants = np.ascontiguousarray(parts["qs"]).view(np.int8)

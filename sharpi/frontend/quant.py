@@ -152,8 +152,9 @@ def _k_scales(b) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     d = d_super[..., None] * sc
     m = -(dmin[..., None] * mn)
     ints = np.concatenate([sc, mn], axis=-1).astype(np.uint8).view("<u4")         # [N, NS, 4]
-    ks = np.concatenate([d_super[..., None].view(np.uint32), dmin[..., None].view(np.uint32), ints], axis=-1)
-    return d.reshape(n, ns * 8), m.reshape(n, ns * 8), ks.reshape(n, ns * 6)
+    halves = np.ascontiguousarray(b[..., 0:4]).view("<u4")                         # d | dmin << 16, as stored
+    ks = np.concatenate([halves, ints], axis=-1)
+    return d.reshape(n, ns * 8), m.reshape(n, ns * 8), ks                        # ks [N, NS, 5]
 
 
 def _k_nibbles(qs128: np.ndarray) -> np.ndarray:
@@ -171,8 +172,9 @@ def _bits_to_words(bits: np.ndarray, width: int) -> np.ndarray:
 
 
 def _repack_q4_k(b):
+    n, ns, _ = b.shape
     d, m, ks = _k_scales(b)
-    return {"qs": _pack_nibbles(_k_nibbles(b[..., 16:144])), "s": _scales(d, m), "ks": ks}
+    return {"qs": _pack_nibbles(_k_nibbles(b[..., 16:144])), "s": _scales(d, m), "ks": ks.reshape(n, ns * 5)}
 
 
 def _repack_q5_k(b):
@@ -180,7 +182,9 @@ def _repack_q5_k(b):
     d, m, ks = _k_scales(b)
     # fifth bit of element l of sub-block i: bit i of qh byte l
     qh = b[..., 16:48].reshape(n, ns, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
-    qh = _bits_to_words(qh & 1, 1).reshape(n, ns * 8)
+    qh = _bits_to_words(qh & 1, 1)                                                   # [N, NS, 8]
+    ks = np.concatenate([ks, qh], axis=-1).reshape(n, ns * 13)
+    qh = qh.reshape(n, ns * 8)
     return {"qs": _pack_nibbles(_k_nibbles(b[..., 48:176])), "s": _scales(d, m, qh.view(np.float32)), "ks": ks}
 
 
@@ -196,7 +200,8 @@ def _repack_q6_k(b):
     sc_bytes = np.ascontiguousarray(b[..., 192:208])                                # [N, NS, 16] int8
     d_super = _f16_scale(b, 208)
     d = (d_super[..., None] * sc_bytes.view(np.int8).astype(np.float32)).reshape(n, ns * 8, 2)
-    ks = np.concatenate([d_super[..., None].view(np.uint32), sc_bytes.view("<u4")], axis=-1).reshape(n, ns * 5)
+    ks = np.concatenate([d_super[..., None].view(np.uint32), sc_bytes.view("<u4"), hi.reshape(n, ns, 16)],
+                        axis=-1).reshape(n, ns * 21)
     return {"qs": _pack_nibbles(lo),
             "s": _scales(d[..., 0], d[..., 1], hi[..., 0].view(np.float32), hi[..., 1].view(np.float32)), "ks": ks}
 

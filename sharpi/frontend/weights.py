@@ -15,7 +15,7 @@ import numpy as np
 
 from ..common.errors import CompileError
 from ..common.progress import progress_bar
-from ..common.quant_layout import FLOAT_PLANES, parts as layout_parts
+from ..common.quant_layout import FLOAT_PLANES, K_QUANTS, SUB_SCALES, parts as layout_parts, scale_planes
 from .gguf_file import GGUFFile, GGUFTensor
 from .quant import check_repackable, layout_of, repack
 
@@ -37,6 +37,7 @@ class WeightTable:
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)     # logical (dequantized) shape
     non_finite: list[str] = field(default_factory=list)
     vectors: set[str] = field(default_factory=set)                         # tensors kept as f32 vectors
+    experts: set[str] = field(default_factory=set)                         # a mixture's stacked [E, N, K]
     _last: tuple[str, dict] | None = field(default=None, repr=False)      # the tensor repacked last (see array())
 
     @property
@@ -44,7 +45,10 @@ class WeightTable:
         return [s.name for s in self.specs]
 
     def add_matrix(self, gguf: GGUFFile, name: str) -> None:
-        t = as_matrix(gguf.tensor(name))
+        stacked = gguf.tensor(name)
+        t = as_matrix(stacked)
+        if len(stacked.shape) == 3:
+            self.experts.add(name)
         qtype = layout_of(t)
         check_repackable(t, qtype)
         n, k = t.shape
@@ -63,12 +67,14 @@ class WeightTable:
         self.specs += [ParamSpec(f"{name}:{part}", tuple(int(d) for d in shape), dtype) for part, dtype, shape in parts]
         self.tensors[name] = (qtype, list(range(start, len(self.specs))))
 
-    def drop_part(self, part: str) -> None:
-        """Leave out every tensor's `part` (a layout part no kernel of the target reads: quant_layout's `ks`), so
-        the graph does not take it and the artifact does not store it."""
+    def choose_scales(self, sub_scales) -> None:
+        """Keep each K-quant's `ks` part where sub_scales(name) (its kernels read the integer sub-scales), its `s`
+        part elsewhere (quant_layout), leaving the other out: the graph does not take it and the artifact does
+        not store it."""
         specs, self.specs = self.specs, []
         for name, (qtype, indices) in self.tensors.items():
-            kept = [specs[i] for i in indices if not specs[i].name.endswith(f":{part}")]
+            dropped = "s" if qtype in K_QUANTS and sub_scales(name) else SUB_SCALES
+            kept = [specs[i] for i in indices if not specs[i].name.endswith(f":{dropped}")]
             self.tensors[name] = (qtype, list(range(len(self.specs), len(self.specs) + len(kept))))
             self.specs += kept
 
@@ -125,9 +131,10 @@ def as_matrix(t: GGUFTensor) -> GGUFTensor:
 
 def all_finite(qtype: str, parts: dict[str, np.ndarray]) -> bool:
     """Whether a repacked tensor's weights are all finite: its float planes (scales and offsets of the quantized
-    types, every weight of the dense ones; bf16's bits by their exponent)."""
+    types, from `ks` where `s` is left out; every weight of the dense ones; bf16's bits by their exponent)."""
     if qtype in FLOAT_PLANES:
-        return bool(np.isfinite(parts["s"][:FLOAT_PLANES[qtype]]).all())
+        planes = parts["s"] if "s" in parts else scale_planes(qtype, parts["ks"])
+        return bool(np.isfinite(planes[:FLOAT_PLANES[qtype]]).all())
     w = parts["w"]
     if qtype == "bf16":
         return not bool(((w & 0x7F80) == 0x7F80).any())

@@ -9,7 +9,8 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ...common.quant_layout import BLOCK, LAYOUTS, QUANTIZED
+from ...common.quant_layout import (BIT_WORDS, BLOCK, FLOAT_PLANES, KS_BITS, KS_WORDS, LAYOUTS, QUANTIZED,
+                                   SUPER_BLOCK)
 from .common import LANES, token_count
 from .lanes import lane_total
 
@@ -19,6 +20,58 @@ TILE = 8
 def planar(s):
     """Scale-field accessor over the layout's one [S, N, K/32] buffer (what the CPU kernels take)."""
     return lambda f, row, b: s[f, row, b]
+
+
+def _f16_half(word, high: bool):
+    """f32 value of the f16 in the low (or high) half of a u32 word (one vcvtph2ps where the CPU has F16C)."""
+    bits = (word >> T.uint32(16)) if high else (word & T.uint32(0xFFFF))
+    return T.Cast("float32", T.reinterpret("float16", T.Cast("uint16", bits)))
+
+
+def ks_super_scale(qtype: str, ks, row, first):
+    """d_super of the super-block whose `ks` words start at `first`."""
+    if qtype == "q6_k":
+        return T.reinterpret("float32", ks[row, first])
+    return _f16_half(ks[row, first], False)
+
+
+def ks_super_min(ks, row, first):
+    """dmin of a q4_k or q5_k super-block whose `ks` words start at `first`."""
+    return _f16_half(ks[row, first], True)
+
+
+def ks_sub_scale_byte(qtype: str, first, b, half):
+    """Index, in a row of `ks` read as bytes, of the sub-scale of block b (q6_k: of its half `half`) of the
+    super-block whose words start at `first`."""
+    return first * 4 + 4 + (2 * b + half if qtype == "q6_k" else b)
+
+
+def ks_offset_byte(qtype: str, first, b, f):
+    """Index of the integer that multiplies activation sum f of block b: q4_k's and q5_k's min, q6_k's sub-scale."""
+    return ks_sub_scale_byte(qtype, first, b, f) if qtype == "q6_k" else first * 4 + 12 + b
+
+
+def from_ks(qtype: str, ks):
+    """Scale-field accessor of a K-quant stored as (qs, ks): field f of block b as the `s` plane would hold it,
+    computed from the super-block's scales, integer sub-scales and bit fields (quant_layout's `ks`)."""
+    W, blocks = KS_WORDS[qtype], SUPER_BLOCK // BLOCK
+
+    def byte(row, index, signed):
+        u = (ks[row, index // 4] >> T.Cast("uint32", index % 4 * 8)) & T.uint32(255)
+        value = T.Cast("int32", u) - T.Cast("int32", u & T.uint32(128)) * 2 if signed else T.Cast("int32", u)
+        return T.Cast("float32", value)
+
+    def field(f, row, b):
+        first, j = b // blocks * W, b % blocks
+        if f >= FLOAT_PLANES[qtype]:          # a bit-field word, as the f32 bits the plane would hold
+            return T.reinterpret("float32", ks[row, first + KS_BITS[qtype] + j * BIT_WORDS[qtype]
+                                               + f - FLOAT_PLANES[qtype]])
+        if qtype == "q6_k" or f == 0:
+            return ks_super_scale(qtype, ks, row, first) * byte(row, ks_sub_scale_byte(qtype, first, j, f),
+                                                                 qtype == "q6_k")
+        return -ks_super_min(ks, row, first) * byte(row, ks_offset_byte(qtype, first, j, 0), False)
+
+    return field
 
 
 def dequant(qtype: str, qs, scale, row, b, e):
@@ -199,24 +252,27 @@ def _dense_matmul(qtype, N, K, tokens):
     return dense_matmul
 
 
-def make_embedding(qtype: str, vocab: int, dim: int):
-    """PrimFunc (ids [n] int32, *weight parts, y [n, dim] f32): rows of the dequantized table."""
+def make_embedding(qtype: str, vocab: int, dim: int, sub_scales: bool = False):
+    """PrimFunc (ids [n] int32, *weight parts, y [n, dim] f32): rows of the dequantized table; `sub_scales`: a
+    K-quant stored as (qs, ks) (quant_layout), read through from_ks."""
     if qtype in QUANTIZED:
         NB = dim // BLOCK
         qs_shape, qs_dtype = cpu_quants(qtype, vocab, dim)
-        S = LAYOUTS[qtype][1][2](vocab, dim)[0]
+        scales = ((vocab, dim // SUPER_BLOCK * KS_WORDS[qtype]), "uint32") if sub_scales else (
+            (LAYOUTS[qtype][1][2](vocab, dim)[0], vocab, NB), "float32")
         n = token_count(None)
 
         @T.prim_func
-        def quant_embedding(var_ids: T.handle, qs: T.Buffer(qs_shape, qs_dtype),
-                            s: T.Buffer((S, vocab, NB), "float32"), var_y: T.handle):
+        def quant_embedding(var_ids: T.handle, qs: T.Buffer(qs_shape, qs_dtype), s: T.Buffer(*scales),
+                            var_y: T.handle):
             T.func_attr({"tirx.noalias": True, "op_pattern": 8})
             ids = T.match_buffer(var_ids, (n,), "int32")
             y = T.match_buffer(var_y, (n, dim), "float32")
             for t in T.parallel(n):
                 for b in range(NB):
                     for e in T.vectorized(BLOCK):
-                        y[t, b * BLOCK + e] = dequant(qtype, qs, planar(s), ids[t], b, e)
+                        y[t, b * BLOCK + e] = dequant(qtype, qs, from_ks(qtype, s) if sub_scales else planar(s),
+                                                      ids[t], b, e)
 
         return quant_embedding
     wdt = _part_dtypes(qtype)["w"]

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from ...common.quant_layout import BLOCK, LAYOUTS
+from ...common.quant_layout import BIT_WORDS, BLOCK, KS_BITS, LAYOUTS, SUPER_BLOCK
 from .lanes import lane_max, lane_total
 from .common import token_count
 from .moe import group_by_expert, grouped_rows
@@ -74,8 +74,18 @@ def _bit_lanes(words, byte_of, bit_of, value):
                     T.Broadcast(T.uint8(0), 32))
 
 
-def _unsigned_quants(qtype, qs, s, row, b):
-    """The block's quants as unsigned bytes (int8x32 bits), in lane order."""
+def _bit_word(qtype, s, row, b, i, ks_words):
+    """Word i of block b's bit fields (q5's fifth bits; q6_k's h0, h1): from the `s` planes after the scales, or,
+    given ks_words, from the K-quant's `ks` part (then `s` is that part)."""
+    if ks_words is None:
+        return T.reinterpret("uint32", s[_QH_FIELD.get(qtype, 2 + i), row, b])
+    blocks = SUPER_BLOCK // BLOCK
+    return s[row, b // blocks * ks_words + KS_BITS[qtype] + b % blocks * BIT_WORDS[qtype] + i]
+
+
+def _unsigned_quants(qtype, qs, s, row, b, ks_words=None):
+    """The block's quants as unsigned bytes (int8x32 bits), in lane order; their bit fields from `s` (or, given
+    ks_words, from `ks` passed as `s`: _bit_word)."""
     if qtype == "q8_0":
         w = qs[row, T.ramp(b * BLOCK, 1, BLOCK)]
         return _intrin("int8x32", "llvm.x86.avx2.psign.b", w, w)    # |w| (-128 stays 0x80 = 128 unsigned)
@@ -83,11 +93,11 @@ def _unsigned_quants(qtype, qs, s, row, b):
     u = T.Shuffle([packed & T.Broadcast(T.uint8(15), 16), packed >> T.Broadcast(T.uint8(4), 16)], list(range(32)))
     element = lambda l: lane_element(l, qtype)   # noqa: E731
     if qtype in _QH_FIELD:   # the fifth bit of element e is bit e of qh
-        qh = T.Broadcast(T.reinterpret("uint32", s[_QH_FIELD[qtype], row, b]), 8)
+        qh = T.Broadcast(_bit_word(qtype, s, row, b, 0, ks_words), 8)
         u = u | _bit_lanes(qh, lambda l: element(l) // 8, lambda l: element(l) % 8, 16)
     elif qtype == "q6_k":   # bits 4-5 of element e: bits 2(e%16), +1 of h0 (e < 16) or h1; h0 in bytes 0-3, h1 4-7
-        h01 = T.Shuffle([T.Broadcast(T.reinterpret("uint32", s[2, row, b]), 4),
-                         T.Broadcast(T.reinterpret("uint32", s[3, row, b]), 4)], [0, 4, 0, 4, 0, 4, 0, 4])
+        h01 = T.Shuffle([T.Broadcast(_bit_word(qtype, s, row, b, 0, ks_words), 4),
+                         T.Broadcast(_bit_word(qtype, s, row, b, 1, ks_words), 4)], [0, 4, 0, 4, 0, 4, 0, 4])
         u = u | _q6_k_high_bits(h01)
     return T.reinterpret("int8x32", u)
 

@@ -18,18 +18,18 @@ order); only the AVX2 instruction set takes these kernels (AVX-VNNI and AVX-512 
 
 The prefill GEMM unpacks a group of GROUP_ROWS rows' quants once into scratch, a span of K (SPAN_BYTES) at a time,
 and every tile of tokens passes over it; per token the kernel then does one load, `vpmaddubsw`, `vpmaddwd` and
-`vpaddd` a block. The decode GEMV reads the quants, `ks` and the bit planes (q5_K's fifth bits, q6_K's high bits),
-never the f32 scale planes.
+`vpaddd` a block. Every kernel here reads the quants and `ks` only (which holds the bit fields too: the layout
+without `s`, within 1.06x of the GGUF's bytes).
 """
 from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from ...common.quant_layout import BLOCK, FLOAT_PLANES, K_QUANTS, KS_WORDS, LAYOUTS, SUPER_BLOCK
+from ...common.quant_layout import BLOCK, K_QUANTS, KS_WORDS, SUPER_BLOCK
 from .common import token_count
 from .lanes import lane_max, lane_total
 from .moe import group_by_expert, grouped_rows
-from .quant_matmul import cpu_quants
+from .quant_matmul import cpu_quants, ks_offset_byte, ks_sub_scale_byte, ks_super_min, ks_super_scale
 from .quant_matmul_int8 import (GEMM_TILE, PREFETCH_BYTES, TASKS, _abs_max8, _activation_sums, _half_sum8, _intrin,
                                 _prefetch, _quantized_block, _unsigned_quants)
 
@@ -42,17 +42,12 @@ GROUP_ROWS = 32        # rows a GEMM task unpacks together
 SPAN_BYTES = 65536
 def _sub_scale_byte(qtype, sb, b, half):
     """Index, in a row of `ks` read as bytes, of the sub-scale of block b's half `half` of super-block sb."""
-    words = KS_WORDS[qtype]
-    if qtype == "q6_k":
-        return sb * words * 4 + 4 + 2 * b + half
-    return sb * words * 4 + 8 + b
+    return ks_sub_scale_byte(qtype, sb * KS_WORDS[qtype], b, half)
 
 
 def _offset_byte(qtype, sb, b, f):
     """Index of the integer that multiplies activation sum f of block b: q4_K's and q5_K's min, q6_K's sub-scale."""
-    if qtype == "q6_k":
-        return _sub_scale_byte(qtype, sb, b, f)
-    return sb * KS_WORDS[qtype] * 4 + 16 + b
+    return ks_offset_byte(qtype, sb * KS_WORDS[qtype], b, f)
 
 
 def _lane_sub_scales(qtype, first, second):
@@ -104,12 +99,11 @@ def quantize_activation_superblock(x, src, valid, xq, xd, xo, t, sb, qtype, F):
 
 def _weight_buffers(qtype, N, K):
     qs_shape, qs_dtype = cpu_quants(qtype, N, K)
-    S = LAYOUTS[qtype][1][2](N, K)[0]
-    return qs_shape, qs_dtype, S, K // SUPER_BLOCK * KS_WORDS[qtype]
+    return qs_shape, qs_dtype, K // SUPER_BLOCK * KS_WORDS[qtype]
 
 
 def make_gemm_q8k(qtype: str, N: int, K: int):
-    """PrimFunc (x [n, K] f32, qs, s, ks, y [n, N] f32), n symbolic: the AVX2 prefill matmul of a K-quant.
+    """PrimFunc (x [n, K] f32, qs, ks, y [n, N] f32), n symbolic: the AVX2 prefill matmul of a K-quant.
 
     Every token's row is quantized per super-block (parallel over tokens) into a buffer padded to whole tiles of
     GEMM_TILE tokens. Each task takes a group of GROUP_ROWS rows and walks K in spans of SPAN super-blocks: it
@@ -118,7 +112,7 @@ def make_gemm_q8k(qtype: str, N: int, K: int):
     the span's products to y."""
     assert qtype in Q8K_TYPES, qtype
     NB, NS, W = K // BLOCK, K // SUPER_BLOCK, KS_WORDS[qtype]
-    qs_shape, qs_dtype, S, KS = _weight_buffers(qtype, N, K)
+    qs_shape, qs_dtype, KS = _weight_buffers(qtype, N, K)
     GR = min(GROUP_ROWS, N)
     GROUPS = (N + GR - 1) // GR
     SPAN = max(1, min(NS, SPAN_BYTES // (GR * SUPER_BLOCK)))    # super-blocks unpacked at a time
@@ -129,8 +123,8 @@ def make_gemm_q8k(qtype: str, N: int, K: int):
     tiles = (n + TT - 1) // TT
 
     @T.prim_func
-    def quant_gemm_q8k(var_x: T.handle, qs: T.Buffer(qs_shape, qs_dtype), s: T.Buffer((S, N, NB), "float32"),
-                       ks: T.Buffer((N, KS), "uint32"), var_y: T.handle):
+    def quant_gemm_q8k(var_x: T.handle, qs: T.Buffer(qs_shape, qs_dtype), ks: T.Buffer((N, KS), "uint32"),
+                       var_y: T.handle):
         T.func_attr({"tirx.noalias": True, "op_pattern": 8})
         x = T.match_buffer(var_x, (n, K), "float32")
         y = T.match_buffer(var_y, (n, N), "float32")
@@ -150,7 +144,7 @@ def make_gemm_q8k(qtype: str, N: int, K: int):
             off = T.decl_buffer((TT,), "float32", scope="global")
             off_sb = T.decl_buffer((TT,), "float32", scope="global")
             for c in range(SPANS):
-                unpack_span(qtype, qs, s, ks8, w, sc, om, g * GR, T.min(GR, N - g * GR), c, SPAN, NS, F)
+                unpack_span(qtype, qs, ks, ks8, w, sc, om, g * GR, T.min(GR, N - g * GR), c, SPAN, NS, F)
                 for tt in range(tiles):
                     for r in range(T.min(GR, N - g * GR)):
                         span_tile_row(qtype, w, sc, om, ks, xq, xd, xo, acc, dot, off, off_sb, r, g * GR + r, tt, c,
@@ -167,17 +161,18 @@ def _offset_coefficient(qtype, ks, row, first_word):
     """What multiplies a super-block's sum of offset multipliers times activation sums: -dmin (q4_K, q5_K) or
     -32 d_super (q6_K)."""
     if qtype == "q6_k":
-        return T.float32(-32) * T.reinterpret("float32", ks[row, first_word])
-    return -T.reinterpret("float32", ks[row, first_word + 1])
+        return T.float32(-32) * ks_super_scale(qtype, ks, row, first_word)
+    return -ks_super_min(ks, row, first_word)
 
 
 @T.macro
-def unpack_span(qtype, qs, s, ks8, w, sc, om, first, rows, c, SPAN, NS, F):
+def unpack_span(qtype, qs, ks, ks8, w, sc, om, first, rows, c, SPAN, NS, F):
     """Span c (SPAN super-blocks of K) of rows first .. first + rows into the GEMM's scratch: the quants in lane
     order into w, the sub-scales as int16 into sc, the offset multipliers as f32 into om."""
     for r in range(rows):
         for j in range(T.min(SPAN, NS - c * SPAN) * BLOCKS):
-            w[r, T.ramp(j * BLOCK, 1, BLOCK)] = _unsigned_quants(qtype, qs, s, first + r, c * SPAN * BLOCKS + j)
+            w[r, T.ramp(j * BLOCK, 1, BLOCK)] = _unsigned_quants(qtype, qs, ks, first + r, c * SPAN * BLOCKS + j,
+                                                                 KS_WORDS[qtype])
             for h in T.unroll(2):
                 sc[r, j * 2 + h] = T.Cast("int16", ks8[first + r, _sub_scale_byte(
                     qtype, c * SPAN + j // BLOCKS, j % BLOCKS, h if qtype == "q6_k" else 0)])
@@ -209,7 +204,7 @@ def span_tile_row(qtype, w, sc, om, ks, xq, xd, xo, acc, dot, off, off_sb, r, ro
             for f in T.unroll(F):
                 off_sb[T.ramp(0, 1, TT)] = off_sb[T.ramp(0, 1, TT)] + T.Broadcast(
                     om[r, j * F + f], TT) * xo[f, sb * BLOCKS + b, T.ramp(tt * TT, 1, TT)]
-        d_super = T.meta_var(T.reinterpret("float32", ks[row, sb * W]))
+        d_super = T.meta_var(ks_super_scale(qtype, ks, row, sb * W))
         for t in T.unroll(TT):
             acc[t, T.ramp(0, 1, 8)] = acc[t, T.ramp(0, 1, 8)] + T.Cast(
                 "float32x8", dot[t, T.ramp(0, 1, 8)]) * T.Broadcast(d_super * xd[sb, tt * TT + t], 8)
@@ -218,13 +213,13 @@ def span_tile_row(qtype, w, sc, om, ks, xq, xd, xo, acc, dot, off, off_sb, r, ro
 
 
 def make_moe_gemm_q8k(qtype: str, E: int, N: int, K: int, k: int, per_slot: bool):
-    """PrimFunc (x [n, K] (or [n, k, K] where per_slot), ids [n, k] int32, qs, s, ks of the experts' [E * N, K],
+    """PrimFunc (x [n, K] (or [n, k, K] where per_slot), ids [n, k] int32, qs, ks of the experts' [E * N, K],
     y [n, k, N]), n symbolic: ops.MOE_MATMUL for a prompt on AVX2, make_gemm_q8k on each expert's tokens (sorted
     by expert as quant_matmul_int8.make_moe_gemm_int8 sorts them): a task unpacks a span of its group of each
     chosen expert's rows once, and that expert's tiles pass over it."""
     assert qtype in Q8K_TYPES, qtype
     NB, NS, W = K // BLOCK, K // SUPER_BLOCK, KS_WORDS[qtype]
-    qs_shape, qs_dtype, S, KS = _weight_buffers(qtype, E * N, K)
+    qs_shape, qs_dtype, KS = _weight_buffers(qtype, E * N, K)
     GR = min(GROUP_ROWS, N)
     GROUPS = (N + GR - 1) // GR
     SPAN = max(1, min(NS, SPAN_BYTES // (GR * SUPER_BLOCK)))
@@ -237,7 +232,7 @@ def make_moe_gemm_q8k(qtype: str, E: int, N: int, K: int, k: int, per_slot: bool
 
     @T.prim_func
     def moe_gemm_q8k(var_x: T.handle, var_ids: T.handle, qs: T.Buffer(qs_shape, qs_dtype),
-                     s: T.Buffer((S, E * N, NB), "float32"), ks: T.Buffer((E * N, KS), "uint32"), var_y: T.handle):
+                     ks: T.Buffer((E * N, KS), "uint32"), var_y: T.handle):
         T.func_attr({"tirx.noalias": True, "op_pattern": 8})
         x_data = T.match_buffer(var_x, (n, R, K) if per_slot else (n, K), "float32")
         ids = T.match_buffer(var_ids, (n, k), "int32")
@@ -267,7 +262,7 @@ def make_moe_gemm_q8k(qtype: str, E: int, N: int, K: int, k: int, per_slot: bool
             for e in range(E):
                 if bounds[e + 1] > bounds[e]:
                     for c in range(SPANS):
-                        unpack_span(qtype, qs, s, ks8, w, sc, om, e * N + g * GR, T.min(GR, N - g * GR), c, SPAN,
+                        unpack_span(qtype, qs, ks, ks8, w, sc, om, e * N + g * GR, T.min(GR, N - g * GR), c, SPAN,
                                     NS, F)
                         for tt in range(bounds[e] // TT, bounds[e + 1] // TT):
                             for r in range(T.min(GR, N - g * GR)):
@@ -283,11 +278,11 @@ def make_moe_gemm_q8k(qtype: str, E: int, N: int, K: int, k: int, per_slot: bool
 
 
 def make_gemv_q8k(qtype: str, N: int, K: int, prefetch_bytes: int = PREFETCH_BYTES):
-    """PrimFunc (x [1, K] f32, qs, s, ks, y [1, N] f32): the AVX2 decode matmul of a K-quant. The row x is
+    """PrimFunc (x [1, K] f32, qs, ks, y [1, N] f32): the AVX2 decode matmul of a K-quant. The row x is
     quantized once per super-block; each task takes a chunk of output rows and per row and super-block sums the
     blocks' scaled dots in two int32 chains, converts once, and adds the offset term as 8 lanes (one a block;
     q6_K: two vectors, one per half). Weights are prefetched prefetch_bytes of quants ahead, with the same
-    super-blocks' `ks` and bit planes."""
+    super-blocks' `ks`."""
     g = _GemvRowsQ8K(qtype, N, K, prefetch_bytes)
     NB, NS, F = g.NB, g.NS, g.F
     CHUNKS = min(TASKS, N)
@@ -295,8 +290,7 @@ def make_gemv_q8k(qtype: str, N: int, K: int, prefetch_bytes: int = PREFETCH_BYT
 
     @T.prim_func
     def quant_gemv_q8k(x: T.Buffer((1, K), "float32"), qs: T.Buffer(g.qs_shape, g.qs_dtype),
-                       s: T.Buffer((g.S, N, NB), "float32"), ks: T.Buffer((N, g.KS), "uint32"),
-                       y: T.Buffer((1, N), "float32")):
+                       ks: T.Buffer((N, g.KS), "uint32"), y: T.Buffer((1, N), "float32")):
         T.func_attr({"tirx.noalias": True, "op_pattern": 8})
         xq = T.decl_buffer((1, K), "int8")
         xd = T.decl_buffer((NS, 1), "float32")
@@ -309,13 +303,13 @@ def make_gemv_q8k(qtype: str, N: int, K: int, prefetch_bytes: int = PREFETCH_BYT
             off = T.decl_buffer((8,), "float32", scope="global")
             dot = T.decl_buffer((2, 8), "int32", scope="global")
             for i in range(T.min(ROWS, N - c * ROWS)):
-                g.row_dot(qs, s, ks, xq, xd, xo_blocks, acc, off, dot, c * ROWS + i, y, (0, c * ROWS + i))
+                g.row_dot(qs, ks, xq, xd, xo_blocks, acc, off, dot, c * ROWS + i, y, (0, c * ROWS + i))
 
     return quant_gemv_q8k
 
 
 def make_moe_gemv_q8k(qtype: str, E: int, N: int, K: int, k: int, per_slot: bool, tokens: int | None = None):
-    """PrimFunc (x [n, K] (or [n, k, K] where per_slot), ids [n, k] int32, qs, s, ks of the experts' [E * N, K],
+    """PrimFunc (x [n, K] (or [n, k, K] where per_slot), ids [n, k] int32, qs, ks of the experts' [E * N, K],
     y [n, k, N]): ops.MOE_MATMUL on AVX2 for a K-quant, make_gemv_q8k's rows over each token's k chosen experts
     only (as quant_matmul_int8.make_moe_gemv_int8: inputs quantized first, (token, slot, chunk) tasks, ids
     clamped into the experts)."""
@@ -328,8 +322,7 @@ def make_moe_gemv_q8k(qtype: str, E: int, N: int, K: int, k: int, per_slot: bool
 
     @T.prim_func
     def moe_gemv_q8k(var_x: T.handle, var_ids: T.handle, qs: T.Buffer(g.qs_shape, g.qs_dtype),
-                     s: T.Buffer((g.S, E * N, NB), "float32"), ks: T.Buffer((E * N, g.KS), "uint32"),
-                     var_y: T.handle):
+                     ks: T.Buffer((E * N, g.KS), "uint32"), var_y: T.handle):
         T.func_attr({"tirx.noalias": True, "op_pattern": 8})
         x_data = T.match_buffer(var_x, (n, R, K) if per_slot else (n, K), "float32")
         ids = T.match_buffer(var_ids, (n, k), "int32")
@@ -356,7 +349,7 @@ def make_moe_gemv_q8k(qtype: str, E: int, N: int, K: int, k: int, per_slot: bool
             off = T.decl_buffer((8,), "float32", scope="global")
             dot = T.decl_buffer((2, 8), "int32", scope="global")
             for i in range(T.min(ROWS, N - c % CHUNKS * ROWS)):
-                g.row_dot(qs, s, ks, xq_r, xd_r, xo_r, acc, off, dot, first + c % CHUNKS * ROWS + i, y,
+                g.row_dot(qs, ks, xq_r, xd_r, xo_r, acc, off, dot, first + c % CHUNKS * ROWS + i, y,
                           (t, j, c % CHUNKS * ROWS + i))
 
     return moe_gemv_q8k
@@ -368,21 +361,18 @@ class _GemvRowsQ8K:
     def __init__(self, qtype: str, N: int, K: int, prefetch_bytes: int):
         assert qtype in Q8K_TYPES, qtype
         self.NB, self.NS, W = K // BLOCK, K // SUPER_BLOCK, KS_WORDS[qtype]
-        self.qs_shape, self.qs_dtype, self.S, self.KS = _weight_buffers(qtype, N, K)
+        self.qs_shape, self.qs_dtype, self.KS = _weight_buffers(qtype, N, K)
         self.F = _activation_sums(qtype)
-        NB, NS, S, KS, qs_shape, qs_dtype = self.NB, self.NS, self.S, self.KS, self.qs_shape, self.qs_dtype
+        NS, KS, qs_shape, qs_dtype = self.NS, self.KS, self.qs_shape, self.qs_dtype
         QS_SB = qs_shape[1] // NS                                  # u32 words of quants a super-block
         AHEAD = max(1, prefetch_bytes // (QS_SB * 4))              # super-blocks
         QS_LINES = (QS_SB * 4 + 63) // 64 if prefetch_bytes else 0
-        FIRST_BITS = FLOAT_PLANES[qtype]                           # the `s` planes after the floats hold bit fields
-        PLANES = S - FIRST_BITS if prefetch_bytes else 0
-        KS_LINES = 1 if prefetch_bytes else 0
+        KS_LINES = 2 if prefetch_bytes else 0                      # a super-block's first and last words of `ks`
 
         @T.macro
-        def row_dot(qs, s, ks, xq, xd, xo_blocks, acc, off, dot, row, y, out):
+        def row_dot(qs, ks, xq, xd, xo_blocks, acc, off, dot, row, y, out):
             ks8 = T.decl_buffer((N, KS * 4), "int8", data=ks.data)
             qs_flat = T.decl_buffer((N * NS * QS_SB,), qs_dtype, data=qs.data)
-            s_flat = T.decl_buffer((S, N * NB), "float32", data=s.data)
             ks_flat = T.decl_buffer((N * KS,), "uint32", data=ks.data)
             acc[T.ramp(0, 1, 8)] = T.Broadcast(T.float32(0), 8)
             off[T.ramp(0, 1, 8)] = T.Broadcast(T.float32(0), 8)
@@ -391,20 +381,18 @@ class _GemvRowsQ8K:
                 for line in T.unroll(QS_LINES):
                     _prefetch(qs_flat, T.min(ahead * QS_SB + line * 16, N * NS * QS_SB - 1))
                 for line in T.unroll(KS_LINES):
-                    _prefetch(ks_flat, ahead * W)
-                for p in T.unroll(PLANES):
-                    _prefetch(s_flat, (FIRST_BITS + p, ahead * BLOCKS))
+                    _prefetch(ks_flat, ahead * W + line * (W - 1))
                 for h in T.unroll(2):
                     dot[h, T.ramp(0, 1, 8)] = T.Broadcast(T.int32(0), 8)
                 for b in T.unroll(BLOCKS):
                     dot[b % 2, T.ramp(0, 1, 8)] = dot[b % 2, T.ramp(0, 1, 8)] + _scaled_dot(
-                        _unsigned_quants(qtype, qs, s, row, sb * BLOCKS + b),
+                        _unsigned_quants(qtype, qs, ks, row, sb * BLOCKS + b, W),
                         xq[0, T.ramp((sb * BLOCKS + b) * BLOCK, 1, BLOCK)],
                         _lane_sub_scales(qtype, T.Cast("int16", ks8[row, _sub_scale_byte(qtype, sb, b, 0)]),
                                          T.Cast("int16", ks8[row, _sub_scale_byte(qtype, sb, b, 1)])))
                 acc[T.ramp(0, 1, 8)] = acc[T.ramp(0, 1, 8)] + T.Cast(
                     "float32x8", dot[0, T.ramp(0, 1, 8)] + dot[1, T.ramp(0, 1, 8)]) * T.Broadcast(
-                        T.reinterpret("float32", ks[row, sb * W]) * xd[sb, 0], 8)
+                        ks_super_scale(qtype, ks, row, sb * W) * xd[sb, 0], 8)
                 off[T.ramp(0, 1, 8)] = off[T.ramp(0, 1, 8)] + T.Broadcast(
                     _offset_coefficient(qtype, ks, row, sb * W), 8) * _block_offsets(qtype, ks8, xo_blocks, row, sb)
             y[out] = lane_total(acc) + lane_total(off)

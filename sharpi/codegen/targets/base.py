@@ -23,9 +23,10 @@ class Target(Protocol):
     def describe(self, options: CompileOptions) -> dict:
         """The manifest's "target" entry for resolved options (before the build)."""
 
-    def integer_sub_scales(self, options: CompileOptions) -> bool:
-        """Whether the kernels for resolved options read the K-quants' integer sub-scales (quant_layout's `ks`
-        part); where not, the part is left out of the graph and the artifact."""
+    def sub_scales_for(self, options: CompileOptions) -> str:
+        """Which K-quant matrices the kernels for resolved options read through their integer sub-scales
+        (quant_layout's `ks` part, which the graph and artifact then hold in place of `s`): "all", "experts" (a
+        mixture's expert matrices) or "none" (every K-quant keeps `s`, and `ks` is left out)."""
 
     def build(self, mod: tvm.IRModule, cfg: ModelConfig, options: CompileOptions, staging: Path, progress,
               contract: str) -> list[str]:

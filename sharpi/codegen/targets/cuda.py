@@ -183,8 +183,8 @@ class CUDATarget:
         nvcc_path()                            # no nvcc: say so before any work
         return replace(options, arch=options.arch or DEFAULT_ARCH, **resolved_kv_types(options, "float16"))
 
-    def integer_sub_scales(self, options: CompileOptions) -> bool:
-        return False
+    def sub_scales_for(self, options: CompileOptions) -> str:
+        return "none"
 
     def describe(self, options: CompileOptions) -> dict:
         return {"kind": self.spec.name, "arch": options.arch, "images": [], "cuda_graph": options.cuda_graph}

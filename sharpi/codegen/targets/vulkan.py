@@ -281,8 +281,8 @@ class VulkanTarget:
     def resolve(self, options: CompileOptions) -> CompileOptions:
         return replace(options, **resolved_kv_types(options, "float32"))   # f16 on Vulkan: not yet measured
 
-    def integer_sub_scales(self, options: CompileOptions) -> bool:
-        return False
+    def sub_scales_for(self, options: CompileOptions) -> str:
+        return "none"
 
     def describe(self, options: CompileOptions) -> dict:
         return {"kind": self.spec.name, "shader": "wgsl", "activations": "float32"}
