@@ -87,19 +87,12 @@ def _read_share(cfg, tensor: str) -> float:
 
 
 def weight_read_bytes(manifest) -> dict[str, int]:
-    """Per weight tensor, the bytes its decode matmul reads: every part, except that where the tensor has the
-    K-quants' `ks` part (read by quant_matmul_q8k's GEMV) its f32 scale planes are not read, only the bit planes
-    after them (`s` planes 2 on: q5_k's fifth bits, q6_k's high bits)."""
-    parts: dict[str, dict] = {}
+    """Per weight tensor, the bytes its decode matmul reads: every part it is stored as ((qs, s), or a K-quant's
+    (qs, ks) where the kernels read its integer sub-scales: quant_layout)."""
+    sizes: dict[str, int] = {}
     for p in manifest.params:
-        tensor, _, part = p.name.rpartition(":")
-        parts.setdefault(tensor, {})[part] = p
-    sizes = {}
-    for tensor, by_part in parts.items():
-        sizes[tensor] = sum(p.nbytes for p in by_part.values())
-        if "ks" in by_part:
-            planes = by_part["s"].shape[0]
-            sizes[tensor] -= by_part["s"].nbytes * 2 // planes
+        tensor = p.name.rpartition(":")[0]
+        sizes[tensor] = sizes.get(tensor, 0) + p.nbytes
     return sizes
 
 

@@ -88,7 +88,7 @@ def measure(model: str, work: Path, prompt: int, gen: int, max_context: int, ses
 def tiny_gguf(work: Path) -> str:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from tiny_gguf import write_tiny_llama
-    return str(write_tiny_llama(work / "tiny.gguf", matrix_type="Q8_0", dim=256, ffn=512, context=4096))
+    return str(write_tiny_llama(work / "tiny.gguf", matrix_type="Q8_0", dim=256, ffn=512, context=32768))
 
 
 def table(rows: list[dict], base: dict) -> str:
