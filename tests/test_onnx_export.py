@@ -23,7 +23,7 @@ import pytest
 import sharpi
 from sharpi.common.errors import (CompileError, ConfigError, SharpiError, UnsupportedArchitectureError,
                                   UnsupportedTensorTypeError)
-from tiny_gguf import write_tiny_llama
+from tiny_gguf import MOE_ARCHS, MOE_GOLDEN, write_golden_moe, write_tiny_llama
 
 onnx = pytest.importorskip("onnx")
 try:
@@ -280,6 +280,23 @@ def test_relax_op_table_matches_tvm(tmp_path):
 
 
 # -- errors and entry points --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_mixtures_of_experts_match_reference(arch, tmp_path):
+    """Each MoE architecture's tiny golden GGUF (F32), exported: the router as Softmax and TopK, the chosen experts
+    gathered and multiplied; prefill logits and a decode step on its cache equal the numpy reference's."""
+    from sharpi.testing.reference import NumpyReference
+    path = write_golden_moe(tmp_path, arch)
+    out = sharpi.export_onnx(str(path), tmp_path / "onnx", functions=["prefill_logits", "decode"], snapkv="off")
+    ref = NumpyReference(path)
+    ids = np.array(json.loads(MOE_GOLDEN.read_text())["ids"][:24], np.int32)
+    want = ref.forward(ids)
+    prefill, decode = _session(out / "prefill_logits.onnx"), _session(out / "decode.onnx")
+    part = prefill(_feeds(ids[:23], 0, _empty_cache(ref.config)))
+    assert _rel(part["logits"], want[:23]) < TINY_RTOL
+    step = decode(_feeds(ids[23:], 23, _next_cache(part)))
+    assert _rel(step["logits"][0], want[23]) < TINY_RTOL
+
+
 def test_unexportable_models_are_sharpi_errors(tmp_path, capsys):
     import gguf
 

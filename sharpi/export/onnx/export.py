@@ -44,6 +44,7 @@ from ...common.errors import CompileError, ConfigError
 from ...common.output_dir import OutputKind
 from ...common.quant_layout import LAYOUTS, dequantize_layout
 from ...common.version import __version__
+from ...frontend.config import ARCHITECTURES as FRONTEND_ARCHITECTURES
 from ...ir_passes.named_ops import extern_name
 from .ops import RELAX_OPS, named_op, supported_ops
 
@@ -54,9 +55,9 @@ EXPORT_FILE = "sharpi-onnx.json"
 EXPORT_FORMAT = "sharpi-onnx"
 FORMAT_VERSION = 1
 WEIGHT_DTYPES = {"f32": "float32", "f16": "float16"}
-# GGUF architectures whose Relax functions have been checked through this export (against the numpy reference);
-# the translator itself knows ops, not architectures, so a new frontend module is one entry here once checked.
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+# every architecture the frontend builds: the translator knows ops, not architectures (tests/test_onnx_export.py
+# checks each family against the numpy reference)
+ARCHITECTURES = tuple(FRONTEND_ARCHITECTURES)
 FUNCTIONS = ("prefill", "prefill_logits", "decode", "prefill_snapkv")
 DEFAULT_FUNCTIONS = ("prefill", "decode")
 EXTERNAL_MIN_BYTES = 1024             # smaller initializers stay inside the .onnx file

@@ -409,7 +409,39 @@ def _kv_compact(tr, call, args, ty):
     return tr.new_cache(cache)
 
 
+def _moe_route(tr, call, args, ty):
+    """sharpi.moe_route(logits [n, E], k, normalize) -> (ids [n, k] int32, weights [n, k]): the softmax over the
+    experts, TopK (ties to the lower index, as the kernels), the k weights divided by their sum (at least
+    MOE_MIN_WEIGHT_SUM) where `normalize`."""
+    gb = tr.gb
+    logits, k, normalize = args
+    probs = gb.op("Softmax", [tr.tensor(logits)], axis=-1)
+    weights, ids = gb.op("TopK", [probs, gb.const(np.array([int(k)], np.int64), "k")], outputs=2, axis=-1,
+                         largest=1, sorted=1)
+    if int(normalize):
+        total = gb.op("ReduceSum", [weights, gb.const(np.array([-1], np.int64), "axes")], keepdims=1)
+        weights = gb.op("Div", [weights, gb.op("Max", [total, gb.const(np.float32(ops.MOE_MIN_WEIGHT_SUM))])])
+    return [gb.op("Cast", [ids], to=tr.onnx_dtype("int32"), hint="expert_ids"), weights]
+
+
+def _moe_matmul(tr, call, args, ty):
+    """sharpi.moe_matmul(x [n, K] or [n, k, K], ids [n, k], experts [E * N, K]) -> [n, k, N]: each token's chosen
+    experts gathered ([n, k, N, K]) and multiplied by its row (or its slot's row)."""
+    gb = tr.gb
+    x, ids, experts = args
+    n_out, = _static_dims(ty, 2)
+    k_in, = _static_dims(_arg_ty(call, 2), 1)
+    stacked = gb.op("Reshape", [tr.tensor(experts), gb.const(np.array([-1, n_out, k_in], np.int64), "shape")])
+    chosen = gb.op("Gather", [stacked, tr.tensor(ids)], axis=0)                          # [n, k, N, K]
+    per_slot = len(_static_shape(_arg_ty(call, 0))) == 3
+    rows = gb.op("Unsqueeze", [tr.tensor(x), gb.const(np.array([-1] if per_slot else [1, 3], np.int64), "axes")])
+    y = gb.op("MatMul", [chosen, rows])                                                 # [n, k, N, 1]
+    return gb.op("Squeeze", [y, gb.const(np.array([3], np.int64), "axes")])
+
+
 NAMED_OPS = {
+    ops.MOE_ROUTE: _moe_route,
+    ops.MOE_MATMUL: _moe_matmul,
     ops.KV_APPEND: _kv_append,
     ops.PAGED_ATTENTION: _paged_attention,
     ops.SNAPKV_SCORE: _snapkv_score,
