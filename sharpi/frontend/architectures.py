@@ -1,10 +1,10 @@
-"""Which builder builds which GGUF architecture. The llama family is one graph driven by its config (llama.py;
-sharpi.frontend.config.ARCHITECTURES maps each architecture onto it); an architecture whose graph truly differs
-gets a builder file of its own and an entry in BUILDERS."""
+"""Which builder builds which GGUF architecture. The llama family is one graph driven by its config
+(models/llama.py; sharpi.frontend.config.ARCHITECTURES maps each architecture onto it); an architecture whose graph
+truly differs gets a model file of its own composing frontend.blocks, and an entry in BUILDERS."""
 from __future__ import annotations
 
 from ..common.config import ModelConfig
-from .llama import LlamaBuilder, llama_weights
+from .models.llama import LlamaBuilder, llama_weights
 
 BUILDERS: dict = {}        # arch -> (load_weights, Builder) where the llama family's graph does not fit
 

@@ -47,7 +47,7 @@ def config_from_gguf(gguf: GGUFFile) -> ModelConfig:
     return cfg
 
 
-# -- the architectures: each GGUF architecture of the llama family as configuration of the one graph (llama.py) --
+# -- the architectures: each GGUF architecture of the llama family as configuration of one graph (models/llama.py)
 @dataclass(frozen=True)
 class Architecture:
     rope_layout: str               # llama.cpp's llama_model_rope_type: "norm" (adjacent pairs) or "neox" (halves)

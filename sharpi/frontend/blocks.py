@@ -1,0 +1,155 @@
+"""The graph's building blocks, as llama.cpp's shared graph builders (build_norm, build_attn, build_ffn,
+build_moe_ffn): each method emits one block's Relax ops into the BlockBuilder, reading the model's weights by their
+GGUF tensor names. A model file (frontend/models/*.py) composes them into its Relax functions; what differs within
+a family is configuration (ModelConfig's flags, frontend/config.py).
+
+Ops are high level: matmul of a dequantize, rms_norm, and the named calls of sharpi.common.ops (RoPE, the paged KV
+cache's append and attention, the mixture's route and expert matmul), which codegen replaces with kernels.
+"""
+from __future__ import annotations
+
+import math
+
+import tvm
+from tvm import relax
+from tvm.relax import op as R
+
+from ..common import ops
+from ..common.config import ModelConfig
+from ..common.kv_format import KVFormat, key_offset_for
+from .weights import WeightTable
+
+ACTIVATIONS = {"silu": R.nn.silu, "gelu_tanh": R.nn.gelu_tanh}
+
+
+def tensor_type(shape, dtype):
+    return relax.TensorType(shape, dtype)
+
+
+class GraphBlocks:
+    """The blocks over one model's weights and KV cache format. A model sets `params` (the function's weight tuple)
+    and `batched` (decode_batch's per-sequence page tables) before it emits each function's blocks."""
+
+    def __init__(self, cfg: ModelConfig, weights: WeightTable, kv_types: tuple[str, str], page_size: int):
+        self.cfg, self.weights = cfg, weights
+        self.kv_format = KVFormat(*kv_types, cfg.n_kv_heads, page_size, cfg.head_dim)
+        self.key_offset = key_offset_for(kv_types[0], cfg.qkv_bias)
+        self.bb = relax.BlockBuilder()
+        self.params = None
+        self.batched = False
+
+    # -- weights ----------------------------------------------------------------------------------------------
+    def param(self, index: int):
+        return self.bb.emit(relax.TupleGetItem(self.params, index))
+
+    def vector(self, name: str):
+        _, (index,) = self.weights.tensors[name]
+        return self.param(index)
+
+    def dequantize(self, name: str):
+        qtype, indices = self.weights.tensors[name]
+        n_out, k_in = self.weights.shapes[name]
+        parts = [self.param(i) for i in indices]
+        return self.bb.emit(relax.call_dps_packed(ops.dequantize_op(qtype), parts,
+                                                  tensor_type((n_out, k_in), "float32")))
+
+    def linear(self, x, name: str):
+        w = self.dequantize(name)
+        return self.bb.emit(R.matmul(x, R.permute_dims(w)))
+
+    # -- norms, embedding, residual ---------------------------------------------------------------------------
+    def norm(self, x, name: str):
+        return self.bb.emit(R.nn.rms_norm(x, self.vector(name), axes=[-1], epsilon=self.cfg.rms_eps))
+
+    def embedding(self, ids):
+        x = self.bb.emit(R.take(self.dequantize("token_embd.weight"), ids, axis=0))
+        if self.cfg.embed_scale != 1.0:
+            x = self.bb.emit(R.multiply(x, relax.const(self.cfg.embed_scale, "float32")))
+        return x
+
+    def sublayer_out(self, out, post_norm: str):
+        """A sublayer's output as it joins the residual: RMS-normed first with post_norms, times residual_scale
+        (granite)."""
+        out = self.norm(out, post_norm) if self.cfg.post_norms else out
+        if self.cfg.residual_scale != 1.0:
+            out = self.bb.emit(R.multiply(out, relax.const(self.cfg.residual_scale, "float32")))
+        return out
+
+    # -- attention --------------------------------------------------------------------------------------------
+    def qkv(self, p: str, h, n):
+        """Layer `p`'s ("blk.N.") q [n, H, D], k and v [n, KVH, D] from the normed input h, before RoPE."""
+        cfg = self.cfg
+        q, k, v = (self.project(h, p + name, heads, n) for name, heads in
+                   (("attn_q", cfg.n_heads), ("attn_k", cfg.n_kv_heads), ("attn_v", cfg.n_kv_heads)))
+        if cfg.qk_norm and not cfg.qk_norm_full:
+            q, k = self.norm(q, p + "attn_q_norm.weight"), self.norm(k, p + "attn_k_norm.weight")
+        return q, k, v
+
+    def project(self, h, name: str, heads: int, n):
+        """h times `name`'s matrix (plus its bias), RMS-normed over its whole width where qk_norm_full (olmoe's
+        q and k), as [n, heads, head_dim]."""
+        cfg = self.cfg
+        y = self.linear(h, name + ".weight")
+        if cfg.qkv_bias:
+            y = self.bb.emit(R.add(y, self.vector(name + ".bias")))
+        if cfg.qk_norm and cfg.qk_norm_full and name.endswith(("attn_q", "attn_k")):
+            y = self.norm(y, name + "_norm.weight")
+        return self.bb.emit(R.reshape(y, (n, heads, cfg.head_dim)))
+
+    def rope(self, x, pos, theta: float | None = None):
+        theta = relax.prim_value(tvm.tirx.FloatImm("float64", theta or self.cfg.rope_theta))
+        return self.bb.emit(relax.call_dps_packed(ops.rope_op(self.cfg.rope_layout), [x, pos, theta],
+                                                  x.ty))
+
+    def attention(self, l, q, k, v, pool, page_table, kv_lens, n, scale: float | None = None, window: int = 0):
+        """Append k and v to layer l's cache, attend; returns (attention output [n, q_dim], the pool)."""
+        cfg, bb = self.cfg, self.bb
+        layer = relax.prim_value(tvm.tirx.IntImm("int64", l))
+        append, attend = ((ops.KV_APPEND_BATCH, ops.PAGED_ATTENTION_BATCH) if self.batched else
+                          (ops.KV_APPEND, ops.PAGED_ATTENTION))
+        if self.key_offset:           # cached as k - c (common.kv_format.KEY_OFFSET): attention is unchanged
+            offset = bb.emit(R.reshape(self.vector(f"blk.{l}.{self.key_offset}"), (cfg.n_kv_heads, cfg.head_dim)))
+            k = bb.emit(R.subtract(k, offset))
+        pool = bb.emit(relax.call_dps_packed(append, [pool, k, v, page_table, kv_lens, layer], pool.ty))
+        scale = relax.prim_value(tvm.tirx.FloatImm("float32", scale or 1.0 / math.sqrt(cfg.head_dim)))
+        window = relax.prim_value(tvm.tirx.IntImm("int64", window))
+        attn = bb.emit(relax.call_dps_packed(attend, [q, pool, page_table, kv_lens, layer, scale, window],
+                                             tensor_type((n, cfg.n_heads, cfg.head_dim), "float32")))
+        return bb.emit(R.reshape(attn, (n, cfg.q_dim))), pool
+
+    # -- feed-forward -----------------------------------------------------------------------------------------
+    def gated_ffn(self, h, name: str):
+        """act(h gate^T) * (h up^T), times down^T; `name` formats to the gate's, up's and down's tensor names."""
+        act = ACTIVATIONS[self.cfg.ffn_activation]
+        gate, up = self.linear(h, name.format("gate")), self.linear(h, name.format("up"))
+        return self.linear(self.bb.emit(R.multiply(act(gate), up)), name.format("down"))
+
+    def moe_ffn(self, p: str, h, n):
+        """llama.cpp's build_moe_ffn: the router's k experts per token (ops.MOE_ROUTE), each expert's gated FFN
+        on its tokens (ops.MOE_MATMUL reads the chosen experts' rows only), their outputs summed with the
+        router's weights; plus a shared expert scaled by sigmoid(h . ffn_gate_inp_shexp) where the model has one."""
+        cfg, bb = self.cfg, self.bb
+        k = cfg.n_experts_used
+        logits = self.linear(h, p + "ffn_gate_inp.weight")
+        route = bb.emit(relax.call_dps_packed(
+            ops.MOE_ROUTE, [logits, relax.prim_value(tvm.tirx.IntImm("int64", k)),
+                            relax.prim_value(tvm.tirx.IntImm("int64", int(cfg.expert_weights_norm)))],
+            [tensor_type((n, k), "int32"), tensor_type((n, k), "float32")]))
+        ids, weights = bb.emit(relax.TupleGetItem(route, 0)), bb.emit(relax.TupleGetItem(route, 1))
+        act = ACTIVATIONS[cfg.ffn_activation]
+        gate = self.expert_linear(h, ids, p + "ffn_gate_exps.weight", n)
+        up = self.expert_linear(h, ids, p + "ffn_up_exps.weight", n)
+        down = self.expert_linear(bb.emit(R.multiply(act(gate), up)), ids, p + "ffn_down_exps.weight", n)
+        out = bb.emit(R.sum(R.multiply(down, R.expand_dims(weights, [-1])), axis=[1]))
+        if cfg.shared_expert_ffn_dim:
+            shared = self.gated_ffn(h, p + "ffn_{}_shexp.weight")
+            gate_in = bb.emit(R.matmul(h, self.vector(p + "ffn_gate_inp_shexp.weight")))
+            out = bb.emit(R.add(out, R.multiply(shared, R.expand_dims(R.sigmoid(gate_in), [-1]))))
+        return out
+
+    def expert_linear(self, x, ids, name: str, n):
+        """[n, k, N]: x [n, K] (or [n, k, K], one row per chosen expert) times the chosen experts of `name`."""
+        experts, rows = self.cfg.n_experts, self.weights.shapes[name][0]
+        k = self.cfg.n_experts_used
+        return self.bb.emit(relax.call_dps_packed(ops.MOE_MATMUL, [x, ids, self.dequantize(name)],
+                                                  tensor_type((n, k, rows // experts), "float32")))
