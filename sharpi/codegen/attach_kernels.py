@@ -218,9 +218,9 @@ class KernelAttacher(relax.PyExprMutator):
 
     def _moe_matmul(self, args, ty):
         """The gathered matmul of the chosen experts, fused with the experts' dequantize as a matmul is: with
-        integer dots where the CPU has them for the type (AVX2's K-quants with integer sub-scales, as the dense
-        matmuls), a prompt's tokens grouped by expert through a GEMM, a decode step's each through the GEMV of
-        its experts' rows; float32 otherwise."""
+        integer dots where the CPU has them for the type (a K-quant stored as (qs, ks) through quant_matmul_q8k's
+        kernels, which every x86 target does for experts), a prompt's tokens grouped by expert through a GEMM, a
+        decode step's each through the GEMV of its experts' rows; float32 otherwise; the GPU kernels on a GPU."""
         x, ids, experts = args
         source = self._dequantize_source(experts)
         if source is None:
