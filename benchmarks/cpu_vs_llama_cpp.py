@@ -116,7 +116,8 @@ def slot_bytes(manifest, cfg, llama_cache: str | None = None) -> int:
 
 
 def rows_for(name: str, prompts: list[int], gen: int, repeats: int, budget: int, matmuls: list[str],
-             threads: int, bandwidth: float, kv_types: list[str], llama_caches: list[str]) -> list[dict]:
+             threads: int, bandwidth: float, kv_types: list[str], llama_caches: list[str],
+             warmup: int = 0) -> list[dict]:
     label_of = Path(name).stem if name.endswith(".gguf") else name
     artifacts = {}
     arms = dict(kv_arms(entry) for entry in kv_types)
@@ -138,7 +139,7 @@ def rows_for(name: str, prompts: list[int], gen: int, repeats: int, budget: int,
     for n in prompts:
         print(f"{name}: {n}-token prompt", file=sys.stderr, flush=True)
         tokens = prompt_ids(tokenizer, n)
-        common = {"tokens": tokens, "gen": gen, "threads": threads}
+        common = {"tokens": tokens, "gen": gen, "threads": threads, "warmup": warmup}
         specs = {}
         for cache in llama_caches:
             label = "llama.cpp" if cache == "default" else f"llama.cpp, {cache} KV, -fa"
@@ -241,6 +242,9 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=None, help="both engines (default: all this process may use)")
     p.add_argument("--out", default=None)
     p.add_argument("--plot", default=None, help="a PNG of the ratios")
+    p.add_argument("--warmup", type=int, default=0,
+                   help="untimed prefills in each engine's process first (a model too large for both engines' files "
+                        "in the page cache is otherwise timed reading its weights from disk)")
     args = p.parse_args(argv)
     threads = resolve_threads(args.threads)
     started, about = time.strftime("%Y-%m-%d %H:%M"), machine()
@@ -249,11 +253,12 @@ def main(argv=None) -> int:
         bandwidths.append(read_bandwidth(threads))    # again for each model: a shared machine's varies by the hour
         rows += rows_for(name, [int(n) for n in args.prompts.split(",")], args.gen, args.repeats, args.budget,
                          args.matmuls.split(","), threads, bandwidths[-1], args.kv.split(","),
-                         args.llama_caches.split(","))
+                         args.llama_caches.split(","), args.warmup)
     measured = ", ".join(f"{b / 1e9:.1f}" for b in bandwidths)
     text = (f"# sharpi vs llama.cpp on the CPU, {started}\n\n{about}; {llama_cpp_info()}.\n\nSame GGUF, prompt and "
             f"{threads} threads for both; decode of {args.gen} tokens after the prompt; every engine in a process of "
-            f"its own, one run each per round, median of {args.repeats} rounds. Read bandwidth on {threads} threads, "
+            f"its own, one run each per round, median of {args.repeats} rounds"
+            f"{f', each after {args.warmup} untimed prefill(s)' if args.warmup else ''}. Read bandwidth on {threads} threads, "
             f"measured before each model (its decode floor's): {measured} GB/s.\n\n"
             f"`python benchmarks/cpu_vs_llama_cpp.py {' '.join(argv or sys.argv[1:])}`\n\n{table(rows)}\n")
     print(text)

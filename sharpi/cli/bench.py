@@ -39,8 +39,14 @@ def artifact_info(directory: Path) -> ModelInfo:
     return ModelInfo(directory, Manifest.read(Path(directory)))
 
 
-def bench_sharpi(model, tokens: list[int], n_gen: int, repeats: int, snapkv: dict | None = None) -> dict:
+def bench_sharpi(model, tokens: list[int], n_gen: int, repeats: int, snapkv: dict | None = None,
+                 warmup: int = 0) -> dict:
+    """Median prefill and decode speeds over `repeats` runs, after `warmup` untimed ones (a model larger than the
+    page cache's room for two engines is read from disk by its first run)."""
     prefill, decode = [], []
+    for _ in range(warmup):
+        with model.session(**(snapkv or {})) as s:
+            s.prefill(tokens)
     for _ in range(repeats):
         with model.session(**(snapkv or {})) as s:
             t0 = time.perf_counter()
@@ -62,9 +68,9 @@ LLAMA_CACHE_TYPES = {"f16": 1, "q4_0": 2, "q8_0": 8}
 
 
 def bench_llama_cpp(gguf: Path, tokens: list[int], n_gen: int, threads: int, repeats: int,
-                    cache: str | None = None) -> dict:
+                    cache: str | None = None, warmup: int = 0) -> dict:
     """cache: "f16", "q8_0", ... or "K/V" (llama.cpp's -ctk/-ctv, with flash attention on, which its quantized
-    V cache needs); None: llama.cpp's defaults (an f16 cache)."""
+    V cache needs); None: llama.cpp's defaults (an f16 cache). `warmup` untimed prefills first, as bench_sharpi."""
     from llama_cpp import Llama
 
     kv = {}
@@ -73,6 +79,9 @@ def bench_llama_cpp(gguf: Path, tokens: list[int], n_gen: int, threads: int, rep
         kv = {"type_k": LLAMA_CACHE_TYPES[k], "type_v": LLAMA_CACHE_TYPES[v or k], "flash_attn": True}
     llm = Llama(model_path=str(gguf), n_ctx=max(2048, len(tokens) + n_gen + 16), n_threads=threads,
                 n_threads_batch=threads, n_batch=512, verbose=False, logits_all=False, **kv)
+    for _ in range(warmup):
+        llm.reset()
+        llm.eval(tokens)
     prefill, decode = [], []
     for _ in range(repeats):
         llm.reset()
@@ -112,10 +121,11 @@ def _child() -> int:
     try:
         if spec["engine"] == "llama.cpp":
             result = bench_llama_cpp(Path(spec["gguf"]), spec["tokens"], spec["gen"], spec["threads"],
-                                     spec["repeats"], spec.get("cache"))
+                                     spec["repeats"], spec.get("cache"), spec.get("warmup", 0))
         else:
             model = Model(spec["artifact"], threads=spec["threads"], pool_sequences=1)
-            result = bench_sharpi(model, spec["tokens"], spec["gen"], spec["repeats"], spec.get("snapkv"))
+            result = bench_sharpi(model, spec["tokens"], spec["gen"], spec["repeats"], spec.get("snapkv"),
+                                  spec.get("warmup", 0))
     except SharpiError as exc:
         result = {"error": str(exc)}
     print(json.dumps(result))
