@@ -67,7 +67,7 @@ KS_WORDS = {"q4_k": 5, "q5_k": 13, "q6_k": 21}   # u32 words of `ks` a super-blo
 KS_BITS = {"q4_k": 5, "q5_k": 5, "q6_k": 5}      # the word of `ks` where a super-block's bit fields start
 BIT_WORDS = {"q4_k": 0, "q5_k": 1, "q6_k": 2}    # bit-field words a 32-block (s's planes after FLOAT_PLANES)
 SUB_SCALES = "ks"
-KERNEL_PARTS = 2    # the parts every kernel takes (qs, s); only quant_matmul_q8k's take `ks` too
+KERNEL_PARTS = 2    # the parts every kernel takes: (qs, s), or a K-quant's (qs, ks) for quant_matmul_q8k's
 
 # GGUF tensor type name -> sharpi layout kept as is (quantized in memory)
 NATIVE_TYPES = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q5_0": "q5_0", "Q5_1": "q5_1", "Q8_0": "q8_0",

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..common.errors import CompileError
 from ..common.progress import progress_bar
-from ..common.quant_layout import FLOAT_PLANES, K_QUANTS, SUB_SCALES, parts as layout_parts, scale_planes
+from ..common.quant_layout import FLOAT_PLANES, K_QUANTS, SUB_SCALES, parts as layout_parts
 from .gguf_file import GGUFFile, GGUFTensor
 from .quant import check_repackable, layout_of, repack
 
@@ -88,18 +88,18 @@ class WeightTable:
             from gguf.quants import dequantize
 
             data = np.asarray(dequantize(t.data, GGMLQuantizationType(t.type_id)), dtype=np.float32)
-            parts = {"w": np.ascontiguousarray(data.reshape(t.shape))}
+            repacked = {"w": np.ascontiguousarray(data.reshape(t.shape))}
         else:
-            parts = repack(as_matrix(t))
-            kept = {self.specs[i].name.rsplit(":", 1)[1] for i in indices}
-            parts = {part: array for part, array in parts.items() if part in kept}
+            repacked = repack(as_matrix(t))
         self.gguf.release(name)
+        kept = {self.specs[i].name.rsplit(":", 1)[1] for i in indices}
+        parts = {part: array for part, array in repacked.items() if part in kept}
         for (part, array), index in zip(parts.items(), indices, strict=True):
             spec = self.specs[index]
             if spec.name != f"{name}:{part}" or tuple(array.shape) != spec.shape or str(array.dtype) != spec.dtype:
                 raise CompileError(f"{name}:{part} repacked to {array.dtype}{list(array.shape)}, not the "
                                    f"{spec.dtype}{list(spec.shape)} the graph was built for.")
-        if not all_finite(qtype, parts) and name not in self.non_finite:
+        if not all_finite(qtype, repacked) and name not in self.non_finite:     # `s` read, stored or not
             self.non_finite.append(name)
         return parts
 
@@ -131,10 +131,9 @@ def as_matrix(t: GGUFTensor) -> GGUFTensor:
 
 def all_finite(qtype: str, parts: dict[str, np.ndarray]) -> bool:
     """Whether a repacked tensor's weights are all finite: its float planes (scales and offsets of the quantized
-    types, from `ks` where `s` is left out; every weight of the dense ones; bf16's bits by their exponent)."""
+    types; every weight of the dense ones; bf16's bits by their exponent)."""
     if qtype in FLOAT_PLANES:
-        planes = parts["s"] if "s" in parts else scale_planes(qtype, parts["ks"])
-        return bool(np.isfinite(planes[:FLOAT_PLANES[qtype]]).all())
+        return bool(np.isfinite(parts["s"][:FLOAT_PLANES[qtype]]).all())
     w = parts["w"]
     if qtype == "bf16":
         return not bool(((w & 0x7F80) == 0x7F80).any())

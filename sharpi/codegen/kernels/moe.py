@@ -88,6 +88,12 @@ def grouped_rows(n, k: int, E: int, TT: int):
     return n * k + E * (TT - 1)
 
 
+def grouped_input_row(pair, p, k: int, R: int):
+    """The input row of group_by_expert's sorted position p: its token's (R = 1) or its (token, slot)'s (R = k, a
+    row per slot); a padding position (pair -1) reads row 0, which the kernels then ignore."""
+    return T.max(pair[p], 0) // (k // R)
+
+
 @T.macro
 def group_by_expert(ids, n, k, E, TT, bounds, pair, fill):
     """A counting sort of the (token, slot) pairs by their chosen expert. pair[p] is the flat pair index

@@ -51,6 +51,12 @@ def ks_offset_byte(qtype: str, first, b, f):
     return ks_sub_scale_byte(qtype, first, b, f) if qtype == "q6_k" else first * 4 + 12 + b
 
 
+def ks_bit_word(qtype: str, b, i):
+    """Index, in a row of `ks`, of word i of block b's bit fields (q5_k's fifth bits; q6_k's h0, h1)."""
+    blocks = SUPER_BLOCK // BLOCK
+    return b // blocks * KS_WORDS[qtype] + KS_BITS[qtype] + b % blocks * BIT_WORDS[qtype] + i
+
+
 def from_ks(qtype: str, ks):
     """Scale-field accessor of a K-quant stored as (qs, ks): field f of block b as the `s` plane would hold it,
     computed from the super-block's scales, integer sub-scales and bit fields (quant_layout's `ks`)."""
@@ -64,8 +70,7 @@ def from_ks(qtype: str, ks):
     def field(f, row, b):
         first, j = b // blocks * W, b % blocks
         if f >= FLOAT_PLANES[qtype]:          # a bit-field word, as the f32 bits the plane would hold
-            return T.reinterpret("float32", ks[row, first + KS_BITS[qtype] + j * BIT_WORDS[qtype]
-                                               + f - FLOAT_PLANES[qtype]])
+            return T.reinterpret("float32", ks[row, ks_bit_word(qtype, b, f - FLOAT_PLANES[qtype])])
         if qtype == "q6_k" or f == 0:
             return ks_super_scale(qtype, ks, row, first) * byte(row, ks_sub_scale_byte(qtype, first, j, f),
                                                                  qtype == "q6_k")

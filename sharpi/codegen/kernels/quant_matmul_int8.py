@@ -27,11 +27,11 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from ...common.quant_layout import BIT_WORDS, BLOCK, KS_BITS, LAYOUTS, SUPER_BLOCK
+from ...common.quant_layout import BLOCK, LAYOUTS
 from .lanes import lane_max, lane_total
 from .common import token_count
-from .moe import group_by_expert, grouped_rows
-from .quant_matmul import cpu_quants
+from .moe import group_by_expert, grouped_input_row, grouped_rows
+from .quant_matmul import cpu_quants, ks_bit_word
 
 INT8_DOT_TYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k")
 _ZERO = {"q4_0": 8, "q5_0": 16, "q6_k": 32}     # the quant value meaning zero (w = (u - zero) * d)
@@ -74,18 +74,17 @@ def _bit_lanes(words, byte_of, bit_of, value):
                     T.Broadcast(T.uint8(0), 32))
 
 
-def _bit_word(qtype, s, row, b, i, ks_words):
+def _bit_word(qtype, s, row, b, i, from_ks):
     """Word i of block b's bit fields (q5's fifth bits; q6_k's h0, h1): from the `s` planes after the scales, or,
-    given ks_words, from the K-quant's `ks` part (then `s` is that part)."""
-    if ks_words is None:
-        return T.reinterpret("uint32", s[_QH_FIELD.get(qtype, 2 + i), row, b])
-    blocks = SUPER_BLOCK // BLOCK
-    return s[row, b // blocks * ks_words + KS_BITS[qtype] + b % blocks * BIT_WORDS[qtype] + i]
+    from_ks, from the K-quant's `ks` part (then `s` is that part)."""
+    if from_ks:
+        return s[row, ks_bit_word(qtype, b, i)]
+    return T.reinterpret("uint32", s[_QH_FIELD.get(qtype, 2 + i), row, b])
 
 
-def _unsigned_quants(qtype, qs, s, row, b, ks_words=None):
-    """The block's quants as unsigned bytes (int8x32 bits), in lane order; their bit fields from `s` (or, given
-    ks_words, from `ks` passed as `s`: _bit_word)."""
+def _unsigned_quants(qtype, qs, s, row, b, from_ks=False):
+    """The block's quants as unsigned bytes (int8x32 bits), in lane order; their bit fields from `s` (or, from_ks,
+    from `ks` passed as `s`: _bit_word)."""
     if qtype == "q8_0":
         w = qs[row, T.ramp(b * BLOCK, 1, BLOCK)]
         return _intrin("int8x32", "llvm.x86.avx2.psign.b", w, w)    # |w| (-128 stays 0x80 = 128 unsigned)
@@ -93,11 +92,11 @@ def _unsigned_quants(qtype, qs, s, row, b, ks_words=None):
     u = T.Shuffle([packed & T.Broadcast(T.uint8(15), 16), packed >> T.Broadcast(T.uint8(4), 16)], list(range(32)))
     element = lambda l: lane_element(l, qtype)   # noqa: E731
     if qtype in _QH_FIELD:   # the fifth bit of element e is bit e of qh
-        qh = T.Broadcast(_bit_word(qtype, s, row, b, 0, ks_words), 8)
+        qh = T.Broadcast(_bit_word(qtype, s, row, b, 0, from_ks), 8)
         u = u | _bit_lanes(qh, lambda l: element(l) // 8, lambda l: element(l) % 8, 16)
     elif qtype == "q6_k":   # bits 4-5 of element e: bits 2(e%16), +1 of h0 (e < 16) or h1; h0 in bytes 0-3, h1 4-7
-        h01 = T.Shuffle([T.Broadcast(_bit_word(qtype, s, row, b, 0, ks_words), 4),
-                         T.Broadcast(_bit_word(qtype, s, row, b, 1, ks_words), 4)], [0, 4, 0, 4, 0, 4, 0, 4])
+        h01 = T.Shuffle([T.Broadcast(_bit_word(qtype, s, row, b, 0, from_ks), 4),
+                         T.Broadcast(_bit_word(qtype, s, row, b, 1, from_ks), 4)], [0, 4, 0, 4, 0, 4, 0, 4])
         u = u | _q6_k_high_bits(h01)
     return T.reinterpret("int8x32", u)
 
@@ -599,7 +598,7 @@ def make_moe_gemm_int8(qtype: str, E: int, N: int, K: int, k: int, per_slot: boo
         group_by_expert(ids, n, k, E, TT, bounds, pair, fill)
         for p in T.parallel(P):
             for b in range(NB):
-                quantize_activation_block(x, T.max(pair[p], 0) // (k // R), pair[p] >= 0, xq, xd8, xo, p, b,
+                quantize_activation_block(x, grouped_input_row(pair, p, k, R), pair[p] >= 0, xq, xd8, xo, p, b,
                                           qtype, F)
         for c in T.parallel(CHUNKS):
             acc = T.decl_buffer((TT, 8), "float32", scope="global")
