@@ -81,9 +81,9 @@ def compile(model: str | Path, target: str = DEFAULT_TARGET, output: str | Path 
     the quantized matmuls multiply int8-quantized activations with integer dot products as llama.cpp does, or
     "float": float32 throughout, exact to the numpy reference), vulkan, or cuda (arch: sm_XY, default sm_80;
     cuda_graph: decode as one captured CUDA graph); kv_dtype: the KV cache's type, "f32", "f16", "bf16" (not on
-    vulkan), "q8_0" or "q4_0" (blocks of 32 with an f16 scale, as ggml's); kv_dtype_k and kv_dtype_v
-    set the keys' or the values' alone (llama.cpp's -ctk, -ctv); default f16 for cuda and for llvm with int8
-    matmuls, else f32.
+    vulkan), "q8_0" or "q4_0" (blocks of 32 with an f16 scale, as ggml's), "q4_ch" (keys only), or any other
+    codec registered in sharpi.common.kv_codecs; kv_dtype_k and kv_dtype_v set the keys' or the values' alone
+    (llama.cpp's -ctk, -ctv); default f16 for cuda and for llvm with int8 matmuls, else f32.
 
     snapkv decides whether the SnapKV ops exist; snapkv_window (of the snapkv_* knobs: budget, window, recency,
     pooling, kernel, granularity, sinks) is also the largest window allowed at run time; the knobs become the

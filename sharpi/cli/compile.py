@@ -5,7 +5,7 @@ import sys
 
 from ..common.compile_options import kv_types_of
 from ..common.errors import ConfigError
-from ..common.kv_format import KEY_TYPE_NOTES
+from ..common.kv_format import key_type_note
 from ..common.manifest import manifest_sha256
 from ..common.targets import DEFAULT_TARGET, TARGETS, targets_taking
 from ..frontend.fetch import KNOWN_MODELS, resolve_model
@@ -84,7 +84,7 @@ def main(argv=None) -> int:
                         max_context=args.max_context, snapkv=args.snapkv, dump_ir=args.dump_ir,
                         use_cache=not args.no_cache, show_progress=not args.quiet, **snapkv_keywords(args))
     print(out)
-    key_note = KEY_TYPE_NOTES.get(kv_types_of(args.kv_dtype, args.kv_dtype_k, args.kv_dtype_v)["kv_dtype"])
+    key_note = key_type_note(kv_types_of(args.kv_dtype, args.kv_dtype_k, args.kv_dtype_v)["kv_dtype"])
     if key_note:
         print(f"sharpi: note: {key_note}", file=sys.stderr)
     print(f"sharpi: manifest sha256 {manifest_sha256(out)} (an artifact is code: whoever loads this copy can pin it "

@@ -3,14 +3,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from . import kv_codecs
 from .errors import ConfigError
 from .settings import parse_positive_int
 from .snapkv_settings import SnapKVSettings, check_against
 from .targets import DEFAULT_TARGET, target_spec, targets_taking
 
-# --kv-dtype names -> the KV types of sharpi.common.kv_format
-KV_DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16", "q8_0": "q8_0", "q4_0": "q4_0",
-             "q4_ch": "q4_ch"}
 MATMULS = ("float", "int8")
 PREFILL_CHUNK = 512
 # how each target-only option is named in messages (and on the command line)
@@ -56,21 +54,21 @@ class CompileOptions:
         for flag, value in (("--kv-dtype", self.kv_dtype), ("--kv-dtype-v", self.kv_dtype_v)):
             if value is None:
                 continue
-            if value not in KV_DTYPES.values():
-                raise ConfigError(f"{flag} must be one of {', '.join(KV_DTYPES)}, got {value!r}.")
-            if value not in spec.kv_dtypes:
-                name = next(k for k, v in KV_DTYPES.items() if v == value)
-                others = ", ".join(k for k, v in KV_DTYPES.items() if v in spec.kv_dtypes)
-                raise ConfigError(f"{flag} {name} is not available on the {self.target} target "
-                                  f"({spec.kv_dtype_notes[value]}); use {others}.")
+            if value not in kv_codecs.names():
+                raise ConfigError(f"{flag} must be one of {', '.join(kv_codecs.flags())}, got {value!r}.")
+            why = kv_codecs.codec(value).unavailable.get(self.target)
+            if why:
+                others = ", ".join(kv_codecs.flag_of(t) for t in kv_codecs.available_on(self.target))
+                raise ConfigError(f"{flag} {kv_codecs.flag_of(value)} is not available on the {self.target} target "
+                                  f"({why}); use {others}.")
         if self.max_context is not None:
             parse_positive_int(self.max_context, "--max-context")
 
 
 def kv_dtype_of(name: str | None) -> str | None:
-    """--kv-dtype's names (f32, f16, bf16, q8_0, q4_0, q4_ch) as KV types; other values are left for validate() to
-    refuse."""
-    return KV_DTYPES.get(name, name) if name is not None else None
+    """--kv-dtype's names (f32, f16, bf16, q8_0, q4_0, q4_ch: kv_codecs' flags) as KV types; other values are left
+    for validate() to refuse."""
+    return kv_codecs.flags().get(name, name) if name is not None else None
 
 
 def kv_types_of(kv_dtype: str | None, kv_dtype_k: str | None = None, kv_dtype_v: str | None = None) -> dict:

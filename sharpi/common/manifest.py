@@ -19,7 +19,7 @@ from pathlib import Path
 from . import schema
 from .config import MAX_SIZE, ModelConfig
 from .errors import ArtifactError, ConfigError
-from .kv_format import KEY_OFFSET, KV_TYPES, KVFormat
+from .kv_format import KEY_OFFSET, KVFormat, kv_types
 from .output_dir import MAX_MANIFEST_BYTES, OutputKind, plain_file_name
 from .plan import PLAN_FILE
 from .chat_sampling import check_manifest_sampling
@@ -71,7 +71,7 @@ class Manifest:
     params: list[ParamEntry]
     files: dict[str, str] = field(default_factory=dict)   # file name -> sha256
     snapkv: dict = field(default_factory=dict)
-    kv_dtype: str = "float32"    # the KV cache's type (kv_format.KV_TYPES): the keys', and the values' unless
+    kv_dtype: str = "float32"    # the KV cache's type (kv_codecs' names): the keys', and the values' unless
     kv_dtype_v: str | None = None    # gives theirs (absent in artifacts compiled before K and V could differ)
     kv_key_offset: str | None = None     # keys cached minus blk.N.<this> (kv_format.key_offset_for); absent: none
     sampling: dict | None = None         # the GGUF's recommended sampling (chat_sampling); absent: none
@@ -285,6 +285,11 @@ def _snapkv_defaults(value, path):
         raise schema.SchemaError(path, "", value, f"{path}: {str(exc).rstrip('.')}") from None
 
 
+def _kv_type(value, path) -> None:
+    """A KV type the registry knows now (kv_codecs: a codec registered at run time counts)."""
+    schema.one_of(*kv_types())(value, path)
+
+
 # score_max: the score op takes a negative window as the maximum reduction (absent in artifacts compiled before)
 _SNAPKV = schema.record({"enabled": schema.boolean, "max_window": schema.integer(1, MAX_WINDOW),
                          "defaults": _snapkv_defaults, "select_params": schema.one_of(6, 7),
@@ -300,7 +305,7 @@ _TOP = schema.record({
     "functions": schema.array(schema.one_of(*FUNCTIONS), len(FUNCTIONS), unique=True),
     "kernels": schema.array(schema.text(256), 100_000), "params": schema.array(_PARAM, 1_000_000),
     "files": schema.mapping(_plain_name, schema.sha256_hex, 100_000),
-    "snapkv": _SNAPKV, "kv_dtype": schema.one_of(*KV_TYPES), "kv_dtype_v": schema.optional(schema.one_of(*KV_TYPES)),
+    "snapkv": _SNAPKV, "kv_dtype": _kv_type, "kv_dtype_v": schema.optional(_kv_type),
     "kv_key_offset": schema.optional(schema.one_of(KEY_OFFSET)), "sampling": check_manifest_sampling},
     optional_keys=("kv_dtype_v", "kv_key_offset", "sampling"))
 

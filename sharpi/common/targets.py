@@ -1,5 +1,6 @@
 """The targets sharpi compiles for, in one table: what each is called and what it is (a CPU or a GPU), which runtime
-runs its artifacts, which compile options and KV types it takes, what its manifest entry looks like.
+runs its artifacts, which compile options it takes, what its manifest entry looks like. (Which KV types it takes
+is each KV codec's to say: kv_codecs' `unavailable`.)
 
 This and sharpi/codegen/targets/ (one file per target: how it is lowered and built) are the only modules that name
 a target; everything else asks this table. A new target is a TargetSpec here plus its file there (plus a runtime
@@ -23,8 +24,6 @@ class TargetSpec:
     runtime: str                   # "tvm-vm": TVM's Relax VM on tvm_device; "wgpu-plan": the plan on wgpu
     tvm_device: str | None         # "cpu" or "cuda" for the tvm-vm runtime
     options: tuple[str, ...]       # the TARGET_OPTIONS it takes
-    kv_dtypes: tuple[str, ...]     # KV page pool element types its kernels read and write
-    kv_dtype_notes: dict           # why each missing KV type is, for the refusal
     manifest_entry: schema.Check   # the manifest's "target" object
 
     @property
@@ -36,7 +35,7 @@ _CPU_FEATURE = schema.text(32, r"[a-z0-9_.]+")
 TARGETS = {spec.name: spec for spec in (
     TargetSpec(
         name="llvm", about="this CPU, or --mcpu", device="cpu", runtime="tvm-vm", tvm_device="cpu",
-        options=("mcpu", "matmuls"), kv_dtypes=("float32", "float16", "bfloat16", "q8_0", "q4_0", "q4_ch"), kv_dtype_notes={},
+        options=("mcpu", "matmuls"),
         manifest_entry=schema.record({"kind": schema.one_of("llvm"), "mcpu": schema.text(64, r"[A-Za-z0-9_.+-]+"),
                                       "cpu_features": schema.array(_CPU_FEATURE, 64, unique=True),
                                       "matmuls": schema.one_of("float", "int8"),
@@ -44,15 +43,13 @@ TARGETS = {spec.name: spec for spec in (
                                      optional_keys=("int8_isa",))),
     TargetSpec(
         name="cuda", about="NVIDIA GPUs; needs nvcc", device="gpu", runtime="tvm-vm", tvm_device="cuda",
-        options=("arch", "cuda_graph"), kv_dtypes=("float32", "float16", "bfloat16", "q8_0", "q4_0", "q4_ch"),
-        kv_dtype_notes={},
+        options=("arch", "cuda_graph"),
         manifest_entry=schema.record({"kind": schema.one_of("cuda"), "arch": schema.text(8, r"sm_[0-9]{2,3}a?"),
                                       "images": schema.array(schema.text(32, r"[a-z]+:[0-9]+"), 64),
                                       "cuda_graph": schema.boolean})),
     TargetSpec(
         name="vulkan", about="WGSL run through wgpu", device="gpu", runtime="wgpu-plan", tvm_device=None,
-        options=(), kv_dtypes=("float32", "float16", "q8_0", "q4_0", "q4_ch"),
-        kv_dtype_notes={"bfloat16": "WGSL has no bfloat16"},
+        options=(),
         manifest_entry=schema.record({"kind": schema.one_of("vulkan"), "shader": schema.one_of("wgsl"),
                                       "activations": schema.one_of("float32")})),
 )}

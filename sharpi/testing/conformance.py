@@ -46,6 +46,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..common import kv_codecs
 from ..common.targets import DEFAULT_TARGET, target_spec
 from .backends import NEAR_TIE
 from .options import REFERENCES
@@ -125,8 +126,8 @@ INT8_MATMULS = (4.0, 1.0)
 # checks q8_0; q4_0 moves the far tail so much that a log-prob bound checks little more than that the model runs
 # (its perplexity is the measure that counts). q4_ch keys (4 bits per channel over a page) with q8_0 values, int8
 # matmuls: 2.55, 8.45 and 1.15 (top 20: 1.58, 2.20, 1.13; top-1 94-96%, q8_0's 95-99%); with q4_0 values 3.53, 5.23,
-# 1.75. The coarser of the two sides' types decides; (log-prob atol, near-tie):
-QUANTIZED_KV = {"q8_0": (4.0, 1.0), "q4_ch": (12.0, 3.0), "q4_0": (32.0, 4.0)}
+# 1.75. Each codec holds its (log-prob atol, near-tie) as `tolerance` (q8_0 (4, 1), q4_ch (12, 3), q4_0 (32, 4)); the
+# coarser of the two sides' types decides.
 
 
 def tolerance_for(manifest) -> Tolerance:
@@ -143,7 +144,7 @@ def _tolerance_for_target(manifest) -> Tolerance:
     KV cache (measured 0.018 on SmolLM2's 318-token golden text on llvm; tests/test_tiny_models.py allows 2e-2 on
     tiny models)."""
     kind = manifest.target["kind"]
-    quantized = [QUANTIZED_KV[t] for t in manifest.kv_types if t in QUANTIZED_KV]
+    quantized = [kv_codecs.codec(t).tolerance for t in manifest.kv_types if kv_codecs.codec(t).tolerance]
     if quantized:
         atol, near_tie = max(quantized)
         return Tolerance(atol, near_tie, f"{kind}, {'/'.join(dict.fromkeys(manifest.kv_types))} KV")

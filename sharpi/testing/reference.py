@@ -18,8 +18,8 @@ import numpy as np
 
 from ..common.config import ModelConfig
 from ..common.errors import GGUFError
-from ..common.kv_format import (FLOAT_KV, PAGE_SCALED_KV, dequantize_channels, dequantize_kv, key_offset_for,
-                                 quantize_channels, quantize_kv)
+from ..common import kv_codecs
+from ..common.kv_format import key_offset_for
 from ..common.ops import PAGE_SIZE
 # Gemma 3's layer pattern and local RoPE base are constants llama.cpp hard-codes rather than reads from the GGUF
 from ..frontend.config import GEMMA3_LOCAL_ROPE_BASE, GEMMA3_SWA_PATTERN, config_from_gguf
@@ -47,7 +47,7 @@ class NumpyReference:
         self.swa_pattern = cfg.swa_pattern
         self.kv_types: tuple[str, str] | None = None
         self.router_capture: list | None = None          # a list: each MoE layer's router probabilities [T, E]
-        self.page_size = PAGE_SIZE                      # how q4_ch keys are grouped (kv_roundtrip)
+        self.page_size = PAGE_SIZE                      # how page-scaled keys are grouped (kv_roundtrip)
         self.local_rope_theta = cfg.rope_theta_local   # 0: local layers keep the model's RoPE base
         self.embed_scale = np.float32(cfg.embed_scale)
         self.attn_scale = cfg.attn_scale or None
@@ -376,23 +376,17 @@ def quantize_activations_q8(x: np.ndarray, block: int = 32) -> tuple[np.ndarray,
 
 
 def kv_roundtrip(dtype: str, x: np.ndarray, page_size: int = PAGE_SIZE) -> np.ndarray:
-    """x (f32, last axis head_dim) stored in a KV cache of `dtype` and read back as f32. q4_ch keys (x [T, KVH, D]
-    of positions 0 .. T - 1) are encoded a page of `page_size` positions at a time, as one prefill stores them."""
-    if dtype in PAGE_SCALED_KV:
-        out = np.empty_like(x)
-        for p in range(0, len(x), page_size):
-            page = x[p:p + page_size].transpose(1, 0, 2)                      # [KVH, n, D]
-            out[p:p + page_size] = dequantize_channels(*quantize_channels(page)).transpose(1, 0, 2)
-        return out
-    if dtype == "float32":
-        return x
-    if dtype == "float16":
-        return x.astype(np.float16).astype(np.float32)
-    if dtype == "bfloat16":
-        import ml_dtypes
-        return x.astype(ml_dtypes.bfloat16).astype(np.float32)
-    assert dtype not in FLOAT_KV, dtype
-    return dequantize_kv(dtype, *quantize_kv(dtype, x))
+    """x (f32, last axis head_dim) stored in a KV cache of `dtype` and read back as f32, by its codec's numpy rule.
+    Page-scaled keys (q4_ch; x [T, KVH, D] of positions 0 .. T - 1) are encoded a page of `page_size` positions at a
+    time, as one prefill stores them."""
+    codec = kv_codecs.codec(dtype)
+    if not codec.page_scaled:
+        return codec.roundtrip(x, x.shape[-1], page_size)
+    out = np.empty_like(x)
+    for p in range(0, len(x), page_size):
+        page = x[p:p + page_size].transpose(1, 0, 2)                      # [KVH, n, D]
+        out[p:p + page_size] = codec.roundtrip(page, x.shape[-1], page_size).transpose(1, 0, 2)
+    return out
 
 
 class ReferenceSession:
@@ -446,7 +440,7 @@ class ReferenceSession:
 
     @property
     def _page_keys(self) -> bool:
-        return bool(self.ref.kv_types) and self.ref.kv_types[0] in PAGE_SCALED_KV
+        return bool(self.ref.kv_types) and kv_codecs.codec(self.ref.kv_types[0]).page_scaled
 
     def _paged(self, keys):
         """Keys [KVH, n, D] at slots 0 .. n - 1 as page-encoded keys store them."""

@@ -24,7 +24,7 @@ from ...common.ops import (P_BUDGET, P_KERNEL, P_POOLING, P_RECENCY, P_SHARED, P
                            POOL_MAX, SELECT_PARAMS)
 from ...common.kv_format import KVFormat
 from .common import LANES, NEG_INF, score_reduce, score_width, token_count
-from .kv_rows import PageScaledKeys, encode_page_keys, read_page_scales, with_pool_rows
+from .kv_rows import with_pool_rows
 from .paged_attention import fast_exp
 
 
@@ -46,7 +46,8 @@ def make_snapkv_score(heads: int, kv_heads: int, head_dim: int, page_size: int, 
     slots = max_pages * page_size
     DC = head_dim // LANES
     page_keys = fmt.page_scaled_keys
-    page_scales_shape = (2, head_dim) if page_keys else (1,)
+    key_codec = fmt.codec(0)
+    page_scales_shape = (key_codec.page_scratch_rows, head_dim) if page_keys else (1,)
 
     @T.macro
     def logit(keys, q, t, h, page, kvh, s, dv, row, st):
@@ -76,11 +77,11 @@ def make_snapkv_score(heads: int, kv_heads: int, head_dim: int, page_size: int, 
                 total = T.meta_var(T.Cast("int64", kv_lens[layer]) + t + 1)
                 st[0] = T.float32(NEG_INF)
                 if page_keys:
-                    # a page's per-channel scales once, in channel order (kv_rows.PageScaledKeys), for its slots
+                    # a page's side data once (the codec's cpu_read_page), for its slots
                     for i in range((total + page_size - 1) // page_size):
                         page = T.meta_var(T.Cast("int64", page_table[layer, i]))
-                        read_page_scales(rows, page_scales, page, kvh)
-                        keys = T.meta_var(PageScaledKeys(rows, page_scales))
+                        key_codec.cpu_read_page(rows, page_scales, page, kvh)
+                        keys = T.meta_var(key_codec.cpu_page_keys(rows, page_scales))
                         for o in range(T.min(total - i * page_size, page_size)):
                             logit(keys, q, t, h, page, kvh, i * page_size + o, dv, row, st)
                 else:
@@ -282,9 +283,9 @@ def make_kv_compact(layers: int, kv_heads: int, head_dim: int, page_size: int, m
 
 
 def _kv_compact_page_keys(fmt: KVFormat, layers: int, max_pages: int):
-    """kv_compact for q4_ch keys, whose scales belong to their page: each destination page's keys are gathered as
-    stored (dequantized through their source pages' scales) and the page encoded again (kv_format.gather_slots);
-    values move by their bytes. In place, as the row form: keep is ascending, so destination page j reads pages
+    """kv_compact for page-scaled keys (q4_ch), whose side data belongs to their page: each destination page's keys
+    are gathered as stored (read back through their source pages' side data) and the page encoded again
+    (kv_format.gather_slots); values move by their bytes. In place, as the row form: keep is ascending, so destination page j reads pages
     j and later only, and page j's sources are all read before page j is written."""
     pages = T.int64()
     P, D = fmt.page_size, fmt.head_dim
@@ -306,7 +307,7 @@ def _kv_compact_page_keys(fmt: KVFormat, layers: int, max_pages: int):
                         gathered[o, d] = rows.load(0, src_page, h, src_slot, d)
                     for b in T.vectorized(value.nbytes):
                         pool[dst, 0, h, o, value.offset + b] = pool[src_page, 0, h, src_slot, value.offset + b]
-                encode_page_keys(rows, dst, h, gathered, T.min(count[l] - j * P, P))
+                rows.codec(0).cpu_encode_page(rows, dst, h, gathered, T.min(count[l] - j * P, P))
 
     @T.prim_func
     def kv_compact(var_pool: T.handle, page_table: T.Buffer((layers, max_pages), "int32"),
