@@ -31,7 +31,7 @@ from .common.compile_options import PREFILL_CHUNK, CompileOptions, kv_types_of
 from .common.config import ModelConfig
 from .common.errors import ConfigError, SharpiNote, SharpiWarning, UnsupportedArchitectureError
 from .common.chat_sampling import from_gguf_metadata as sampling_from_gguf
-from .common.kv_format import key_offset_for
+from .common.kv_format import key_offset_for, rotation_seed_for
 from .common.file_share import share_file
 from .common.manifest import (ARTIFACT, FORMAT_VERSION, LIBRARY, MANIFEST_NAME, TOKENIZER, WEIGHTS, Manifest,
                               contract_json, file_sha256)
@@ -272,6 +272,7 @@ def _compile_artifact(gguf_path: Path, gguf_sha256: str, options: CompileOptions
                     "select_params": SELECT_PARAMS,
                     "score_max": True}, kv_dtype=options.kv_dtype, kv_dtype_v=options.kv_dtype_v,
             kv_key_offset=key_offset_for(options.kv_types[0], front.cfg.qkv_bias),
+            kv_rotation_seed=rotation_seed_for(options.kv_types),
             sampling=sampling_from_gguf(front.gguf.metadata))
         contract = contract_json(manifest.kernel_contract())
         with progress_bar(2, "compiling", show_progress, unit="step") as bar:

@@ -70,7 +70,7 @@ class RowInt8(KVCodec):
         inverse[b] = T.Select(stats[2] > T.float32(0), T.float32(1) / stats[2], T.float32(0))
         scales[b] = stats[2]
 
-    def gpu_quant_word(self, rows, which, x, t, h, i, inverse):
+    def gpu_quant_word(self, rows, which, x, t, h, i, scales, inverse):
         return or_bytes([T.Cast("uint32", T.bitwise_and(T.Cast("int32", T.round(x[t, h, WORD * i + e] * inverse[0])),
                                                         255)) for e in range(WORD)])
 

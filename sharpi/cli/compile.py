@@ -32,8 +32,10 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--max-context", type=int, default=None, help="context length (default: the GGUF's)")
     p.add_argument("--kv-dtype", default=None, help="the KV cache's type: f32, f16 (half the memory), bf16 (half "
                                                      "the memory, f32's range), q8_0 or q4_0 (blocks of 32 with an "
-                                                     "f16 scale, as ggml's: 0.53x and 0.28x f16's memory); "
-                                                     "default f16 for GPUs and for int8 matmuls, else f32")
+                                                     "f16 scale, as ggml's: 0.53x and 0.28x f16's memory), tq4 or "
+                                                     "tq3 (TurboQuant: a Hadamard rotation, then 4 or 3 bits a value "
+                                                     "and a norm a row; head_dim a power of two); default f16 for "
+                                                     "GPUs and for int8 matmuls, else f32")
     p.add_argument("--kv-dtype-k", default=None, help="the keys' type alone (over --kv-dtype), as llama.cpp's -ctk; "
                                                        "keys are the sensitive side: q8_0 keys keep long-context "
                                                        "retrieval, q4_0 keys lose it; q4_ch (keys only) is 4 "

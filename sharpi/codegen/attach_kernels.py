@@ -33,11 +33,13 @@ from .kernels.quant_matmul_q8k import (Q8K_TYPES, make_gemm_q8k, make_gemv_q8k, 
 from .kernels.quant_matmul_vnni512 import make_gemm_vnni512, vnni512_fits
 from .kernels.quant_matmul import cpu_quants, make_embedding, make_matmul
 from .kernels.moe import make_moe_matmul, make_moe_route
+from .kernels.kv_rotate import make_kv_rotate
 from .kernels.rope import make_rope
 from .kernels.snapkv import make_kv_compact, make_snapkv_score, make_snapkv_select
 from .kernels.gpu import attention as gpu_attention
 from .kernels.gpu import elementwise as gpu_elementwise
 from .kernels.gpu import kv_rows as gpu_kv_rows
+from .kernels.gpu.kv_rotate import make_gpu_kv_rotate
 from .kernels.gpu import moe as gpu_moe
 from .kernels.gpu import snapkv as gpu_snapkv
 from .kernels.gpu.quant_matmul import GPU_LAYOUTS, make_gpu_matmul
@@ -136,6 +138,8 @@ class KernelAttacher(relax.PyExprMutator):
         args = list(call.args[1].fields)
         if name.startswith(ops.ROPE):
             return self._rope(name[len(ops.ROPE):], args, call.ty)
+        if name.startswith(ops.KV_ROTATE):
+            return self._kv_rotate(*name[len(ops.KV_ROTATE):].rsplit(".", 1), args, call.ty)
         if name in (ops.KV_APPEND, ops.KV_APPEND_BATCH):
             return self._kv_append(args, call.ty, batched=name == ops.KV_APPEND_BATCH)
         if name in (ops.PAGED_ATTENTION, ops.PAGED_ATTENTION_BATCH):
@@ -318,6 +322,19 @@ class KernelAttacher(relax.PyExprMutator):
         gv = self.kernel(("rope", layout, int(heads), int(head_dim), tokens, f"{theta:g}".replace(".", "p")),
                          lambda: make(int(heads), int(head_dim), theta, layout, tokens))
         return relax.call_tir(gv, [x, pos], ty)
+
+    def _kv_rotate(self, kv_type, direction, args, ty):
+        heads, head_dim = ty.shape[1], ty.shape[2]
+        tokens = _static_int(ty.shape[0])
+        inverse = direction == "inverse"
+        if self.gpu:
+            def make():
+                return make_gpu_kv_rotate(int(heads), int(head_dim), kv_type, inverse, tokens)
+        else:       # one input: RewriteDataflowReshape's check wants a root block (_with_root_block)
+            def make():
+                return _with_root_block(make_kv_rotate(int(heads), int(head_dim), kv_type, inverse, tokens))
+        gv = self.kernel(("kv_rotate", kv_type, direction, int(heads), int(head_dim), tokens), make)
+        return relax.call_tir(gv, args, ty)
 
     def _kv_append(self, args, ty, batched: bool = False):
         pool, k, v, page_table, kv_lens, layer = args

@@ -52,6 +52,13 @@ def key_offset_for(key_type: str, has_key_bias: bool) -> str | None:
     return KEY_OFFSET if kv_codecs.codec(key_type).element_type is None and has_key_bias else None
 
 
+def rotation_seed_for(kv_types) -> int | None:
+    """The seed of the rotation a cache of these (keys', values') types stores vectors in, or None: the manifest
+    records it, and an artifact whose seed differs from this sharpi's codec is refused."""
+    seeds = {kv_codecs.codec(t).rotation_seed for t in kv_types if kv_codecs.codec(t).rotated}
+    return seeds.pop() if seeds else None
+
+
 def key_type_note(key_type: str | None) -> str | None:
     """What a user choosing a key type should know before a long prompt (measured: benchmarks/kv_quant.md)."""
     return kv_codecs.codec(key_type).key_note if key_type in kv_codecs.names() else None

@@ -19,7 +19,7 @@ from pathlib import Path
 from . import schema
 from .config import MAX_SIZE, ModelConfig
 from .errors import ArtifactError, ConfigError
-from .kv_format import KEY_OFFSET, KVFormat, kv_types
+from .kv_format import KEY_OFFSET, KVFormat, kv_types, rotation_seed_for
 from .output_dir import MAX_MANIFEST_BYTES, OutputKind, plain_file_name
 from .plan import PLAN_FILE
 from .chat_sampling import check_manifest_sampling
@@ -74,6 +74,7 @@ class Manifest:
     kv_dtype: str = "float32"    # the KV cache's type (kv_codecs' names): the keys', and the values' unless
     kv_dtype_v: str | None = None    # gives theirs (absent in artifacts compiled before K and V could differ)
     kv_key_offset: str | None = None     # keys cached minus blk.N.<this> (kv_format.key_offset_for); absent: none
+    kv_rotation_seed: int | None = None  # a rotated KV type's rotation (kv_format.rotation_seed_for); absent: none
     sampling: dict | None = None         # the GGUF's recommended sampling (chat_sampling); absent: none
     format: str = FORMAT
     digest: str = ""             # sha256 of the manifest's canonical JSON without this field (set by to_json)
@@ -141,7 +142,9 @@ def kernel_contract(content: dict) -> dict:
             "snapkv": {k: snapkv.get(k) for k in ("enabled", "max_window", "select_params")},
             # only where set: the contracts compiled into earlier artifacts have no such key
             **({"kv_dtype_v": content["kv_dtype_v"]} if content.get("kv_dtype_v") else {}),
-            **({"kv_key_offset": content["kv_key_offset"]} if content.get("kv_key_offset") else {})}
+            **({"kv_key_offset": content["kv_key_offset"]} if content.get("kv_key_offset") else {}),
+            **({"kv_rotation_seed": content["kv_rotation_seed"]} if content.get("kv_rotation_seed") is not None
+               else {})}
 
 
 def contract_json(contract: dict) -> str:
@@ -306,8 +309,9 @@ _TOP = schema.record({
     "kernels": schema.array(schema.text(256), 100_000), "params": schema.array(_PARAM, 1_000_000),
     "files": schema.mapping(_plain_name, schema.sha256_hex, 100_000),
     "snapkv": _SNAPKV, "kv_dtype": _kv_type, "kv_dtype_v": schema.optional(_kv_type),
-    "kv_key_offset": schema.optional(schema.one_of(KEY_OFFSET)), "sampling": check_manifest_sampling},
-    optional_keys=("kv_dtype_v", "kv_key_offset", "sampling"))
+    "kv_key_offset": schema.optional(schema.one_of(KEY_OFFSET)), "sampling": check_manifest_sampling,
+    "kv_rotation_seed": schema.optional(schema.integer(0, 1 << 62))},
+    optional_keys=("kv_dtype_v", "kv_key_offset", "sampling", "kv_rotation_seed"))
 
 
 def check_manifest_dict(raw: dict) -> None:
@@ -326,6 +330,10 @@ def check_manifest_dict(raw: dict) -> None:
         raise schema.SchemaError("functions", f"a list holding {', '.join(missing)}", raw["functions"])
     _check_snapkv(raw["snapkv"], "prefill_snapkv" in raw["functions"])
     _check_params(raw["params"])
+    kv_types = (raw["kv_dtype"], raw.get("kv_dtype_v") or raw["kv_dtype"])
+    if raw.get("kv_rotation_seed") != rotation_seed_for(kv_types):
+        raise schema.SchemaError("kv_rotation_seed", f"{rotation_seed_for(kv_types)} (the rotation this sharpi's "
+                                 f"{'/'.join(kv_types)} cache reads and writes)", raw.get("kv_rotation_seed"))
 
 
 def _check_snapkv(snapkv: dict, compiled: bool) -> None:

@@ -21,6 +21,10 @@ PAGED_ATTENTION = "sharpi.paged_attention"
 #   token b sees its sequence's slots [0, kv_lens[b, l]] (its own written last)
 KV_APPEND_BATCH = "sharpi.kv_append_batch"
 PAGED_ATTENTION_BATCH = "sharpi.paged_attention_batch"
+# sharpi.kv_rotate.<type>.<forward|inverse>(x [n, H, D]) -> [n, H, D]: a rotated KV type's rotation of each head's
+#   row (kv_codecs: TurboQuant's Pi = H S / sqrt(D)): forward, Pi x, for queries before attention over keys of that
+#   type; inverse, Pi^T y, for attention's output over values of that type
+KV_ROTATE = "sharpi.kv_rotate."
 
 # The mixture-of-experts FFN (llama.cpp's build_moe_ffn):
 # sharpi.moe_route(logits [n, E] f32, k: i64, normalize: i64) -> (ids [n, k] int32, weights [n, k] f32)
@@ -42,6 +46,10 @@ def dequantize_op(qtype: str) -> str:
 
 def rope_op(layout: str) -> str:
     return ROPE + layout
+
+
+def kv_rotate_op(kv_type: str, inverse: bool) -> str:
+    return f"{KV_ROTATE}{kv_type}.{'inverse' if inverse else 'forward'}"
 
 # SnapKV (inserted by sharpi.ir_passes.snapkv):
 # sharpi.snapkv.score(q, pool, page_table, kv_lens, layer: i64, window [1] int32, scale: f32) -> f32 [KVH, slots]

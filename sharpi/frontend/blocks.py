@@ -113,8 +113,14 @@ class GraphBlocks:
         pool = bb.emit(relax.call_dps_packed(append, [pool, k, v, page_table, kv_lens, layer], pool.ty))
         scale = relax.prim_value(tvm.tirx.FloatImm("float32", scale or 1.0 / math.sqrt(cfg.head_dim)))
         window = relax.prim_value(tvm.tirx.IntImm("int64", window))
-        attn = bb.emit(relax.call_dps_packed(attend, [q, pool, page_table, kv_lens, layer, scale, window],
-                                             tensor_type((n, cfg.n_heads, cfg.head_dim), "float32")))
+        # keys and values a codec stores rotated: attention runs in the rotated space (dot products are the same)
+        key_codec, value_codec = self.kv_format.codec(0), self.kv_format.codec(1)
+        if key_codec.rotated:
+            q = bb.emit(relax.call_dps_packed(ops.kv_rotate_op(key_codec.name, False), [q], q.ty))
+        out_ty = tensor_type((n, cfg.n_heads, cfg.head_dim), "float32")
+        attn = bb.emit(relax.call_dps_packed(attend, [q, pool, page_table, kv_lens, layer, scale, window], out_ty))
+        if value_codec.rotated:
+            attn = bb.emit(relax.call_dps_packed(ops.kv_rotate_op(value_codec.name, True), [attn], out_ty))
         return bb.emit(R.reshape(attn, (n, cfg.q_dim))), pool
 
     # -- feed-forward -----------------------------------------------------------------------------------------

@@ -62,11 +62,12 @@ def fatbin_flags(arch: str) -> list[str]:
     return ["-gencode", f"arch=compute_{cc},code=sm_{cc}", "-gencode", f"arch=compute_{cc},code=compute_{cc}"]
 
 
-# TVM's nvcc call adds --use_fast_math, whose approximate division (div.approx, up to 2 ulp) would make the quantized
-# KV cache's block scales (q8_0's max / 127, q4_ch's range / 15) and their reciprocals differ from kv_format's rule
-# now and then; IEEE division keeps the stores equal to the numpy emulation byte for byte, as on Vulkan. The rest of
-# fast math (approximate exp, flushed subnormals, fused multiply-adds) stays.
-NVCC_OPTIONS = ["--prec-div=true"]
+# TVM's nvcc call adds --use_fast_math, whose approximate division (div.approx, up to 2 ulp) and square root would
+# make the quantized KV cache's block scales (q8_0's max / 127, q4_ch's range / 15, TurboQuant's norm) and their
+# reciprocals differ from the codecs' numpy rules now and then; IEEE division and square root keep the stores equal
+# to the numpy emulation byte for byte, as on Vulkan. The rest of fast math (approximate exp, flushed subnormals,
+# fused multiply-adds) stays.
+NVCC_OPTIONS = ["--prec-div=true", "--prec-sqrt=true"]
 
 
 # The driver entry points TVM's CUDA runtime library links against (nm -D --undefined-only); see

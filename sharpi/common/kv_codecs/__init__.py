@@ -51,8 +51,9 @@ def available_on(target: str) -> tuple[str, ...]:
 
 
 def _register_builtins() -> None:
-    from . import floats, q4_0, q4_ch, q8_0
-    for c in (floats.FLOAT32, floats.FLOAT16, floats.BFLOAT16, q8_0.CODEC, q4_0.CODEC, q4_ch.CODEC):
+    from . import floats, q4_0, q4_ch, q8_0, turboquant
+    for c in (floats.FLOAT32, floats.FLOAT16, floats.BFLOAT16, q8_0.CODEC, q4_0.CODEC, q4_ch.CODEC,
+              turboquant.TQ3, turboquant.TQ4):
         register(c)
 
 

@@ -103,6 +103,10 @@ class KVCodec:
                        type (the layout the GPU kernels read as elements); None for quantized types
         keys_only      values cannot take it (keys_only_why: why)
         page_scaled    its side data belongs to a page (pages are encoded whole: encode_page)
+        rotated        the kernels read the vector rotated (Pi x): the graph rotates queries before attention over
+                       such keys (ops.KV_ROTATE, forward) and attention's output over such values back (inverse),
+                       through the codec's rotate_row(x, t, h, y, scratch, inverse) macro; rotation_seed
+                       names the rotation (the manifest records it)
         unavailable    {target name: why} where its kernels cannot run
         key_note       what a user choosing it for keys should know, or None
         tolerance      (max |d log-prob|, top-1 bound) the conformance suite allows for it, or None: exact
@@ -122,9 +126,10 @@ class KVCodec:
         cpu_page_keys(rows, scratch) reads the page's keys through it
     GPU kernel pieces (rows: codegen/kernels/gpu/kv_rows.GpuRows; pool: uint32 words)
         gpu_load(rows, pool, which, page, h, slot, d)    element d as float32
-        gpu_blocks(part): how many block statistics a store computes first (one invocation each), then
+        gpu_blocks(part): how many block statistics a store computes first (one invocation each, into workgroup
+        memory: scales [gpu_scratch(part)], inverse [gpu_blocks(part)]), then
         gpu_block_scale(rows, which, x, t, h, b, scales, inverse, stats) (a macro) computes block b's,
-        gpu_quant_word(rows, which, x, t, h, i, inverse) is word i of the quants and
+        gpu_quant_word(rows, which, x, t, h, i, scales, inverse) is word i of the quants and
         gpu_scale_word(rows, which, i, scales) word i of the side data
         page codecs: gpu_encode_page(rows, pool, page, h, end, staged, tx, threads) (a macro)
     """
@@ -134,6 +139,8 @@ class KVCodec:
     keys_only = False
     keys_only_why = ""
     page_scaled = False
+    rotated = False
+    rotation_seed: int | None = None
     unavailable: dict = {}
     key_note: str | None = None
     tolerance: tuple[float, float] | None = None
@@ -207,4 +214,7 @@ class KVCodec:
     # -- GPU store pieces shared by the slot codecs ---------------------------------------------------------------
     def gpu_blocks(self, part: Part) -> int:
         return 0
+
+    def gpu_scratch(self, part: Part) -> int:
+        return self.gpu_blocks(part)
 

@@ -57,7 +57,7 @@ class FloatCodec(KVCodec):
             return half_to_float(bits)
         return T.reinterpret("float32", T.shift_left(bits, u32(16)))
 
-    def gpu_quant_word(self, rows, which, x, t, h, i, inverse):
+    def gpu_quant_word(self, rows, which, x, t, h, i, scales, inverse):
         """Word i of the elements of x[t, h, :]."""
         if self.name == "float32":
             return T.reinterpret("uint32", x[t, h, i])

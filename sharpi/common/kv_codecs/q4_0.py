@@ -80,7 +80,7 @@ class Q4_0(BlockCodec):
         inverse[b] = T.Select(stats[2] != T.float32(0), T.float32(1) / stats[2], T.float32(0))
         scales[b] = stats[2]
 
-    def gpu_quant_word(self, rows, which, x, t, h, i, inverse):
+    def gpu_quant_word(self, rows, which, x, t, h, i, scales, inverse):
         """Word i of the codes: 4 bytes of two nibbles of x[t, h, :] * inverse[block]."""
         block, first = i // (HALF // WORD), i % (HALF // WORD) * WORD
         inv = inverse[block]

@@ -60,7 +60,7 @@ class Q8_0(BlockCodec):
         inverse[b] = T.Select(stats[2] > T.float32(0), T.float32(1) / stats[2], T.float32(0))
         scales[b] = stats[2]
 
-    def gpu_quant_word(self, rows, which, x, t, h, i, inverse):
+    def gpu_quant_word(self, rows, which, x, t, h, i, scales, inverse):
         """Word i of the codes: 4 int8 codes of x[t, h, :] * inverse[block], rounded half to even (T.round:
         WGSL's round, CUDA's nearbyintf)."""
         inv = inverse[i // (BLOCK // WORD)]

@@ -89,6 +89,11 @@ class GpuRows:
         """Block statistics a store of a part computes first (0 for a float part)."""
         return self.codec(which).gpu_blocks(self.fmt.part(which))
 
+    def scratch(self, which: int) -> int:
+        """The f32 workgroup slots a store of a part fills before its words (its block statistics; more where a
+        codec stages the whole row: codec.gpu_scratch)."""
+        return self.codec(which).gpu_scratch(self.fmt.part(which))
+
     def regions(self, which: int) -> tuple[int, int, int]:
         """A part's words: (first word, quant or element words, side-data words incl. padding)."""
         part = self.fmt.part(which)
@@ -106,7 +111,7 @@ def _store_part(rows, which, pool, x, t, h, page, slot, scales, inverse, tx, thr
     for c in T.unroll((count + threads - 1) // threads):
         if c * threads + tx < count:
             pool[page, 0, h, slot, first + c * threads + tx] = codec.gpu_quant_word(rows, which, x, t, h,
-                                                                                    c * threads + tx, inverse)
+                                                                                    c * threads + tx, scales, inverse)
     if scale_words > 0:
         for c in T.unroll((scale_words + threads - 1) // threads):
             if c * threads + tx < scale_words:
@@ -130,12 +135,13 @@ def store_row(rows, pool, k, v, t, h, page, slot, tx, threads):
         kb = T.meta_var(rows.blocks(0) if keys else 0)
         vb = T.meta_var(rows.blocks(1))
         if kb + vb > 0:
-            # the blocks' statistics (a scale d, rounded when stored, and 1 / d), keys' then values'; in an even
+            # the blocks' statistics (a scale d, rounded when stored, and 1 / d; a codec may stage more: scratch),
+            # keys' then values'; in an even
             # count, so that a scale word's read of block 2i + 1 stays inside its array (and none of size 0). One
             # invocation a block: head_dim / 16 blocks in all, fewer than the workgroup's min(head_dim, 256)
-            k_scales = T.alloc_buffer((even(kb),), "float32", scope="shared")
+            k_scales = T.alloc_buffer((even(rows.scratch(0) if keys else 0),), "float32", scope="shared")
             k_inverse = T.alloc_buffer((even(kb),), "float32", scope="shared")
-            v_scales = T.alloc_buffer((even(vb),), "float32", scope="shared")
+            v_scales = T.alloc_buffer((even(rows.scratch(1)),), "float32", scope="shared")
             v_inverse = T.alloc_buffer((even(vb),), "float32", scope="shared")
             stats = T.alloc_buffer((3,), "float32", scope="local")       # block max, block min, d
             if kb > 0 and vb > 0:
