@@ -4,15 +4,17 @@ a slot's row.
 A slot of the packed pool is one row of bytes per KV head: the key's part, then the value's (kv_format). A codec
 owns its part: how many bytes it takes, its numpy rule (the reference the kernels are held to, bit for bit), and
 the pieces the CPU and GPU kernels compose to read an element and to store a row. The kernels are written once
-against these pieces (codegen/kernels/kv_rows.py and gpu/kv_rows.py); registry.py picks a codec by name.
+against these pieces (codegen/kernels/kv_rows.py and gpu/kv_rows.py); the package's register() and codec()
+make a codec known and pick it by name. Slot moves (compaction of slot codecs, forks, prefix-cache pages, a
+shorter sequence) move or keep bytes and ask nothing of a codec.
 
 A part is two fields: its quants (a float type's elements, or a quantized type's codes) from the part's start,
 then its side data (block scales, a page's per-channel scales, a norm) from `scale_offset`, padded to 4 bytes.
 The CPU kernels read each field through a typed view of the pool (SlotRows.quants / .scales); the GPU kernels
-read 32-bit words (GpuRows.word), since WGSL has no 8- or 16-bit types.
+read the row as 32-bit words (gpu_words.py), since WGSL has no 8- or 16-bit types.
 
 Slot codecs encode each row alone. Page codecs (page_scaled: q4_ch) share side data across a page's slots, so a
-page is encoded whole: their store pieces are encode_page, and kv_append and compaction stage a page's keys as f32
+page is encoded whole: their store pieces are cpu_encode_page and gpu_encode_page, and kv_append and compaction stage a page's keys as f32
 first (kv_rows.store_page_keys, gpu/kv_rows.store_page_keys).
 """
 from __future__ import annotations
@@ -94,7 +96,7 @@ class Part:
 
 class KVCodec:
     """The interface of a KV cache type. A codec module defines a subclass and registers an instance
-    (registry.register). What each member is for:
+    (kv_codecs.register). What each member is for:
 
     Naming and where it applies
         name           the manifest's and KVFormat's name ("float16", "q8_0")
