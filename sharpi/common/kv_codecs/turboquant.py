@@ -162,7 +162,6 @@ def log2(n: int) -> int:
     return n.bit_length() - 1
 
 
-
 class TurboQuant(KVCodec):
     """tq<bits>: the MSE quantizer at `bits` bits a coordinate, keys and values."""
     rotated = True              # the kernels read Pi x: the graph rotates the query and attention's output
@@ -176,7 +175,9 @@ class TurboQuant(KVCodec):
     def __init__(self, bits: int):
         self.bits = bits
         self.name = self.flag = f"tq{bits}"
-        self.tolerance = {2: (32.0, 4.0), 3: (12.0, 3.0), 4: (8.0, 2.0)}.get(bits, (32.0, 4.0))
+        # as q4_0's: tq keys move the far tail so much that a log-prob bound checks little more than that the model
+        # runs; perplexity is their measure (benchmarks/kv_quant.md)
+        self.tolerance = (32.0, 4.0)
 
     def fields(self, head_dim, page_size):
         return Field("uint32", head_dim // BLOCK * self.bits), Field("float32", 1)
