@@ -9,7 +9,9 @@ is written for them.
 Variants: tq4 / tq3 as shipped (the rotated key and its norm); "-pagemean": each page's per-channel mean (over its
 16 slots, kept exact here) taken out before the rotation and added back when read, as a page codec would store it
 (the mean's rotation preserves attention's reading in the rotated space); "-mean": the same with one mean per
-channel over the whole text (an oracle a calibration could approach).
+channel over the whole text (an oracle a calibration could approach); "-outliersN": each page's N channels of largest
+mean |x| kept as f16 and TurboQuant of the rest (the paper's outlier split, chosen per page); "-pagemean-outliersN":
+both, the mean first.
 """
 from __future__ import annotations
 
@@ -48,6 +50,37 @@ class MeanFirst(TurboQuant):
         return self.dequantize(part, *self.quantize(part, x))
 
 
+class OutliersApart(MeanFirst):
+    """Each page's `count` channels of largest mean |x| kept as f16 (an index and a half each, as a page codec would
+    store them), TurboQuant of the rest (those channels zeroed): the paper's outlier split, chosen per page."""
+
+    def __init__(self, bits: int, count: int):
+        super().__init__(bits, page=True)
+        self.count = count
+        self.name = self.flag = f"tq{bits}-outliers{count}"
+
+    def roundtrip(self, x, head_dim, page_size):
+        x = np.asarray(x, np.float32)
+        top = np.argsort(-np.abs(x).mean(axis=-2), axis=-1)[..., :self.count]          # [..., count]
+        mask = np.zeros(x.shape[:-2] + (1, head_dim), bool)
+        np.put_along_axis(mask, top[..., None, :], True, axis=-1)
+        rest = self.plain(np.where(mask, np.float32(0), x), head_dim, page_size)
+        return np.where(mask, x.astype(np.float16).astype(np.float32), rest)
+
+
+class MeanThenOutliers(OutliersApart):
+    """Both: each page's channel mean out first, then its outlier channels apart."""
+
+    def __init__(self, bits: int, count: int):
+        super().__init__(bits, count)
+        self.name = self.flag = f"tq{bits}-pagemean-outliers{count}"
+
+    def roundtrip(self, x, head_dim, page_size):
+        x = np.asarray(x, np.float32)
+        mean = x.mean(axis=-2, keepdims=True)
+        return super().roundtrip(x - mean, head_dim, page_size) + mean
+
+
 def perplexity(logits, ids) -> float:
     lp = log_softmax(logits)
     return float(np.exp(-lp[np.arange(len(ids) - 1), np.asarray(ids[1:])].mean()))
@@ -73,6 +106,9 @@ def main() -> None:
     for bits in (3, 4):
         kv_codecs.register(MeanFirst(bits, page=True))
         kv_codecs.register(WholeTextMean(bits, page=False))
+        for count in (4, 8):
+            kv_codecs.register(OutliersApart(bits, count))
+            kv_codecs.register(MeanThenOutliers(bits, count))
     side = "values" if args.values else "keys"
     print(f"| model | {side} | perplexity | vs f32 {side} |\n| --- | --- | ---: | ---: |")
     for model in args.models.split(","):
