@@ -13,7 +13,7 @@ import pytest
 
 from sharpi.common.errors import ConfigError
 from sharpi.common.kv_codecs.turboquant import (TurboQuant, TurboQuantProd, codebook, pack_planes, rotate,
-                                                rotation_matrix, unpack_planes, unrotate)
+                                                unpack_planes, unrotate)
 
 LLOYD_MAX_GAUSSIAN = {1: 0.3634, 2: 0.1175, 3: 0.03454, 4: 0.009497}
 PAPER_MSE = {2: 0.117, 3: 0.03, 4: 0.009}
@@ -23,6 +23,11 @@ PAPER_PROD = {2: 0.56, 3: 0.18, 4: 0.047}          # times 1/d
 def unit_vectors(rng, n, d):
     x = rng.standard_normal((n, d)).astype(np.float32)
     return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+
+def rotation_matrix(dim: int) -> np.ndarray:
+    """Pi as a dense f32 [dim, dim] (row i: what coordinate i of Pi x takes of x)."""
+    return rotate(np.eye(dim, dtype=np.float32)).T.copy()
 
 
 def test_rotation_is_orthonormal_and_the_planes_round_trip():

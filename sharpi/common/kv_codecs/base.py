@@ -14,8 +14,8 @@ The CPU kernels read each field through a typed view of the pool (SlotRows.quant
 read the row as 32-bit words (gpu_words.py), since WGSL has no 8- or 16-bit types.
 
 Slot codecs encode each row alone. Page codecs (page_scaled: q4_ch) share side data across a page's slots, so a
-page is encoded whole: their store pieces are cpu_encode_page and gpu_encode_page, and kv_append and compaction stage a page's keys as f32
-first (kv_rows.store_page_keys, gpu/kv_rows.store_page_keys).
+page is encoded whole: their store pieces are cpu_encode_page and gpu_encode_page, and kv_append and compaction
+stage a page's keys as f32 first (kv_rows.store_page_keys, gpu/kv_rows.store_page_keys).
 """
 from __future__ import annotations
 

@@ -88,12 +88,6 @@ def unrotate(y: np.ndarray) -> np.ndarray:
     return fwht(y) * rotation_signs(d) / np.float32(math.sqrt(d))
 
 
-def rotation_matrix(dim: int) -> np.ndarray:
-    """Pi as a dense f32 [dim, dim] (row i: what coordinate i of Pi x takes of x), for the graph's query and output
-    rotations."""
-    return rotate(np.eye(dim, dtype=np.float32)).T.copy()
-
-
 def _squares_in_order(u: np.ndarray) -> np.ndarray:
     """sum_i u_i^2 over the last axis, in index order, each square rounded to f32 before it is added."""
     squares = (u * u).astype(np.float32)
@@ -207,8 +201,7 @@ class TurboQuant(KVCodec):
 
     def rotated_values(self, codes: np.ndarray, n: np.ndarray) -> np.ndarray:
         """What the kernels read: v_i = (c[code_i] / sqrt(d)) * n, f32 [..., d]."""
-        d = codes.shape[-1]
-        scaled = (codebook(self.bits, d)[0] / np.float32(math.sqrt(d))).astype(np.float32)
+        scaled = self.scaled_centroids(codes.shape[-1])
         return (scaled[codes] * np.asarray(n, np.float32)[..., None]).astype(np.float32)
 
     def dequantize_rotated(self, part, q, s) -> np.ndarray:
@@ -222,13 +215,38 @@ class TurboQuant(KVCodec):
         """c / sqrt(d), f32: what a code reads as, times the row's n."""
         return (codebook(self.bits, dim)[0] / np.float32(math.sqrt(dim))).astype(np.float32)
 
+    def centroid_at(self, plane_word, d, dim: int):
+        """c[code] / sqrt(dim) of coordinate d (an expression), its code's bits read from plane_word(p): the word
+        of bit plane p of d's block. The CPU and GPU loads alike."""
+        bits = [T.Cast("int32", T.bitwise_and(T.shift_right(plane_word(p), T.Cast("uint32", d % BLOCK)), u32(1)))
+                for p in range(self.bits)]
+        return centroid_of(self.scaled_centroids(dim), bits)
+
+    @macro
+    def rotate_for_store(self, x, t, h, u, stats):
+        """The rule's first half for row x[t, h, :], through u (f32 [2 head_dim]): the transform in u's half
+        log2(head_dim) % 2, n in stats[1], 1 / n in stats[2] (0 where n is 0). The squares are written out to the
+        other half before they are summed, so that no compiler fuses a square into its sum. CPU and GPU alike."""
+        D = T.meta_var(int(x.shape[2]))
+        last = T.meta_var(log2(int(x.shape[2])) % 2 * int(x.shape[2]))
+        spare = T.meta_var((1 - log2(int(x.shape[2])) % 2) * int(x.shape[2]))
+        for d in range(D):
+            u[d] = x[t, h, d] * sign_of(D, d)
+        self.fwht(u, D)
+        for d in range(D):
+            u[spare + d] = u[last + d] * u[last + d]
+        stats[0] = T.float32(0)
+        for d in range(D):
+            stats[0] = stats[0] + u[spare + d]
+        stats[1] = T.sqrt(stats[0])
+        stats[2] = T.Select(stats[1] > T.float32(0), T.float32(1) / stats[1], T.float32(0))
+
     # -- CPU ----------------------------------------------------------------------------------------------------------
     def cpu_load(self, rows, which, page, h, slot, d):
         words = rows.quants[which]
         base = d // BLOCK * self.bits
-        bits = [T.Cast("int32", T.bitwise_and(T.shift_right(words[page, h, slot, base + p], T.Cast("uint32", d % BLOCK)),
-                                              u32(1))) for p in range(self.bits)]
-        return centroid_of(self.scaled_centroids(rows.fmt.head_dim), bits) * rows.scales[which][page, h, slot, 0]
+        return self.centroid_at(lambda p: words[page, h, slot, base + p], d, rows.fmt.head_dim) \
+            * rows.scales[which][page, h, slot, 0]
 
     @macro
     def fwht(self, u, dim):
@@ -261,24 +279,14 @@ class TurboQuant(KVCodec):
         D = T.meta_var(rows.fmt.head_dim)
         last = T.meta_var(log2(rows.fmt.head_dim) % 2 * rows.fmt.head_dim)
         q = T.meta_var(rows.quants[which])
-        s = T.meta_var(rows.scales[which])
         u = T.decl_buffer((2 * D,), "float32", scope="global")
-        squares = T.decl_buffer((D,), "float32", scope="global")
+        stats = T.decl_buffer((3,), "float32", scope="global")     # the sum of squares, n, 1 / n
         codes = T.decl_buffer((D,), "int32", scope="global")
-        acc = T.decl_buffer((2,), "float32", scope="global")      # the sum of squares, then 1 / n
         word = T.decl_buffer((1,), "uint32", scope="global")
+        self.rotate_for_store(x, t, h, u, stats)
+        rows.scales[which][page, h, slot, 0] = stats[1]
         for d in range(D):
-            u[d] = x[t, h, d] * sign_of(D, d)
-        self.fwht(u, D)
-        for d in range(D):
-            squares[d] = u[last + d] * u[last + d]
-        acc[0] = T.float32(0)
-        for d in range(D):
-            acc[0] = acc[0] + squares[d]
-        s[page, h, slot, 0] = T.sqrt(acc[0])
-        acc[1] = T.Select(s[page, h, slot, 0] > T.float32(0), T.float32(1) / s[page, h, slot, 0], T.float32(0))
-        for d in range(D):
-            codes[d] = code_of(u[last + d] * acc[1], codebook(self.bits, D)[1])
+            codes[d] = code_of(u[last + d] * stats[2], codebook(self.bits, D)[1])
         for w in range(D // BLOCK * self.bits):
             word[0] = u32(0)
             for i in range(BLOCK):
@@ -291,10 +299,8 @@ class TurboQuant(KVCodec):
     def gpu_load(self, rows, pool, which, page, h, slot, d):
         part = rows.fmt.part(which)
         base = part.offset // WORD + d // BLOCK * self.bits
-        bits = [T.Cast("int32", T.bitwise_and(T.shift_right(pool[page, 0, h, slot, base + p], T.Cast("uint32", d % BLOCK)),
-                                              u32(1))) for p in range(self.bits)]
         norm = T.reinterpret("float32", pool[page, 0, h, slot, part.scale_offset // WORD])
-        return centroid_of(self.scaled_centroids(rows.fmt.head_dim), bits) * norm
+        return self.centroid_at(lambda p: pool[page, 0, h, slot, base + p], d, rows.fmt.head_dim) * norm
 
     def gpu_blocks(self, part):
         return 1                 # one invocation rotates the row
@@ -305,23 +311,12 @@ class TurboQuant(KVCodec):
     @macro
     def gpu_block_scale(self, rows, which, x, t, h, b, scales, inverse, stats):
         """By one invocation: the row rotated in its own memory, then y into scales[0 .. D) and n into scales[D]
-        (workgroup memory only written here: read after the store's barrier). The squares are written out before
-        they are summed, so that no compiler fuses a square into its sum."""
+        (workgroup memory only written here: read after the store's barrier)."""
         D = T.meta_var(rows.fmt.head_dim)
         last = T.meta_var(log2(rows.fmt.head_dim) % 2 * rows.fmt.head_dim)
-        spare = T.meta_var((1 - log2(rows.fmt.head_dim) % 2) * rows.fmt.head_dim)
         u = T.alloc_buffer((2 * D,), "float32", scope="local")
-        for d in range(D):
-            u[d] = x[t, h, d] * sign_of(D, d)
-        self.fwht(u, D)
-        for d in range(D):
-            u[spare + d] = u[last + d] * u[last + d]
-        stats[0] = T.float32(0)
-        for d in range(D):
-            stats[0] = stats[0] + u[spare + d]
-        stats[1] = T.sqrt(stats[0])
+        self.rotate_for_store(x, t, h, u, stats)
         scales[D] = stats[1]
-        stats[2] = T.Select(stats[1] > T.float32(0), T.float32(1) / stats[1], T.float32(0))
         for d in range(D):
             scales[d] = u[last + d] * stats[2]
 

@@ -182,13 +182,6 @@ def stage_page_keys(rows, pool, page, h, held, end, x, t0, staged, tx, threads):
 
 
 @T.macro
-def encode_staged_keys(rows, pool, page, h, end, staged, tx, threads):
-    """Slots 0 .. end - 1 of a page take the keys' codec's encoding of staged[0 .. end - 1, :] (f32 [page_size,
-    head_dim] in workgroup memory, complete: the caller's barrier). Every invocation must reach it."""
-    rows.codec(0).gpu_encode_page(rows, pool, page, h, end, staged, tx, threads)
-
-
-@T.macro
 def store_page_keys(rows, pool, k, v, page, h, held, end, t0, tx, threads):
     """Page-scaled keys: slots held .. end - 1 of a page take keys k[t0 + (o - held), h, :] and values v[...] (f32
     [n, kv_heads, head_dim]); the page's keys are encoded again over slots 0 .. end - 1, the held ones read back as
@@ -197,7 +190,7 @@ def store_page_keys(rows, pool, k, v, page, h, held, end, t0, tx, threads):
     staged = T.alloc_buffer((rows.fmt.page_size, rows.fmt.head_dim), "float32", scope="shared")
     stage_page_keys(rows, pool, page, h, held, end, k, t0, staged, tx, threads)
     T.tvm_storage_sync("shared")
-    encode_staged_keys(rows, pool, page, h, end, staged, tx, threads)
+    rows.codec(0).gpu_encode_page(rows, pool, page, h, end, staged, tx, threads)
     for o in range(end - held):
         store_row(rows, pool, k, v, t0 + o, h, page, held + o, tx, threads)
         T.tvm_storage_sync("shared")      # the value blocks' scales are written again for the next slot

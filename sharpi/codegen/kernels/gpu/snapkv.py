@@ -31,7 +31,7 @@ from ....common.ops import (P_BUDGET, P_KERNEL, P_POOLING, P_RECENCY, P_SHARED, 
                             POOL_MAX, SELECT_PARAMS)
 from ..common import GPU_KERNEL_ATTRS as ATTRS
 from ..common import NEG_INF, ceil_div, score_width, token_count
-from .kv_rows import GpuRows, encode_staged_keys
+from .kv_rows import GpuRows
 
 THREADS = 256                 # invocations per workgroup for the reducing kernels (WebGPU's limit)
 LOG_THREADS = 8
@@ -393,7 +393,8 @@ def _compact_page_keys(rows: GpuRows, layers: int, max_pages: int):
                         if o < end:
                             pool[T.Cast("int64", page_table[l, j]), 0, h, o, value_first + (c * TX + tx) % width] = \
                                 values[o, (c * TX + tx) % width]
-                    encode_staged_keys(rows, pool, T.Cast("int64", page_table[l, j]), h, end, staged, tx, TX)
+                    rows.codec(0).gpu_encode_page(rows, pool, T.Cast("int64", page_table[l, j]), h, end, staged, tx,
+                                                  TX)
                     T.tvm_storage_sync("shared")      # page j's staging is read before page j + 1's is written
 
     return kv_compact_gpu
