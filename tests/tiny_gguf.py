@@ -26,17 +26,17 @@ def write_tiny_llama(path: Path, *, arch: str = "llama", layers: int = 2, dim: i
                      matrix_type: str = "F32", override_raw: dict | None = None, head_dim: int | None = None,
                      qkv_bias: bool = False, qk_norm: bool = False, sliding_window: int = 0,
                      rope_base: float = 10000.0, post_norms: bool = False, chat_template: str | None = None,
-                     sampling: dict | None = None) -> Path:
+                     sampling: dict | None = None, merges: tuple = ()) -> Path:
     """A tiny llama-family GGUF. head_dim (written as {arch}.attention.key_length/value_length) defaults to
     dim // heads; qkv_bias adds blk.N.attn_{q,k,v}.bias (qwen2), qk_norm blk.N.attn_{q,k}_norm.weight (qwen3),
     sliding_window sets {arch}.attention.sliding_window (a mistral-style llama), post_norms adds
     blk.N.post_attention_norm / post_ffw_norm.weight (gemma3), chat_template tokenizer.chat_template, sampling
-    general.sampling.* fields ({"temp": 0.3, "top_k": 7}: a float is written as float32, an int as uint32). With
-    none of them the file is the same as before they existed."""
+    general.sampling.* fields ({"temp": 0.3, "top_k": 7}: a float is written as float32, an int as uint32), merges
+    BPE merges whose tokens join the vocabulary ("a b": another vocabulary). With none of them the file is the same as before they existed."""
     import gguf
 
     rng = np.random.default_rng(seed)
-    vocab = len(vocabulary())
+    vocab = len(vocabulary(merges))
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(layers)
     w.add_context_length(context)
@@ -51,7 +51,7 @@ def write_tiny_llama(path: Path, *, arch: str = "llama", layers: int = 2, dim: i
     if sliding_window:
         w.add_sliding_window(sliding_window)
     w.add_layer_norm_rms_eps(1e-5)
-    _add_vocab(w)
+    _add_vocab(w, merges)
     if chat_template is not None:
         w.add_chat_template(chat_template)
     for key, value in (sampling or {}).items():

@@ -263,6 +263,11 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._vocab_size
 
+    def same_vocabulary(self, other: "Tokenizer") -> bool:
+        """Whether both map every token text to the same id (a draft model's tokens mean the model's)."""
+        return self.vocab_size == other.vocab_size and \
+            self._hf.get_vocab(with_added_tokens=True) == other._hf.get_vocab(with_added_tokens=True)
+
     def tokenize(self, text: str, add_bos: bool | None = None, special: bool = False,
                  limit: int | None = None) -> list[int]:
         """Text to ids. add_bos=None follows the GGUF's add_bos_token flag; special=True parses special tokens.

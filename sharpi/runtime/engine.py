@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import warnings
 
 import numpy as np
@@ -30,6 +31,7 @@ class Engine:
         self.pool = self._make_pool(pool_sequences, pool_tokens)
         # Reentrant: eviction (select, compact) runs inside a prefill.
         self.lock = threading.RLock()
+        self.times = ForwardTimes()
 
     def _make_pool(self, sequences: int, tokens: int | None) -> PagePool:
         """Room for `sequences` full-context sequences (sessions and forks share it), or for `tokens` slots in
@@ -80,7 +82,9 @@ class Engine:
         with self.lock:
             cache.reserve(len(ids))
             positions = np.arange(cache.logical_length, cache.logical_length + len(ids), dtype=np.int32)
+            started = time.perf_counter()
             out = self.backend.forward(function, ids, positions, cache.page_table(), cache.kv_lens(), extra)
+            self.times.record(function, len(ids), time.perf_counter() - started)
             cache.advance(len(ids))
         _check_finite(out[0] if function == "prefill_snapkv" else out, positions)
         return out
@@ -113,6 +117,28 @@ class Engine:
     # -- SnapKV settings --------------------------------------------------------------------------------------
     def resolve_snapkv(self, **knobs) -> tuple[SnapKVSettings, int]:
         return resolve_snapkv(self.manifest, self.config, **knobs)
+
+
+class ForwardTimes:
+    """How long a forward of n tokens took lately, per function (an exponential average of the last few): what
+    speculative decoding weighs a verification of k drafted tokens against a decode step with."""
+
+    WEIGHT = 0.25     # of the newest time
+
+    def __init__(self):
+        self._seconds: dict[tuple[str, int], float] = {}
+
+    def record(self, function: str, n: int, seconds: float) -> None:
+        key = (function, n)
+        old = self._seconds.get(key)
+        self._seconds[key] = seconds if old is None else old + self.WEIGHT * (seconds - old)
+
+    def get(self, function: str, n: int) -> float | None:
+        return self._seconds.get((function, n))
+
+    def measured(self, function: str) -> dict[int, float]:
+        """{n: seconds} of the sizes measured so far."""
+        return {n: t for (f, n), t in self._seconds.items() if f == function}
 
 
 def select_params(manifest: Manifest) -> int:

@@ -14,10 +14,11 @@ keep their last window).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
-from ..common.errors import ContextLengthError, KeepSetError, SharpiError
+from ..common.errors import ConfigError, ContextLengthError, KeepSetError, SharpiError
 from ..common.kv_format import gather_slots
 
 
@@ -91,6 +92,15 @@ class PagePool:
         self.backend.write_pages(pages, data)
 
 
+@dataclass(frozen=True)
+class TailPage:
+    """A layer's part-full last page as it was: its index in the layer's pages, the slots it held, its contents
+    [1, 2 (or 1 packed), kv_heads, page_size, row]."""
+    index: int
+    held: int
+    data: np.ndarray
+
+
 class SequenceCache:
     """One sequence's page tables and lengths."""
 
@@ -109,6 +119,9 @@ class SequenceCache:
         self.positions: list[np.ndarray] = [self._no_positions() for _ in range(n_layers)]
         self._table = np.zeros((n_layers, max_pages), np.int32)
         self.compacted = False                              # kept slots no longer equal positions
+        # Slots a sliding-window layer holds beyond its window, so that truncating that many tokens still leaves
+        # it its window (speculative decoding rolls back rejected drafts).
+        self.slack = 0
 
     def _no_positions(self) -> np.ndarray:
         return np.zeros((self.kv_heads, 0), np.int64)
@@ -186,7 +199,7 @@ class SequenceCache:
     def _slide(self, layer: int) -> None:
         """Drop the slots of a sliding-window layer that no later query sees (it sees its own slot and the w - 1
         before it), and give back the pages holding only dropped slots."""
-        dead = self.length[layer] - (self.windows[layer] - 1)
+        dead = self.length[layer] - (self.windows[layer] - 1 + self.slack)
         if dead <= 0:
             return
         self.length[layer] -= dead
@@ -236,6 +249,7 @@ class SequenceCache:
         other.positions = [p.copy() for p in self.positions]
         other.logical_length = self.logical_length
         other.compacted = self.compacted
+        other.slack = self.slack
         return other
 
     def adopt(self, pages: list[list[int]], tokens: int) -> None:
@@ -249,6 +263,72 @@ class SequenceCache:
             self.length[l] = tokens
             self.positions[l] = np.broadcast_to(np.arange(tokens, dtype=np.int64), (self.kv_heads, tokens)).copy()
         self.logical_length = tokens
+
+    def tail_snapshot(self) -> list[TailPage | None]:
+        """Per layer, the page the next token lands in if it is part full, as it is now (None for a layer whose
+        next token starts a page, and for every layer where keys are not page-scaled): truncate() restores the
+        slots it held from it, where the tokens fed since re-encoded that page with keys that are then dropped."""
+        fmt, size = self.pool.kv_format, self.pool.page_size
+        if fmt is None or not fmt.page_scaled_keys:
+            return [None] * self.n_layers
+        snapshot: list[TailPage | None] = []
+        for l in range(self.n_layers):
+            end = self.start[l] + self.length[l]
+            index = end // size
+            partial = end % size and index < len(self.pages[l])
+            snapshot.append(TailPage(index, end % size, self.pool.read_pages([self.pages[l][index]]))
+                            if partial else None)
+        return snapshot
+
+    def truncate(self, n: int, snapshot: list[TailPage | None] | None = None) -> None:
+        """Forget the last n tokens: every layer drops its last n slots (they must hold the last n positions:
+        tokens fed since any compaction, and within a sliding-window layer's slack) and gives back the pages
+        that held only them; logical_length goes back by n, so the next token takes the first dropped one's
+        position. Page-scaled keys of a page left part full are encoded again from the slots it keeps (those
+        held before `snapshot` was taken as they were then, tail_snapshot), as if the dropped ones never came.
+        A ConfigError, with nothing changed, where the cache no longer holds what n tokens back it held."""
+        if n == 0:
+            return
+        self._check_truncatable(n)
+        size = self.pool.page_size
+        snapshot = snapshot or [None] * self.n_layers
+        for l in range(self.n_layers):
+            self.length[l] -= n
+            self.positions[l] = self.positions[l][:, :self.length[l]]
+            end = self.start[l] + self.length[l]
+            used = math.ceil(end / size)
+            self.pool.release(self.pages[l][used:])
+            self.pages[l] = self.pages[l][:used]
+            self._table[l, used:] = 0
+            if end % size and self.pool.kv_format is not None and self.pool.kv_format.page_scaled_keys:
+                self._encode_last_page(l, snapshot[l])
+        self.logical_length -= n
+
+    def _check_truncatable(self, n: int) -> None:
+        if not 0 < n <= self.logical_length:
+            raise ConfigError(f"Cannot roll back {n} tokens of a sequence of {self.logical_length}.")
+        last = np.arange(self.logical_length - n, self.logical_length)
+        for l in range(self.n_layers):
+            keeps = min(self.windows[l] - 1, self.logical_length - n) if self.windows[l] else 0
+            if self.length[l] - n < keeps or self.positions[l].shape[1] < n or \
+                    np.any(self.positions[l][:, self.positions[l].shape[1] - n:] != last):
+                raise ConfigError(f"Cannot roll back {n} tokens: layer {l} no longer holds what it held {n} tokens "
+                                  f"ago (an eviction or a sliding window dropped slots since).")
+
+    def _encode_last_page(self, layer: int, before: TailPage | None) -> None:
+        """Encode the keys of the layer's last page (part full) again over the slots it holds: those it held at
+        `before` from that copy, the rest as stored now (kv_format.gather_slots, the compaction's rule)."""
+        size, fmt = self.pool.page_size, self.pool.kv_format
+        index = len(self.pages[layer]) - 1
+        held = self.start[layer] + self.length[layer] - index * size
+        page = self.pool.read_pages([self.pages[layer][index]])
+        if before is not None and before.index == index and before.held <= held:
+            source = np.concatenate([before.data, page])
+            slots = np.concatenate([np.arange(before.held), size + np.arange(before.held, held)])
+        else:
+            source, slots = page, np.arange(held)
+        encoded = gather_slots(fmt, source, [slots] * self.kv_heads)[:1]
+        self.pool.write_pages([self.pages[layer][index]], encoded)
 
     @property
     def contiguous(self) -> bool:

@@ -14,6 +14,7 @@ from ..common.errors import ConfigError, ContextLengthError
 from ..common.manifest import Manifest
 from ..common.settings import MAX_COUNT, parse_int, parse_positive_int, resolve_threads
 from ..common.snapkv_settings import PREFIX, SnapKVSettings, knobs_from_keywords
+from ..common.speculative_settings import SpeculativeSettings, speculative_settings
 from ..common.targets import target_spec
 from ..common.tokenizer import token_ids
 from .backend import Backend
@@ -24,6 +25,7 @@ from .sampling import Sampler, SamplingParams
 from .scorers import (ANCHOR, CONTINUE_PROMPT, PROBE_PROMPT, REPEAT_PROMPT, SCORERS, ContextScorer,
                       HybridScorer, KeyDiffScorer, KVzipScorer, ProbeScorer)
 from .session import Session
+from .speculative import Stepper, check_draft_model, make_drafter
 from .text_output import TextOutput, stop_strings
 from .tvm_backend import TVMBackend
 from .vulkan import VulkanBackend
@@ -67,6 +69,7 @@ class Model:
         self.engine = Engine(backend, manifest, self.config, pool_sequences, pool_tokens,
                              key_offsets=key_offsets(self.path, manifest, self.config.n_layers,
                                                      (self.config.n_kv_heads, self.config.head_dim)))
+        self._drafts: dict[Path, Model] = {}     # draft models loaded for speculative decoding, by directory
 
     @property
     def backend(self) -> str:
@@ -154,7 +157,11 @@ class Model:
     def generate(self, prompt, max_tokens: int = 64, **options) -> GenerationResult:
         """Generate from a prompt (text or ids). Options: temperature, top_k, top_p, min_p, repeat_penalty,
         seed (sampling); stop (strings); special (render special tokens); snapkv or the snapkv_* knobs, compress (as
-        session())."""
+        session()); speculative ("lookup": drafts copied from the prompt and output; "draft" with draft=DIR or a
+        Model: a smaller model's; a dict or SpeculativeSettings for max_draft, ngram_min/max, adaptive) and
+        draft. Speculation changes the speed only: greedy output is plain decoding's (on rounded caches and int8
+        matmuls, wherever plain decoding's top two differ by more than the conformance tolerance), sampled output
+        follows the same distribution."""
         generation = self.stream(prompt, max_tokens, **options)
         for _ in generation:
             pass
@@ -167,11 +174,31 @@ class Model:
                                      if k in SamplingParams.__dataclass_fields__})
         stop, special, snapkv = options.pop("stop", None), options.pop("special", False), options.pop("snapkv", None)
         compress = options.pop("compress", None)
+        draft = options.pop("draft", None)
+        speculation = speculative_settings(options.pop("speculative", None), draft=draft is not None)
         knobs = {k: options.pop(k) for k in list(options) if k.startswith(PREFIX)}
         if options:
             raise ConfigError(f"Unknown option(s): {', '.join(sorted(options))}.")
+        draft_model = self.draft_model(draft) if draft is not None else None
         session = self.session(snapkv=snapkv, compress=compress, **knobs)    # checks the knobs before any work
-        return _Generation(self, session, prompt, max_tokens, sampling, stop, special)
+        return _Generation(self, session, prompt, max_tokens, sampling, stop, special, speculation, draft_model)
+
+    def draft_model(self, draft) -> "Model":
+        """A draft model for speculative decoding: a loaded Model, or an artifact's directory (loaded once, with
+        this model's threads, and kept); a ConfigError unless its vocabulary is this model's."""
+        if isinstance(draft, Model):
+            model = draft
+        elif isinstance(draft, (str, Path)):
+            path = Path(draft).resolve()
+            if path not in self._drafts:
+                if not path.is_dir():
+                    raise ConfigError(f"The draft model {draft} is not a directory (a compiled artifact).")
+                self._drafts[path] = Model(path, threads=self.threads, pool_sequences=1)
+            model = self._drafts[path]
+        else:
+            raise ConfigError(f"draft must be an artifact's directory or a loaded Model, got {type(draft).__name__}.")
+        check_draft_model(self, model)
+        return model
 
     def chat(self, messages, max_tokens: int = 256, **kwargs) -> GenerationResult:
         """Generate the assistant's reply to `messages` (OpenAI-style dicts), rendered by the GGUF's chat template;
@@ -198,8 +225,10 @@ class Model:
 class _Generation:
     """The generation loop as an iterator of text pieces; `.result` holds the GenerationResult at the end."""
 
-    def __init__(self, model: Model, session: Session, prompt, max_tokens, params, stop, special):
+    def __init__(self, model: Model, session: Session, prompt, max_tokens, params, stop, special,
+                 speculation: SpeculativeSettings | None = None, draft_model: Model | None = None):
         self.model, self.session = model, session
+        self.speculation, self.draft_model = speculation or SpeculativeSettings(), draft_model
         self.max_tokens = parse_int(max_tokens, "max_tokens", 0, MAX_COUNT, text=False)
         self.sampler = Sampler(params)
         self.stop = stop_strings(stop)
@@ -224,25 +253,32 @@ class _Generation:
         finish = "length"
         text = TextOutput(model.tokenizer, self.stop, self.special)
         with self.session as session:
+            stepper = Stepper(session, self.sampler, self.speculation,
+                              make_drafter(self.speculation, self.sampler.params, self.draft_model))
             t0 = time.perf_counter()
             logits = session.prefill(self.prompt_ids)
             t1 = time.perf_counter()
             kv_after_prefill = (session.kv_length, session.kv_bytes, session.evicted)
-            while len(out) < self.max_tokens:
-                token = self.sampler(logits, self.prompt_ids + out, out)
-                if token in stop_ids:
-                    finish = "stop"
-                    break
-                out.append(token)
-                piece = text.feed(token)
-                if piece:
-                    yield piece
-                if text.stopped:
-                    finish = "stop"
-                    break
-                if len(out) >= self.max_tokens or session.context_left == 0:
-                    break
-                logits = session.decode(token)
+            pending = [self.sampler(logits, self.prompt_ids, out)] if self.max_tokens else []
+            try:
+                while pending:
+                    token = pending.pop(0)
+                    if token in stop_ids:
+                        finish = "stop"
+                        break
+                    out.append(token)
+                    piece = text.feed(token)
+                    if piece:
+                        yield piece
+                    if text.stopped:
+                        finish = "stop"
+                        break
+                    if len(out) >= self.max_tokens or (not pending and session.context_left == 0):
+                        break
+                    if not pending:           # the accepted drafts that follow `token` are fed already
+                        pending = stepper.step(token, self.prompt_ids + out, out, self.max_tokens - len(out))
+            finally:
+                stepper.close()
             t2 = time.perf_counter()
         piece = text.finish()
         if piece:
@@ -258,6 +294,7 @@ class _Generation:
                    "scorer": self.session.scorer.name if self.session.scorer is not None else "snapkv",
                    "snapkv_budget": self.session.snapkv_budget,
                    "prefill_tok_s": len(self.prompt_ids) / max(t1 - t0, 1e-9),
+                   "speculative": self.speculation.method, **stepper.stats.to_dict(),
                    "decode_tok_s": n_decode / max(t2 - t1, 1e-9) if n_decode else 0.0})
 
 

@@ -64,6 +64,11 @@ class Sampler:
         self.params = params
         self.rng = np.random.default_rng(params.seed)
 
+    @property
+    def greedy(self) -> bool:
+        """Whether the token is the (penalized) logits' argmax: no randomness at all."""
+        return self.params.temperature == 0.0
+
     def __call__(self, logits: np.ndarray, history: list[int], output: list[int] | None = None) -> int:
         """The next token from `logits`; `history` is every token so far (prompt and output: the repetition
         penalty's), `output` the generated ones (the frequency and presence penalties')."""
@@ -71,6 +76,24 @@ class Sampler:
         penalized = p.repeat_penalty != 1.0 or p.frequency_penalty or p.presence_penalty
         if p.temperature == 0.0 and not penalized:
             return int(np.argmax(logits))             # exact in float32: no copy of the vocabulary
+        z = self._penalized(logits, history, output)
+        if p.temperature == 0.0:
+            return int(np.argmax(z))
+        probs = self._probabilities(z)
+        return int(self.rng.choice(probs.size, p=probs))
+
+    def distribution(self, logits: np.ndarray, history: list[int], output: list[int] | None = None) -> np.ndarray:
+        """The probabilities __call__ samples from (float64 [vocab], summing to 1; greedy: one-hot on its
+        choice), for speculative decoding's acceptance rule."""
+        if self.greedy:
+            probs = np.zeros(np.asarray(logits).size)
+            probs[self(logits, history, output)] = 1.0
+            return probs
+        return self._probabilities(self._penalized(logits, history, output))
+
+    def _penalized(self, logits: np.ndarray, history: list[int], output: list[int] | None) -> np.ndarray:
+        """float64 logits with the repetition, frequency and presence penalties applied."""
+        p = self.params
         z = np.asarray(logits, dtype=np.float64).copy()
         if p.repeat_penalty != 1.0 and history:
             seen = np.unique(np.asarray(history, dtype=np.int64))
@@ -81,8 +104,11 @@ class Sampler:
         if (p.frequency_penalty or p.presence_penalty) and output:
             tokens, counts = np.unique(np.asarray(output, dtype=np.int64), return_counts=True)
             z[tokens] -= p.frequency_penalty * counts + p.presence_penalty
-        if p.temperature == 0.0:
-            return int(np.argmax(z))
+        return z
+
+    def _probabilities(self, z: np.ndarray) -> np.ndarray:
+        """Temperature, top-k, min-p and top-p over penalized logits (temperature > 0): float64 probabilities."""
+        p = self.params
         with np.errstate(over="ignore", under="ignore"):
             z = (z - z.max()) / p.temperature        # <= 0, the largest exactly 0: exp() never overflows
         if p.top_k > 0 and p.top_k < z.size:
@@ -100,7 +126,7 @@ class Sampler:
             mask[order[keep]] = True
             probs[~mask] = 0
             probs /= probs.sum()
-        return int(self.rng.choice(probs.size, p=probs))
+        return probs
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:

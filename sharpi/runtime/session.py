@@ -37,6 +37,7 @@ class Session:
         self._scores = None           # SnapKV scores of the fresh prompt, kept for evict()
         self._scored_length = 0       # the tokens those scores cover
         self._adopted = 0             # prompt tokens taken from other sequences' pages (adopt_prefix)
+        self._before_verify = None    # the cache's tail pages before the last verify(), for rollback()
         self._closed = False
 
     # -- state ------------------------------------------------------------------------------------------------
@@ -190,6 +191,34 @@ class Session:
         ids = self._check_ids([token])
         return self._forward("decode", ids)[0]
 
+    def verify(self, ids) -> np.ndarray:
+        """Feed a few tokens at once (speculative decoding's check of drafted ones) and return the logits of every
+        one, float32 [len(ids), vocab]: row i is what decode(ids[i]) would return after ids[:i]. rollback(n)
+        then forgets the last n of them. One token is a decode step; more are one prefill chunk at most."""
+        ids = self._check_ids(ids)
+        if self.fresh:
+            raise ConfigError("verify() continues a sequence; prefill its prompt first.")
+        if len(ids) > self._engine.prefill_chunk:
+            raise ConfigError(f"verify() takes at most one prefill chunk ({self._engine.prefill_chunk} tokens), "
+                              f"got {len(ids)}.")
+        cache = self._cache
+        with self._engine.lock:
+            cache.slack = max(cache.slack, len(ids))     # sliding-window layers keep what a rollback needs
+            before = cache.tail_snapshot()
+        logits = self._forward("decode" if len(ids) == 1 else "prefill_logits", ids)
+        self._before_verify = before
+        return logits
+
+    def rollback(self, n: int) -> None:
+        """Forget the last n tokens fed (rejected drafts): their slots and the pages that held only them go back,
+        and the next token takes the first one's position. Right after verify() the cache is as if only the kept
+        tokens had been verified; otherwise as truncated (SequenceCache.truncate). n may reach back to the last
+        compaction, and in a sliding-window layer to the last verify's length."""
+        self._check_open()
+        with self._engine.lock:
+            self._cache.truncate(n, self._before_verify)
+        self._before_verify = None
+
     def score_continuation(self, ids, window: int) -> np.ndarray:
         """The score op's scores [layers, kv_heads, slots] of every slot held after `ids` are fed on a fork of
         this session (closed again: this session is untouched), scored by the last |window| of them (summed, or
@@ -299,6 +328,7 @@ class Session:
         return array.astype(np.int32)
 
     def _forward(self, function: str, ids: np.ndarray, extra: tuple = ()):
+        self._before_verify = None
         return self._engine.forward(function, ids, self._cache, extra)
 
 
@@ -394,4 +424,6 @@ def decode_batch(sessions: list[Session], tokens) -> np.ndarray:
     if len({id(s) for s in sessions}) != len(sessions):
         raise ConfigError("decode_batch takes each session once.")
     ids = np.concatenate([s._check_ids([t]) for s, t in zip(sessions, tokens, strict=True)])
+    for s in sessions:
+        s._before_verify = None
     return engine.forward_batch(ids, [s._cache for s in sessions])
