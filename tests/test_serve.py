@@ -209,6 +209,30 @@ def test_two_questions_about_one_compressed_document(server, smollm2):
     assert server.sequence_pages() == 0
 
 
+def test_speculative_requests_answer_as_plain_ones(server, smollm2):
+    """A request with "speculative": "lookup" running alone verifies drafts (the metrics count them) and answers
+    what a plain request does; one that stops inside its accepted drafts leaves the prefix cache what it sent, so
+    the same request again (served from that cache) answers the same."""
+    c = server.client
+    text = "one two three four five six seven eight nine ten, " * 6
+    plain = complete(c, text, 40)
+    drafted = server.metric("sharpi_speculative_drafted_tokens_total")
+    spec = complete(c, text, 40, extra_body={"speculative": "lookup"})
+    assert_same_greedy(plain, spec, "speculative")
+    assert server.metric("sharpi_speculative_drafted_tokens_total") > drafted
+    assert server.metric("sharpi_speculative_accepted_tokens_total") > 0
+    words = plain.choices[0].text.split()
+    stop = dict(extra_body={"speculative": {"method": "lookup", "max_draft": 8}}, stop=[words[len(words) // 2]])
+    first, again = complete(c, text, 40, **stop), complete(c, text, 40, **stop)
+    assert first.choices[0].finish_reason == "stop" and first.choices[0].text == again.choices[0].text
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    for bad in ("medusa", {"method": "lookup", "max_draft": 0}):
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "speculative": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith("speculative"), r.text
+    server.wait_idle()
+    assert server.sequence_pages() == 0
+
+
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):
     c, url = server.client, server.url
     with pytest.raises(openai.NotFoundError) as e:

@@ -8,8 +8,9 @@ import warnings
 from pathlib import Path
 
 from ..common.errors import ConfigError, SharpiError, SharpiNote, SharpiWarning
-from ..common.settings import parse_positive_int
+from ..common.settings import parse_int, parse_positive_int
 from ..common.snapkv_settings import KNOBS, PREFIX
+from ..common.speculative_settings import MAX_DRAFT, speculative_settings
 from ..runtime.sampling import SamplingParams
 from ..runtime.scorers import SCORERS
 
@@ -139,9 +140,39 @@ def generation_options(model, args, sampling_defaults: dict | None = None) -> di
     if compress not in (None, "snapkv") and not budget:
         warnings.warn(f"--compress {compress} changes nothing while SnapKV's budget is 0 (eviction off, the "
                       f"default on CPU): give --snapkv-budget N.", SharpiWarning)
-    options = {**sampling, "snapkv": settings}
+    options = {**sampling, "snapkv": settings, **speculative_options(model, args)}
     if compress is not None:
         options["compress"] = compress
+    return options
+
+
+def add_speculative_flags(parser) -> None:
+    parser.add_argument("--speculative", default=None, metavar="METHOD",
+                        help="speculative decoding, faster where the answer repeats the prompt (code edits, "
+                             "quotes) and as exact as plain decoding: lookup (drafts copied from the prompt and "
+                             "the answer), draft (a smaller model's: --draft), off (default; draft with --draft)")
+    parser.add_argument("--draft", default=None, metavar="MODEL",
+                        help="a draft model for --speculative draft: a compiled artifact (or model name) of the "
+                             "same vocabulary, smaller than MODEL")
+    parser.add_argument("--draft-max", type=int, default=None, metavar="K",
+                        help="the most drafted tokens one forward verifies (default 16; fewer are verified where "
+                             "the measured acceptance says more would not pay)")
+
+
+def speculative_options(model, args) -> dict:
+    """generate()'s speculative= and draft= from the flags, checked (the draft model loaded once)."""
+    method, draft, k = getattr(args, "speculative", None), getattr(args, "draft", None), getattr(args, "draft_max", None)
+    if method is None and draft is None and k is None:
+        return {}
+    value = {} if method is None else {"method": method.strip().lower()}
+    if k is not None:
+        value["max_draft"] = parse_int(k, "--draft-max", 1, MAX_DRAFT)
+    if method is None and draft is None:
+        value["method"] = "lookup"
+    options = {"speculative": value}
+    if draft is not None:
+        options["draft"] = model.draft_model(artifact_path(draft))
+    speculative_settings(value, draft=draft is not None)
     return options
 
 

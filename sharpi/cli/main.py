@@ -14,8 +14,8 @@ from ..frontend.fetch import fetch
 from ..frontend.inspect import describe
 
 from .common import (MODEL_HELP, STDIN, ArgumentParser, add_compress_flag, add_device_flags, add_prompt_flags,
-                     add_sampling_flags, add_snapkv_flags, generation_options, load_model, print_compression,
-                     prompt_text, read_text, user_errors_exit_2)
+                     add_sampling_flags, add_snapkv_flags, add_speculative_flags, generation_options, load_model,
+                     print_compression, prompt_text, read_text, user_errors_exit_2)
 from .bench import run_bench
 from .check import add_check_parser, cmd_check
 from .eval import add_eval_parser, cmd_eval
@@ -44,6 +44,7 @@ def build_parser() -> ArgumentParser:
     add_sampling_flags(r, chat=False)
     add_snapkv_flags(r)
     add_compress_flag(r)
+    add_speculative_flags(r)
     add_device_flags(r)
 
     c = sub.add_parser("chat", help="chat with the model (its GGUF chat template)")
@@ -58,6 +59,7 @@ def build_parser() -> ArgumentParser:
     add_sampling_flags(c, chat=True)
     add_snapkv_flags(c)
     add_compress_flag(c)
+    add_speculative_flags(c)
     add_device_flags(c)
 
     sub.add_parser("adapters", help="list the Vulkan adapters (the vulkan target's devices)")
@@ -127,6 +129,9 @@ def _print_stats(model, result, settings, prompt_form: str = "chat template") ->
           f"tok/s; finish: {result.finish_reason}; KV after prefill: {st['kv_slots_after_prefill']} slots "
           f"a layer, {st['kv_bytes_after_prefill'] / 2**20:.1f} MiB{' (SnapKV evicted)' if st['evicted'] else ''}]",
           file=sys.stderr)
+    if st["speculative"] != "off":
+        print(f"[speculative {st['speculative']}: {st['accepted_tokens']} of {st['drafted_tokens']} drafted tokens "
+              f"accepted in {st['verifications']} verifications]", file=sys.stderr)
     print_compression(result, settings)
 
 

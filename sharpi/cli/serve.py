@@ -13,7 +13,7 @@ from pathlib import Path
 from ..common.config import ModelConfig
 from ..common.errors import ConfigError, SharpiError
 from ..common.manifest import Manifest
-from ..common.settings import parse_positive_int
+from ..common.settings import parse_int, parse_positive_int
 from ..runtime.engine import kv_slot_bytes
 from .common import (MODEL_HELP, add_device_flags, add_snapkv_flags, already_checked, resolve_model_arg,
                      snapkv_knobs)
@@ -64,8 +64,23 @@ def add_serve_parser(sub) -> None:
                           "ray://HOST:10001; default: a cluster of this machine alone, on loopback")
     ray.add_argument("--gpus-per-replica", type=float, default=None,
                      help="GPUs each replica reserves (default: 1 for a cuda or vulkan artifact, else 0)")
+    s.add_argument("--speculative", default=None, choices=["off", "lookup"],
+                   help="speculative decoding for requests that do not say (their \"speculative\" field): lookup "
+                        "drafts from the prompt and answer, verified in one forward while few requests run; the "
+                        "output is plain decoding's (default off)")
+    s.add_argument("--draft-max", type=int, default=None, metavar="K",
+                   help="the most drafted tokens one forward verifies (default 16)")
     add_snapkv_flags(s)
     add_device_flags(s)
+
+
+def _speculative(args):
+    """The server's default speculative settings from --speculative and --draft-max."""
+    from ..common.speculative_settings import MAX_DRAFT, SpeculativeSettings
+    settings = SpeculativeSettings(method=args.speculative or "off")
+    if args.draft_max is not None:
+        settings = replace(settings, max_draft=parse_int(args.draft_max, "--draft-max", 1, MAX_DRAFT))
+    return settings.validate()
 
 
 def cmd_serve(args) -> int:
@@ -85,6 +100,7 @@ def cmd_serve(args) -> int:
     if not (args.drain_seconds >= 0):
         raise ConfigError(f"--drain-seconds must be >= 0, got {args.drain_seconds}.")
     limits = _http_limits(args)
+    _speculative(args)
     api_key = args.api_key if args.api_key is not None else os.environ.get("SHARPI_API_KEY") or None
     if api_key is not None and not api_key.strip():
         raise ConfigError("--api-key is empty.")
@@ -99,7 +115,8 @@ def cmd_serve(args) -> int:
         raise ConfigError("--replicas, --min-replicas, --max-replicas, --address and --gpus-per-replica go with "
                           "--ray.")
     sock = bind(args.host, args.port)
-    state = ServerState(name, api_key=api_key, snapkv_knobs=snapkv_knobs(args), limits=limits)
+    state = ServerState(name, api_key=api_key, snapkv_knobs=snapkv_knobs(args), limits=limits,
+                        speculative=_speculative(args))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     host, port = sock.getsockname()[:2]
     print(f"sharpi serve: http://{host}:{port}/v1 serves '{name}' (loading {args.artifact})", flush=True)
@@ -150,7 +167,7 @@ def _serve_on_ray(args, manifest: Manifest, name: str, api_key: str | None, para
     deployment = replace(deployment, cpus_per_replica=threads)
     options = on_ray.ReplicaOptions(
         str(Path(args.artifact).resolve()), threads=threads, pool_tokens=pool_tokens, adapter=args.adapter,
-        expect_sha256=args.expect_sha256, snapkv_knobs=snapkv_knobs(args),
+        expect_sha256=args.expect_sha256, snapkv_knobs=snapkv_knobs(args), speculative=_speculative(args),
         serve=ServeSettings(parallel=parallel, max_queue=args.max_queue, prefill_budget=args.prefill_budget,
                             prefix_cache=not args.no_prefix_cache))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -276,7 +276,8 @@ class _Generation:
                     if len(out) >= self.max_tokens or (not pending and session.context_left == 0):
                         break
                     if not pending:           # the accepted drafts that follow `token` are fed already
-                        pending = stepper.step(token, self.prompt_ids + out, out, self.max_tokens - len(out))
+                        pending = [t for t, _ in stepper.step(token, self.prompt_ids + out, out,
+                                                              self.max_tokens - len(out))]
             finally:
                 stepper.close()
             t2 = time.perf_counter()

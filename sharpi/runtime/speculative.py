@@ -28,6 +28,7 @@ class Draft:
     tokens: list[int]
     probs: list[np.ndarray] | None = None   # the drafter's distribution each token was sampled from (None: chosen)
     kind: int = 0                           # what DraftLength keeps acceptance statistics by (a match's length)
+    probe: int | None = None                # a draft not verified: its first token, to compare with the model's
 
 
 class Drafter(Protocol):
@@ -236,8 +237,9 @@ class SpeculationStats:
 
 
 class Stepper:
-    """The generation loop's step: feed the last token, return the tokens that follow it (its logits' sample;
-    with speculation, the accepted drafts too, already in the cache, then the model's next token, not yet)."""
+    """The generation loop's step: feed the last token, return the tokens that follow it with the logits each was
+    chosen from (its sample; with speculation, the accepted drafts too, already in the cache, then the model's next
+    token, not yet). A drafter outlives a session (a server recomputes a preempted sequence on a new one)."""
 
     def __init__(self, session: Session, sampler: Sampler, settings: SpeculativeSettings | None = None,
                  drafter: Drafter | None = None):
@@ -247,36 +249,45 @@ class Stepper:
         self.length = DraftLength(session._engine.times, self.settings.max_draft, self.settings.adaptive)
         self.stats = SpeculationStats()
 
-    def step(self, token: int, history: list[int], output: list[int], remaining: int) -> list[int]:
+    def step(self, token: int, history: list[int], output: list[int], remaining: int) \
+            -> list[tuple[int, np.ndarray]]:
         """history: the prompt and output, `token` (the last of output) included; remaining: tokens the
         generation may still emit after `token`."""
         session = self.session
-        if self.drafter is None:
-            return [self.sampler(session.decode(token), history, output)]
-        available = max(0, min(remaining - 1, session.context_left - 1, session._engine.prefill_chunk - 1))
-        started = time.perf_counter()
-        if self.drafter.free:
-            draft = self.drafter.propose(history, available) if available else Draft([])
-            k = self.length.choose(len(draft.tokens), draft.kind, self.drafter)
-        else:                    # at least one drafted token, so that its acceptance keeps being measured
-            k = min(available, max(1, self.length.choose(available, 0, self.drafter)))
-            draft = self.drafter.propose(history, k) if k else Draft([])
-            k = len(draft.tokens)
-        self.stats.draft_s += time.perf_counter() - started
-        if k == 0:
-            following = self.sampler(session.decode(token), history, output)
-            if draft.tokens:                             # a free look at how the drafter would have done
-                self.length.observe(draft.kind, 1, int(draft.tokens[0] == following))
-            return [following]
-        draft = Draft(draft.tokens[:k], None if draft.probs is None else draft.probs[:k], draft.kind)
+        draft = self._draft(history, remaining) if self.drafter is not None else Draft([])
+        if not draft.tokens:
+            logits = session.decode(token)
+            following = self.sampler(logits, history, output)
+            if draft.probe is not None:                  # a free look at how the drafter would have done
+                self.length.observe(draft.kind, 1, int(draft.probe == following))
+            return [(following, logits)]
         rows = session.verify([token] + draft.tokens)
         kept, following = accept(self.sampler, rows, draft, history, output)
-        session.rollback(k - kept)
-        self.length.observe(draft.kind, k, kept)
-        self.stats.drafted += k
+        session.rollback(len(draft.tokens) - kept)
+        self.length.observe(draft.kind, len(draft.tokens), kept)
+        self.stats.drafted += len(draft.tokens)
         self.stats.accepted += kept
         self.stats.verifications += 1
-        return draft.tokens[:kept] + [following]
+        return list(zip(draft.tokens[:kept] + [following], rows[:kept + 1]))
+
+    def _draft(self, history: list[int], remaining: int) -> Draft:
+        """The drafted tokens worth verifying now (none: a plain step; then `probe`, the drafter's first guess
+        where it had one, and `kind` say how it would have done)."""
+        session, drafter = self.session, self.drafter
+        available = max(0, min(remaining - 1, session.context_left - 1, session._engine.prefill_chunk - 1))
+        if not available:
+            return Draft([])
+        started = time.perf_counter()
+        if drafter.free:
+            draft = drafter.propose(history, available)
+            k = self.length.choose(len(draft.tokens), draft.kind, drafter)
+        else:                    # at least one drafted token, so that its acceptance keeps being measured
+            k = min(available, max(1, self.length.choose(available, 0, drafter)))
+            draft = drafter.propose(history, k)
+        self.stats.draft_s += time.perf_counter() - started
+        if k == 0 and draft.tokens:
+            return Draft([], kind=draft.kind, probe=draft.tokens[0])
+        return Draft(draft.tokens[:k], None if draft.probs is None else draft.probs[:k], draft.kind)
 
     def close(self) -> None:
         if self.drafter is not None:

@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..common.chat import render_chat
 from ..common.errors import ConfigError, ContextLengthError, ServerBusyError, SharpiError
+from ..common.speculative_settings import SpeculativeSettings
 from ..common.tokenizer import PromptTooLongError, token_ids
 from ..runtime.sampling import SamplingParams
 from .client import EngineClient, EventStream, ModelFront
@@ -63,6 +64,7 @@ class ServerState:
     model_name: str
     api_key: str | None = None
     snapkv_knobs: dict = field(default_factory=dict)
+    speculative: SpeculativeSettings = SpeculativeSettings()   # a request's when it names none
     limits: HttpLimits = field(default_factory=HttpLimits)
     model: ModelFront | None = None
     engine: EngineClient | None = None
@@ -305,7 +307,18 @@ def _generation_request(state: ServerState, model: ModelFront, body: _Generation
         raise ApiError(400, str(error), param="compress" if compress else "snapkv") from None
     return GenerationRequest(ids, max_tokens=room if max_tokens is None else min(max_tokens, room),
                              sampling=sampling, stop=tuple(s for s in body.stops() if s), logprobs=logprobs,
-                             snapkv=settings, ignore_eos=body.ignore_eos, compress=compress)
+                             snapkv=settings, ignore_eos=body.ignore_eos, compress=compress,
+                             speculative=_speculative(state, body.speculative))
+
+
+def _speculative(state: ServerState, given) -> SpeculativeSettings:
+    """A request's speculative decoding: its own method and max_draft over the server's default."""
+    if given is None:
+        return state.speculative
+    if isinstance(given, str):
+        return replace(state.speculative, method=given)
+    draft = given.max_draft if given.max_draft is not None else state.speculative.max_draft
+    return replace(state.speculative, method=given.method, max_draft=draft)
 
 
 def _check_prefix(prefix: int, tokens: int, budget: int) -> int:

@@ -3,7 +3,9 @@
 Each step:
 1. cancelled requests leave and give their pages back;
 2. one decode_batch call feeds every running sequence its last sampled token (the weights read once for all of
-   them), and each samples its next token with its own settings;
+   them), and each samples its next token with its own settings; while so few run that each is decoded on its own
+   anyway (Engine.batch_from), a sequence that asked for speculative decoding verifies its drafted tokens in its
+   forward instead (sharpi.runtime.speculative; a decode batch has one token a sequence);
 3. prefill chunks of admitted prompts, up to the step's token budget (so a running sequence waits at most one
    budget of prefill between two tokens); a prompt whose prefill ends is compressed at once when its SnapKV
    settings say so, and the admission of the next waiting request, right after, sees the pages it freed.
@@ -61,6 +63,7 @@ from ..runtime.model import Model
 from ..runtime.prefix_cache import PrefixCache
 from ..runtime.sampling import Sampler, log_softmax, top_logprobs
 from ..runtime.session import PrefillJob, Session, decode_batch
+from ..runtime.speculative import PromptLookup, Stepper
 from ..runtime.text_output import TextOutput
 from .metrics import ServeMetrics
 from .request import Event, GenerationRequest, RequestHandle, TokenLogprob
@@ -102,6 +105,17 @@ class _Sequence:
         self.pages_before_eviction = 0
         self.compressed_prompt = 0             # the tokens its compression covers (a continuation's: the first's)
         self.finished = False
+        spec = request.speculative
+        self.drafter = PromptLookup(spec.ngram_min, spec.ngram_max) if spec.on else None
+        self.stepper: Stepper | None = None    # the drafter's step on the current session
+
+    def speculation(self) -> Stepper | None:
+        """The sequence's speculative step on its current session (a new one after a preemption), or None."""
+        if self.drafter is None:
+            return None
+        if self.stepper is None or self.stepper.session is not self.session:
+            self.stepper = Stepper(self.session, self.sampler, self.request.speculative, self.drafter)
+        return self.stepper
 
 
 class ServeEngine:
@@ -282,6 +296,10 @@ class ServeEngine:
             running = [s for s in running if s is not victim]
         if not running:
             return True
+        if len(running) < self.engine.batch_from and any(s.drafter is not None for s in running):
+            for seq in running:                  # decoded one by one anyway: each may verify drafts instead
+                self._speculative_step(seq)
+            return True
         tokens = [s.pending for s in running]
         started = time.monotonic()
         with self.engine.lock:
@@ -293,6 +311,29 @@ class ServeEngine:
             seq.pending = None
             self._next_token(seq, row)
         return True
+
+    def _speculative_step(self, seq: _Sequence) -> None:
+        """One sequence's step on its own: its pending token and the drafts worth verifying (none where the pool
+        has no room for the most it may draft), then every token that came of it."""
+        stepper = seq.speculation()
+        remaining = seq.request.max_tokens - len(seq.out)
+        if stepper is None or not self._have_pages(seq.session.cache.pages_needed(1 + stepper.settings.max_draft)):
+            remaining = 1                        # a plain decode step
+        stepper = stepper or Stepper(seq.session, seq.sampler)
+        before = (stepper.stats.drafted, stepper.stats.accepted)
+        started = time.monotonic()
+        with self.engine.lock:
+            steps = stepper.step(seq.pending, seq.prompt + seq.out, seq.out, remaining)
+        self._call_seconds.append(time.monotonic() - started)
+        self.metrics.decode_steps.inc()
+        self.metrics.decode_batch_size.observe(1)
+        self.metrics.drafted_tokens.inc(stepper.stats.drafted - before[0])
+        self.metrics.accepted_tokens.inc(stepper.stats.accepted - before[1])
+        seq.pending = None
+        for token, logits in steps:
+            self._take_token(seq, token, logits)
+            if seq.finished:
+                break
 
     def _pages_for_decode(self, running: list[_Sequence]) -> int:
         return sum(s.session.cache.pages_needed(1) for s in running)
@@ -495,9 +536,12 @@ class ServeEngine:
 
     def _next_token(self, seq: _Sequence, logits: np.ndarray) -> None:
         """Sample the sequence's next token, send its text, and finish it or leave the token to decode."""
+        history = seq.prompt + seq.out if seq.request.sampling.repeat_penalty != 1.0 else seq.out
+        self._take_token(seq, seq.sampler(logits, history, seq.out), logits)
+
+    def _take_token(self, seq: _Sequence, token: int, logits: np.ndarray) -> None:
+        """Send a token chosen from `logits` and its text; finish the sequence or leave the token to decode."""
         request = seq.request
-        history = seq.prompt + seq.out if request.sampling.repeat_penalty != 1.0 else seq.out
-        token = seq.sampler(logits, history, seq.out)
         now = time.monotonic()
         if seq.last_token_at is None:
             self.metrics.time_to_first_token.observe(now - seq.arrival)
@@ -542,7 +586,14 @@ class ServeEngine:
         if seq.session is not None:
             with self.engine.lock:
                 kept = False
-                if reason in ("stop", "length") and self.prefix_cache is not None:
+                cacheable = reason in ("stop", "length") and self.prefix_cache is not None
+                ahead = seq.session.logical_length - len(seq.prompt + seq.out)
+                if ahead > 0 and cacheable:      # accepted drafts past a stop: the cache keeps what was sent
+                    try:
+                        seq.session.rollback(ahead)
+                    except ConfigError:
+                        cacheable = False
+                if cacheable:
                     seen = (seq.prompt + seq.out)[:seq.session.logical_length]
                     self.prefix_cache.insert(seen, seq.session.cache)
                     kept = self.conversations.insert(seen, seq.session, seq.compressed_prompt)

@@ -43,6 +43,10 @@ class ServeMetrics:
                                           registry=r)
         self.preemptions = Counter("sharpi_preemptions", "Sequences preempted (pages freed, recomputed later)",
                                    registry=r)
+        self.drafted_tokens = Counter("sharpi_speculative_drafted_tokens", "Drafted tokens verified (speculative "
+                                      "decoding)", registry=r)
+        self.accepted_tokens = Counter("sharpi_speculative_accepted_tokens", "Drafted tokens the model accepted",
+                                       registry=r)
         self.decode_steps = Counter("sharpi_decode_steps", "Batched decode steps", registry=r)
         self.decode_batch_size = Histogram("sharpi_decode_batch_size", "Sequences in a decode step",
                                            buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)

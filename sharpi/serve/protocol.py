@@ -6,6 +6,7 @@ from typing import Literal, Union
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from ..common.speculative_settings import MAX_DRAFT
 from ..runtime.text_output import MAX_STOP_CHARS
 
 MAX_LOGPROBS = 20
@@ -63,6 +64,15 @@ class CompressOptions(BaseModel):
         return self
 
 
+class SpeculativeOptions(BaseModel):
+    """Speculative decoding (sharpi's extension): "lookup" drafts tokens from the prompt and the answer and verifies
+    them in one forward where the request is decoded on its own (few requests running); the output is plain
+    decoding's either way. max_draft: the most drafted tokens one forward verifies."""
+    model_config = _STRICT
+    method: Literal["off", "lookup"] = "lookup"
+    max_draft: int | None = Field(None, ge=1, le=MAX_DRAFT)
+
+
 class _Generation(BaseModel):
     """What completions and chat completions share."""
     model_config = _STRICT
@@ -84,6 +94,7 @@ class _Generation(BaseModel):
     ignore_eos: bool = False
     snapkv: SnapKVOptions | None = None
     compress: CompressOptions | None = None
+    speculative: Union[Literal["off", "lookup"], SpeculativeOptions, None] = None
 
     @field_validator("n")
     @classmethod

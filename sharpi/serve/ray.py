@@ -33,6 +33,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import FIFOMixin, RequestRouter
 
 from ..common.errors import ConfigError, ContextLengthError, ServerBusyError, SharpiError
+from ..common.speculative_settings import SpeculativeSettings
 from ..runtime.model_info import ModelInfo
 from .app import ServerState, create_app
 from .http_guard import HttpLimits
@@ -63,6 +64,7 @@ class ReplicaOptions:
     expect_sha256: str | None = None
     serve: ServeSettings = ServeSettings()
     snapkv_knobs: dict = field(default_factory=dict)
+    speculative: SpeculativeSettings = SpeculativeSettings()    # requests' default (the ingress applies it)
 
 
 @dataclass(frozen=True)
@@ -315,12 +317,13 @@ def _prompt_ids(pending_request) -> list[int] | None:
 
 
 # -- deploying ----------------------------------------------------------------------------------------------------
-def _ingress_app(artifact: str, deployment: RayDeployment, snapkv_knobs: dict):
+def _ingress_app(artifact: str, deployment: RayDeployment, snapkv_knobs: dict,
+                 speculative: SpeculativeSettings = SpeculativeSettings()):
     """The ingress's ASGI app builder, run in its replica: sharpi.serve.app on the artifact's ModelInfo and a
     RayEngine over the engine deployment's handle (Ray's documented way for an app built on the replica)."""
     def build():
         state = ServerState(deployment.model_name, api_key=deployment.api_key, snapkv_knobs=snapkv_knobs,
-                            limits=deployment.limits,
+                            limits=deployment.limits, speculative=speculative,
                             model=ModelInfo(artifact),
                             engine=RayEngine(serve.get_deployment_handle(ENGINE, app_name=APP_NAME)))
         return create_app(state)
@@ -342,7 +345,8 @@ def build_application(options: ReplicaOptions, deployment: RayDeployment, page_s
                               max_ongoing_requests=max(in_flight, 1), request_router_config=router,
                               health_check_period_s=deployment.health_check_period_s,
                               **deployment.scaling(options.serve.parallel))
-    ingress = serve.deployment(serve.ingress(_ingress_app(options.artifact, deployment, options.snapkv_knobs))(),
+    ingress = serve.deployment(serve.ingress(_ingress_app(options.artifact, deployment, options.snapkv_knobs,
+                                                            options.speculative))(),
                                name=INGRESS, num_replicas=1, ray_actor_options={"num_cpus": 0},
                                max_ongoing_requests=100_000)
     # The engine is an argument so that Ray deploys it with the ingress; the app takes its handle by name.

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..common.snapkv_settings import SnapKVSettings
+from ..common.speculative_settings import SpeculativeSettings
 from ..runtime.sampling import SamplingParams
 
 _ids = itertools.count(1)
@@ -27,6 +28,8 @@ class GenerationRequest:
     # only the compression: the request ends once its prefix is compressed (or found compressed in the cache),
     # nothing generated, and its finish's usage["compression"] says what was kept (sharpi.serve.shares)
     compress_only: bool = False
+    # speculative decoding by prompt lookup, where the sequence is decoded on its own (sharpi.serve.engine)
+    speculative: SpeculativeSettings = SpeculativeSettings()
 
 
 @dataclass
