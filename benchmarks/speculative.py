@@ -27,6 +27,7 @@ import keyword
 import re
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import sharpi
@@ -131,6 +132,49 @@ def divergence_gap(model, message: str, plain: list[int], spec: list[int]) -> fl
     return float(top[1] - top[0])
 
 
+def forward_costs(model, draft, context: int = 1500, repeats: int = 5) -> dict:
+    """Median seconds of the model's decode step and verification of n = 2 .. 17 tokens, and the draft model's
+    decode step, each after a `context`-token prompt (on forks of one prefilled session)."""
+    import numpy as np
+
+    def timed(session, run) -> float:
+        times = []
+        for _ in range(repeats):
+            with session.fork() as fork:
+                started = time.perf_counter()
+                run(fork)
+                times.append(time.perf_counter() - started)
+        return statistics.median(times)
+
+    ids = model.tokenize((ALICE.read_text() * 2)[:context * 8])[:context]
+    costs = {}
+    with model.session() as s:
+        s.prefill(ids)
+        costs["decode"] = timed(s, lambda f: f.decode(ids[0]))
+        for n in range(2, 18):
+            costs[n] = timed(s, lambda f: f.verify(np.array(ids[:n])))
+    if draft is not None:
+        with draft.session() as s:
+            s.prefill(ids)
+            costs["draft"] = timed(s, lambda f: f.decode(ids[0]))
+    return costs
+
+
+def break_even(costs: dict, draft: bool) -> list[tuple[int, float]]:
+    """(k, the acceptance a drafted token needs for k drafts a step to beat plain decoding): the smallest a with
+    (1 + a + ... + a^k) / (verify(k + 1) + k draft) >= 1 / decode."""
+    rows = []
+    for k in range(1, 17):
+        cost = costs[k + 1] + (k * costs["draft"] if draft else 0.0)
+        need = cost / costs["decode"]            # tokens a step must yield
+        lo, hi = 0.0, 1.0
+        for _ in range(50):
+            a = (lo + hi) / 2
+            lo, hi = (a, hi) if sum(a ** i for i in range(k + 1)) < need else (lo, a)
+        rows.append((k, hi if need <= k + 1 else float("nan")))
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("artifact")
@@ -143,8 +187,15 @@ def main() -> None:
     p.add_argument("--translate", type=int, default=5)
     p.add_argument("--draft", default=None, help="a draft model's artifact (speculative draft instead of lookup)")
     p.add_argument("--out", default=str(HERE / "speculative"))
+    p.add_argument("--costs-only", action="store_true", help="only the forward times and break-even acceptances")
     args = p.parse_args()
     model = sharpi.load(args.artifact, threads=args.threads)
+    draft = model.draft_model(args.draft) if args.draft else None
+    costs = forward_costs(model, draft)
+    print("forward times (ms):", {k: round(v * 1e3, 1) for k, v in costs.items()}, flush=True)
+    if args.costs_only:
+        print(cost_section(costs, draft is not None, args), end="")
+        return
     speculative = {"speculative": "draft", "draft": args.draft} if args.draft else {"speculative": "lookup"}
     tasks = {"code": code_prompts(model, args.code, args.prompt_tokens),
              "prose": prose_prompts(model, args.prose, args.prompt_tokens),
@@ -166,10 +217,26 @@ def main() -> None:
             print(f"{task:5} {label:42} prompt {r['prompt']:5d} plain {r['plain']:6.1f} spec {r['spec']:6.1f} tok/s "
                   f"x{r['ratio']:.2f} accepted {r['acceptance']:.0%} of {r['drafted']} same={same}"
                   + ("" if same else f" (first difference at a top-2 gap of {gap:.3f})"), flush=True)
-    write_report(Path(args.out), rows, model, args, speculative["speculative"])
+    write_report(Path(args.out), rows, model, args, speculative["speculative"], cost_section(costs, draft is not None,
+                                                                                            args))
 
 
-def write_report(out: Path, rows: list[dict], model, args, method: str) -> None:
+def cost_section(costs: dict, draft: bool, args) -> str:
+    """The cost model as markdown: measured forward times and the break-even acceptance per draft length."""
+    lines = ["", "## When drafting pays", "",
+             f"Measured after a 1,500-token prompt: a decode step {costs['decode'] * 1e3:.1f} ms"
+             + (f", the draft model's step {costs['draft'] * 1e3:.1f} ms" if draft else "") + "; verifying n tokens "
+             + ", ".join(f"{n}: {costs[n] * 1e3:.1f}" for n in (2, 3, 5, 9, 13, 17)) + " ms. k drafted tokens a "
+             "step pay when (1 + a + ... + a^k) / (verify(k + 1)" + (" + k draft" if draft else "") + ") exceeds "
+             "1 / decode, a the chance a drafted token is accepted after the ones before it:", "",
+             "| k | " + " | ".join(str(k) for k, _ in break_even(costs, draft)) + " |",
+             "|---|" + "---|" * 16,
+             "| a needed | " + " | ".join("never" if a != a else f"{a:.2f}" for _, a in break_even(costs, draft))
+             + " |"]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(out: Path, rows: list[dict], model, args, method: str, costs: str) -> None:
     lines = [f"# Speculative decoding ({method}) against plain decoding", "",
              f"`python benchmarks/speculative.py {args.artifact} --threads {args.threads} --max-tokens "
              f"{args.max_tokens}`: {model.backend}, {model.manifest.target.get('matmuls', '')} matmuls, greedy, "
@@ -192,7 +259,7 @@ def write_report(out: Path, rows: list[dict], model, args, method: str) -> None:
         lines.append(f"| {r['task']} | {r['label']} | {r['prompt']} | {r['generated']} | {r['plain']:.1f} | "
                      f"{r['spec']:.1f} | {r['ratio']:.2f}x | {r['acceptance']:.0%} of {r['drafted']} | "
                      f"{r['verifications']} | {_identical(r)} |")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n" + costs)
     plot(out.with_suffix(".png"), rows, method)
     print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.png')}")
 

@@ -1,7 +1,7 @@
 """A GGUF of a real model's shape with random quantized weights, for scale checks without a large checkpoint (the
 CPU issue's compile memory, load memory and speed at 1.5B and 7B).
 
-    python benchmarks/synthetic_gguf.py SHAPE OUT.gguf [--seed N]
+    python benchmarks/synthetic_gguf.py SHAPE OUT.gguf [--seed N] [--vocab-from GGUF]
 
 SHAPE is one of SHAPES: `qwen2-1.5b` (Qwen2.5-1.5B: 28 layers of 1536, 12 heads over 2 KV heads, QKV biases, tied
 embeddings, vocabulary 151,936), `llama-7b` (Mistral-7B's shape: 32 layers of 4096, FFN 14336, 32 heads over 8 KV
@@ -13,6 +13,10 @@ embedding) matrix and for attn_v and ffn_down in half the layers. Each tensor's 
 f16 scales are set so that a weight's spread is about 1/sqrt(K) (a residual stream that stays finite); tensors
 are generated and written one at a time (gguf's add_tensor_info, then write_tensor_data), so writing a 4 GB file
 takes a tensor's memory. The text is meaningless; what runs is every kernel at the real shapes.
+
+`qwen2-draft` (2 layers of 256, 4 heads over 2 KV heads, Qwen's vocabulary) with --vocab-from a Qwen2.5 GGUF is a
+draft model for speculative decoding of it (its tokenizer copied, so sharpi accepts it as a draft): what drafting
+costs, measured (benchmarks/speculative.md); its random drafts are almost never accepted.
 """
 from __future__ import annotations
 
@@ -48,6 +52,7 @@ SHAPES = {
     "llama-7b": Shape("llama", 32, 4096, 14336, 32, 8, 32000, 32768, 1e6, qkv_bias=False, tied=False),
     "olmoe-1b-7b": Shape("olmoe", 16, 2048, 1024, 16, 16, 50304, 4096, 1e4, qkv_bias=False, tied=False,
                          experts=64, used=8, qk_norm="full"),
+    "qwen2-draft": Shape("qwen2", 2, 256, 512, 4, 2, 151936, 32768, 1e6, qkv_bias=True, tied=True),
     "qwen3-30b-a3b": Shape("qwen3moe", 48, 2048, 768, 32, 4, 151936, 40960, 1e6, qkv_bias=False, tied=False,
                            experts=128, used=8, head_dim=128, qk_norm="head"),
 }
@@ -126,7 +131,25 @@ def _vocabulary(size: int) -> tuple[list[str], list[str]]:
     return tokens, [f"{a} {b}" for a, b in pairs]
 
 
-def write(shape_name: str, path: Path, seed: int = 0, show_progress: bool = True) -> Path:
+def _tokenizer_of(gguf_path: Path) -> dict:
+    """A GGUF's tokenizer fields (tokenizer.ggml.* and the chat template), as the writer takes them."""
+    from gguf import GGUFReader
+
+    return {name: (field.types, field.contents()) for name, field in GGUFReader(str(gguf_path)).fields.items()
+            if name.startswith("tokenizer.")}
+
+
+def _add_tokenizer(w, fields: dict) -> None:
+    from gguf.constants import GGUFValueType
+    for name, (types, value) in fields.items():
+        if types[0] == GGUFValueType.ARRAY:
+            w.add_array(name, value)
+        else:
+            w.add_key_value(name, value, types[0])
+
+
+def write(shape_name: str, path: Path, seed: int = 0, show_progress: bool = True,
+          vocab_from: Path | None = None) -> Path:
     import gguf
     from tqdm import tqdm
 
@@ -149,13 +172,16 @@ def write(shape_name: str, path: Path, seed: int = 0, show_progress: bool = True
     if shape.head_dim:
         w.add_key_length(shape.head_dim)
         w.add_value_length(shape.head_dim)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2" if shape.arch == "qwen2" else "default")
-    w.add_token_list(tokens)
-    w.add_token_types([1] * (len(tokens) - 1) + [3])
-    w.add_token_merges(merges)
-    w.add_eos_token_id(len(tokens) - 1)
-    w.add_bool("tokenizer.ggml.add_bos_token", False)
+    if vocab_from is not None:
+        _add_tokenizer(w, _tokenizer_of(vocab_from))
+    else:
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("qwen2" if shape.arch == "qwen2" else "default")
+        w.add_token_list(tokens)
+        w.add_token_types([1] * (len(tokens) - 1) + [3])
+        w.add_token_merges(merges)
+        w.add_eos_token_id(len(tokens) - 1)
+        w.add_bool("tokenizer.ggml.add_bos_token", False)
     tensors = _tensors(shape)
     for name, logical, qtype in tensors:
         raw = gguf.GGMLQuantizationType[qtype]
@@ -180,8 +206,10 @@ def main(argv=None) -> int:
     p.add_argument("shape", choices=sorted(SHAPES))
     p.add_argument("out", type=Path)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vocab-from", type=Path, default=None,
+                   help="copy this GGUF's tokenizer (a draft model of it must share its vocabulary)")
     args = p.parse_args(argv)
-    write(args.shape, args.out, args.seed)
+    write(args.shape, args.out, args.seed, vocab_from=args.vocab_from)
     print(f"{args.out}: {args.out.stat().st_size / 1e9:.2f} GB")
     return 0
 

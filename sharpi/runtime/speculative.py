@@ -241,6 +241,8 @@ class Stepper:
     chosen from (its sample; with speculation, the accepted drafts too, already in the cache, then the model's next
     token, not yet). A drafter outlives a session (a server recomputes a preempted sequence on a new one)."""
 
+    PROBE_EVERY = 16      # plain steps between two probes of a costly drafter that does not pay
+
     def __init__(self, session: Session, sampler: Sampler, settings: SpeculativeSettings | None = None,
                  drafter: Drafter | None = None):
         self.session, self.sampler = session, sampler
@@ -248,6 +250,7 @@ class Stepper:
         self.drafter = drafter
         self.length = DraftLength(session._engine.times, self.settings.max_draft, self.settings.adaptive)
         self.stats = SpeculationStats()
+        self._plain_steps = 0
 
     def step(self, token: int, history: list[int], output: list[int], remaining: int) \
             -> list[tuple[int, np.ndarray]]:
@@ -281,9 +284,12 @@ class Stepper:
         if drafter.free:
             draft = drafter.propose(history, available)
             k = self.length.choose(len(draft.tokens), draft.kind, drafter)
-        else:                    # at least one drafted token, so that its acceptance keeps being measured
-            k = min(available, max(1, self.length.choose(available, 0, drafter)))
-            draft = drafter.propose(history, k)
+        else:
+            k = self.length.choose(available, 0, drafter)
+            self._plain_steps = 0 if k else self._plain_steps + 1
+            # while drafting does not pay, one token is drafted every PROBE_EVERY steps to measure it still
+            probe = not k and self._plain_steps % self.PROBE_EVERY == 1
+            draft = drafter.propose(history, k or 1) if k or probe else Draft([])
         self.stats.draft_s += time.perf_counter() - started
         if k == 0 and draft.tokens:
             return Draft([], kind=draft.kind, probe=draft.tokens[0])
