@@ -85,14 +85,25 @@ def test_lookup_greedy_is_plain_decoding_token_for_token(compiled):
     assert spec.stats["verifications"] > 0 and 0 < spec.stats["accepted_tokens"] < spec.stats["drafted_tokens"]
 
 
+@pytest.fixture(scope="module")
+def drafter(tmp_path_factory):
+    """A one-layer random model of the same vocabulary: a draft model whose drafts are sometimes right."""
+    folder = tmp_path_factory.mktemp("draft")
+    path = write_tiny_llama(folder / "draft.gguf", seed=7, **{**SHAPE, "layers": 1})
+    return sharpi.load(sharpi.compile(str(path), output=folder / "a", matmuls="float"))
+
+
 @pytest.mark.parametrize("kv", [("f16", "q8_0"), ("bf16", "q4_0"), ("q4_ch", "q8_0"), ("tq3", "tq4")],
                          ids="/".join)
-def test_lookup_on_every_cache_type(compiled, kv):
+def test_both_drafters_on_every_cache_type(compiled, drafter, kv):
     model = compiled(kv_dtype=kv[0], kv_dtype_v=kv[1])
     prompt = _prompt(model.config.vocab_size, seed=1)
     spec = model.generate(prompt, 48, speculative=FORCED)
     assert spec.stats["accepted_tokens"] > 0 and spec.stats["accepted_tokens"] < spec.stats["drafted_tokens"]
     _assert_same_or_near_tie(model, prompt, spec.token_ids, 48)
+    drafted = model.generate(prompt, 48, draft=drafter, speculative={"max_draft": 3, "adaptive": False})
+    assert drafted.stats["verifications"] > 0
+    _assert_same_or_near_tie(model, prompt, drafted.token_ids, 48)
 
 
 def test_lookup_with_int8_matmuls(tiny_artifact):
@@ -104,7 +115,7 @@ def test_lookup_with_int8_matmuls(tiny_artifact):
 
 
 @pytest.mark.parametrize("compress", ["snapkv", "keydiff"])
-def test_lookup_after_compaction(compiled, compress):
+def test_both_drafters_after_compaction(compiled, compress):
     """On a cache SnapKV compacted (or a query-agnostic scorer's keep set): drafts append after the kept slots and
     their rollback leaves the kept ones alone."""
     model = compiled()
@@ -114,7 +125,10 @@ def test_lookup_after_compaction(compiled, compress):
         prompt = _prompt(model.config.vocab_size, seed=seed)
         spec = model.generate(prompt, 40, speculative=FORCED, **knobs)
         assert spec.stats["evicted"] and spec.stats["kv_slots_after_prefill"] == 48
-        assert spec.token_ids == model.generate(prompt, 40, **knobs).token_ids
+        plain = model.generate(prompt, 40, **knobs).token_ids
+        assert spec.token_ids == plain
+        assert model.generate(prompt, 40, draft=model, speculative={"max_draft": 4, "adaptive": False},
+                              **knobs).token_ids == plain
         drafted, accepted = drafted + spec.stats["drafted_tokens"], accepted + spec.stats["accepted_tokens"]
     assert 0 < accepted < drafted
 
@@ -177,15 +191,13 @@ def test_rollback_refuses_what_an_eviction_dropped(compiled):
             s.rollback(20)
 
 
-def test_draft_model_greedy_is_plain_decoding(compiled, tiny, tmp_path):
-    """A draft model of the same vocabulary (another random model): greedy output is plain decoding's; the model
-    drafting for itself has every draft accepted."""
+def test_draft_model_greedy_is_plain_decoding(compiled, drafter):
+    """A draft model of the same vocabulary (another random model, given by its directory): greedy output is plain
+    decoding's; the model drafting for itself has every draft accepted."""
     model = compiled()
-    other = write_tiny_llama(tmp_path / "draft.gguf", seed=7, **{**SHAPE, "layers": 1})
-    draft = sharpi.compile(str(other), output=tmp_path / "draft", matmuls="float")
     prompt = _prompt(model.config.vocab_size, seed=8)
     plain = model.generate(prompt, 40)
-    spec = model.generate(prompt, 40, draft=str(draft), speculative={"max_draft": 3, "adaptive": False})
+    spec = model.generate(prompt, 40, draft=str(drafter.path), speculative={"max_draft": 3, "adaptive": False})
     assert spec.token_ids == plain.token_ids and spec.stats["verifications"] > 0
     itself = model.generate(prompt, 40, draft=model, speculative={"max_draft": 5, "adaptive": False})
     assert itself.token_ids == plain.token_ids
@@ -259,9 +271,81 @@ def test_bad_speculative_values(compiled, tmp_path):
             s.verify([1, 2])
 
 
-def test_lookup_on_vulkan(compiled):
+def test_both_drafters_on_vulkan(compiled, drafter):
     model = compiled(target="vulkan")
     prompt = _prompt(model.config.vocab_size, seed=10)
     spec = model.generate(prompt, 40, speculative=FORCED)
     assert spec.stats["accepted_tokens"] < spec.stats["drafted_tokens"]
     _assert_same_or_near_tie(model, prompt, spec.token_ids, 40)
+    drafted = model.generate(prompt, 40, draft=drafter, speculative={"max_draft": 3, "adaptive": False})
+    assert drafted.stats["verifications"] > 0
+    _assert_same_or_near_tie(model, prompt, drafted.token_ids, 40)
+
+
+def test_adaptive_lookup_stops_drafting_where_drafts_miss(compiled):
+    """Where the lookup's drafts are never right (every proposal made wrong), the adaptive length soon verifies one
+    at most (on this tiny model a verification of two tokens costs what a decode step does, so one still pays:
+    DraftLength's arithmetic is tested below with a real model's costs); the output is plain decoding's."""
+    from sharpi.common.speculative_settings import SpeculativeSettings
+    from sharpi.runtime.speculative import Stepper
+
+    class Wrong(PromptLookup):
+        def propose(self, tokens, k):
+            draft = super().propose(tokens, k)
+            draft.tokens = [(t + 1) % 7 for t in draft.tokens]
+            return draft
+
+    model = compiled()
+    prompt = _prompt(model.config.vocab_size, seed=11)
+    with model.session() as s:
+        out = [int(np.argmax(s.prefill(prompt)))]
+        stepper = Stepper(s, Sampler(SamplingParams()), SpeculativeSettings(method="lookup"), Wrong())
+        while len(out) < 60:
+            out += [t for t, _ in stepper.step(out[-1], prompt + out, out, 60 - len(out))]
+    assert out == model.generate(prompt, 60).token_ids
+    assert stepper.stats.accepted == 0 and stepper.stats.drafted <= stepper.stats.verifications + 6
+
+
+def test_draft_length_weighs_acceptance_against_forward_times():
+    """With Qwen2.5-Coder-0.5B's measured costs on a CPU (a verification ~2.6x a decode step): no drafts at an
+    acceptance of 0.3, the most at 0.97; with GPU-like costs (verification ~1.1x) drafts pay at 0.3."""
+    from sharpi.runtime.engine import ForwardTimes
+    from sharpi.runtime.speculative import DraftLength
+
+    def chosen(verify_cost: float, acceptance: float) -> int:
+        times = ForwardTimes()
+        times.record("decode", 1, 1.0)
+        for n in (2, 9, 17):
+            times.record("prefill_logits", n, verify_cost + 0.06 * (n - 2))
+        length = DraftLength(times, 16)
+        for i in range(100):                  # one drafted token a step, accepted `acceptance` of the time
+            length.observe(3, 1, int((i + 1) * acceptance) - int(i * acceptance))   # evenly spread
+        assert length.acceptance(3) == pytest.approx(acceptance, abs=0.1)
+        return length.choose(16, 3, PromptLookup())
+
+    assert chosen(2.6, 0.3) == 0 and chosen(2.6, 0.6) == 0
+    assert chosen(2.6, 0.97) >= 12 and chosen(1.1, 0.3) >= 1
+
+
+def test_cli_run_speculative_and_bad_flags(tiny_artifact, tmp_path, capsys):
+    """`sharpi run --speculative lookup` prints plain decoding's text (the tiny model's float32 matmuls where the
+    CPU lacks AVX2, else int8: the same either way here) and what it accepted; bad values exit 2 in one line."""
+    from sharpi.cli import main as main_cli
+
+    def run(*argv):
+        code = main_cli.main([str(a) for a in argv])
+        captured = capsys.readouterr()
+        return code, captured.out, captured.err
+
+    prompt = "abcdefgh abcdefgh abcdefgh abcdefgh abcdefgh abcd"
+    code, plain, _ = run("run", tiny_artifact, "-p", prompt, "--raw", "-n", "40")
+    assert code == 0
+    code, spec, err = run("run", tiny_artifact, "-p", prompt, "--raw", "-n", "40", "--speculative", "lookup",
+                          "--draft-max", "6", "--verbose")
+    assert code == 0 and "[speculative lookup:" in err
+    assert spec == plain
+    for argv, words in ((["--speculative", "medusa"], "speculative must be one of"),
+                        (["--draft-max", "0"], "--draft-max must be"),
+                        (["--draft", tmp_path / "none"], "is not a sharpi artifact")):
+        code, out, err = run("run", tiny_artifact, "-p", prompt, *argv)
+        assert code == 2 and words in err and len(err.strip().splitlines()) == 1, err

@@ -22,7 +22,7 @@ from ..common.settings import resolve_threads
 from ..frontend.fetch import models_dir
 from ..runtime.model import Model
 from ..runtime.model_info import ModelInfo
-from .common import load_model, resolve_model_arg, snapkv_keywords, snapkv_knobs
+from .common import load_model, resolve_model_arg, snapkv_keywords, snapkv_knobs, speculative_options
 
 FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ")
 
@@ -40,13 +40,16 @@ def artifact_info(directory: Path) -> ModelInfo:
 
 
 def bench_sharpi(model, tokens: list[int], n_gen: int, repeats: int, snapkv: dict | None = None,
-                 warmup: int = 0) -> dict:
+                 warmup: int = 0, speculative: dict | None = None) -> dict:
     """Median prefill and decode speeds over `repeats` runs, after `warmup` untimed ones (a model larger than the
-    page cache's room for two engines is read from disk by its first run)."""
+    page cache's room for two engines is read from disk by its first run). speculative: generate()'s speculative
+    and draft options: greedy decoding through them (the acceptance rate reported too)."""
     prefill, decode = [], []
     for _ in range(warmup):
         with model.session(**(snapkv or {})) as s:
             s.prefill(tokens)
+    if speculative:
+        return _bench_speculative(model, tokens, n_gen, repeats, snapkv, speculative)
     for _ in range(repeats):
         with model.session(**(snapkv or {})) as s:
             t0 = time.perf_counter()
@@ -61,6 +64,13 @@ def bench_sharpi(model, tokens: list[int], n_gen: int, repeats: int, snapkv: dic
         decode.append(n_gen / (t2 - t1) if n_gen else 0.0)
     return {"prefill_tok_s": statistics.median(prefill), "decode_tok_s": statistics.median(decode),
             "kv_bytes": kv_bytes}
+
+
+def _bench_speculative(model, tokens, n_gen, repeats, snapkv, speculative) -> dict:
+    runs = [model.generate(tokens, n_gen + 1, **(snapkv or {}), **speculative).stats for _ in range(repeats)]
+    return {"prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in runs),
+            "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs),
+            "acceptance_rate": statistics.median(r["acceptance_rate"] for r in runs)}
 
 
 # llama.cpp's cache types (ggml's type ids), for -ctk / -ctv
@@ -124,8 +134,11 @@ def _child() -> int:
                                      spec["repeats"], spec.get("cache"), spec.get("warmup", 0))
         else:
             model = Model(spec["artifact"], threads=spec["threads"], pool_sequences=1)
+            speculative = spec.get("speculative")
+            if speculative and "draft" in speculative:
+                speculative = {**speculative, "draft": model.draft_model(speculative["draft"])}
             result = bench_sharpi(model, spec["tokens"], spec["gen"], spec["repeats"], spec.get("snapkv"),
-                                  spec.get("warmup", 0))
+                                  spec.get("warmup", 0), speculative)
     except SharpiError as exc:
         result = {"error": str(exc)}
     print(json.dumps(result))
@@ -160,6 +173,9 @@ def run_bench(args) -> None:
     snapkv = snapkv_keywords(args)
     model = load_model(args)        # here only to check the flags against the artifact before any timing
     settings, budget = model.snapkv_settings(**snapkv_knobs(args))
+    speculative = speculative_options(model, args)
+    if "draft" in speculative:       # the child process loads it again, by its directory
+        speculative["draft"] = str(speculative["draft"].path.resolve())
     print(f"sharpi bench: {manifest.source['name']} on {model.backend}, prompt {args.prompt_tokens} tokens, "
           f"{args.gen_tokens} generated, median of {args.repeats}, each engine in a process of its own")
     del model
@@ -170,7 +186,7 @@ def run_bench(args) -> None:
     tokens = prompt_ids(tokenizer, args.prompt_tokens)
     common = {"tokens": tokens, "gen": args.gen_tokens, "threads": threads}
     specs = {"sharpi": {"engine": "sharpi", "artifact": str(Path(args.artifact).resolve()), "snapkv": snapkv,
-                        **common}}
+                        "speculative": speculative, **common}}
     if args.compare_llama_cpp:
         try:
             import llama_cpp  # noqa: F401
@@ -184,6 +200,9 @@ def run_bench(args) -> None:
     print(f"{'engine':<10} {'prefill tok/s':>14} {'decode tok/s':>13}")
     for name, r in rows.items():
         print(f"{name:<10} {r['prefill_tok_s']:>14.1f} {r['decode_tok_s']:>13.1f}")
+    if speculative:
+        print(f"speculative {speculative['speculative'].get('method', 'draft')}: "
+              f"{rows['sharpi']['acceptance_rate']:.0%} of the drafted tokens accepted (median run)")
     if len(rows) == 2:
         ours, theirs = rows["sharpi"], rows["llama.cpp"]
         decode = ours["decode_tok_s"] / theirs["decode_tok_s"] if theirs["decode_tok_s"] else float("nan")

@@ -72,6 +72,7 @@ def build_parser() -> ArgumentParser:
     b.add_argument("--compare-llama-cpp", action="store_true",
                    help="run llama.cpp (llama-cpp-python) on the same GGUF and threads, and print ratios")
     add_snapkv_flags(b)
+    add_speculative_flags(b)
     b.add_argument("--gguf", default=None, help="the GGUF for --compare-llama-cpp (default: found by its sha256)")
     add_device_flags(b)
 
