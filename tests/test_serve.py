@@ -210,9 +210,9 @@ def test_two_questions_about_one_compressed_document(server, smollm2):
 
 
 def test_speculative_requests_answer_as_plain_ones(server, smollm2):
-    """A request with "speculative": "lookup" running alone verifies drafts (the metrics count them) and answers
-    what a plain request does; one that stops inside its accepted drafts leaves the prefix cache what it sent, so
-    the same request again (served from that cache) answers the same."""
+    """A request with "speculative": "lookup" verifies drafts (the metrics count them) and answers what a plain
+    request does, alone and three at once; one that stops inside its accepted drafts leaves the prefix cache what
+    it sent, so the same request again (served from that cache) answers the same."""
     c = server.client
     text = "one two three four five six seven eight nine ten, " * 6
     plain = complete(c, text, 40)
@@ -226,6 +226,15 @@ def test_speculative_requests_answer_as_plain_ones(server, smollm2):
     first, again = complete(c, text, 40, **stop), complete(c, text, 40, **stop)
     assert first.choices[0].finish_reason == "stop" and first.choices[0].text == again.choices[0].text
     assert again.usage.prompt_tokens_details.cached_tokens > 0
+    # three at once: one decode_batch call a step, each sequence its own drafts (decode_batch entries)
+    texts = [text, "red green blue, " * 20, "alpha beta gamma delta " * 10]
+    solos = [complete(c, t, 32) for t in texts]
+    drafted = server.metric("sharpi_speculative_drafted_tokens_total")
+    with ThreadPoolExecutor(3) as pool:
+        together = list(pool.map(lambda t: complete(c, t, 32, extra_body={"speculative": "lookup"}), texts))
+    for t, a, b in zip(texts, solos, together):
+        assert_same_greedy(a, b, t[:20])
+    assert server.metric("sharpi_speculative_drafted_tokens_total") > drafted
     for bad in ("medusa", {"method": "lookup", "max_draft": 0}):
         r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "speculative": bad})
         assert r.status_code == 400 and r.json()["error"]["param"].startswith("speculative"), r.text

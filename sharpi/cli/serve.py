@@ -37,6 +37,10 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--max-queue", type=int, default=256, help="requests waiting for admission before 503 (256)")
     s.add_argument("--prefill-budget", type=int, default=None, metavar="TOKENS",
                    help="prompt tokens computed between two decode steps (default: the artifact's prefill chunk)")
+    s.add_argument("--prefill-share", type=float, default=1.0, metavar="X",
+                   help="while requests are generating, a step computes only the prompt tokens that take about X "
+                        "decode steps, so a long prompt's admission slows their tokens about 1 + X times (default "
+                        "1; 0: the token budget alone)")
     s.add_argument("--no-prefix-cache", action="store_true", help="recompute every prompt in full")
     s.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health (default: SHARPI_API_KEY)")
@@ -74,6 +78,12 @@ def add_serve_parser(sub) -> None:
     add_device_flags(s)
 
 
+def _prefill_share(args) -> float | None:
+    if not 0 <= args.prefill_share <= 1000:
+        raise ConfigError(f"--prefill-share must be in [0, 1000], got {args.prefill_share}.")
+    return args.prefill_share or None
+
+
 def _speculative(args):
     """The server's default speculative settings from --speculative and --draft-max."""
     from ..common.speculative_settings import MAX_DRAFT, SpeculativeSettings
@@ -101,6 +111,7 @@ def cmd_serve(args) -> int:
         raise ConfigError(f"--drain-seconds must be >= 0, got {args.drain_seconds}.")
     limits = _http_limits(args)
     _speculative(args)
+    _prefill_share(args)
     api_key = args.api_key if args.api_key is not None else os.environ.get("SHARPI_API_KEY") or None
     if api_key is not None and not api_key.strip():
         raise ConfigError("--api-key is empty.")
@@ -169,7 +180,7 @@ def _serve_on_ray(args, manifest: Manifest, name: str, api_key: str | None, para
         str(Path(args.artifact).resolve()), threads=threads, pool_tokens=pool_tokens, adapter=args.adapter,
         expect_sha256=args.expect_sha256, snapkv_knobs=snapkv_knobs(args), speculative=_speculative(args),
         serve=ServeSettings(parallel=parallel, max_queue=args.max_queue, prefill_budget=args.prefill_budget,
-                            prefix_cache=not args.no_prefix_cache))
+                            prefix_cache=not args.no_prefix_cache, prefill_share=_prefill_share(args)))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     stop = threading.Event()
     try:
@@ -227,7 +238,8 @@ def _load(state, args, parallel: int, pool_tokens: int | None) -> None:
         model.snapkv_settings(**state.snapkv_knobs)                           # bad SnapKV flags fail here
         engine = ServeEngine(model, ServeSettings(parallel=parallel, max_queue=args.max_queue,
                                                   prefill_budget=args.prefill_budget,
-                                                  prefix_cache=not args.no_prefix_cache)).start()
+                                                  prefix_cache=not args.no_prefix_cache,
+                                                  prefill_share=_prefill_share(args))).start()
     except SharpiError as error:
         state.load_error = str(error)
         print(f"error: {error}", file=sys.stderr, flush=True)

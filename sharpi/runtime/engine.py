@@ -108,6 +108,33 @@ class Engine:
         _check_finite(out, positions)
         return out
 
+    def forward_ragged(self, ids: list[np.ndarray], caches: list[SequenceCache]) -> list[np.ndarray]:
+        """Several tokens for each of several sequences in one decode_batch call (every token one entry of the
+        batch: its sequence's page table, the slots before it as its length, so the entries of one sequence
+        write their keys and values before any of them attends, as a prefill's tokens do); the logits of every
+        token, [len(ids[i]), vocab] per sequence. Not for page-scaled keys (q4_ch): a page is encoded whole, and
+        entries of one page would encode it at once."""
+        assert not self.pool.kv_format.page_scaled_keys
+        with self.lock:
+            for cache, tokens in zip(caches, ids, strict=True):
+                cache.reserve(len(tokens))
+            tables, lens, positions = [], [], []
+            for cache, tokens in zip(caches, ids):
+                base = cache.kv_lens()
+                for i in range(len(tokens)):
+                    tables.append(cache.page_table())
+                    lens.append(base + i)
+                    positions.append(cache.logical_length + i)
+            started = time.perf_counter()
+            out = self.backend.forward("decode_batch", np.concatenate(ids).astype(np.int32),
+                                       np.asarray(positions, np.int32), np.stack(tables),
+                                       np.stack(lens).astype(np.int32))
+            self.times.record("decode_batch", len(positions), time.perf_counter() - started)
+            for cache, tokens in zip(caches, ids):
+                cache.advance(len(tokens))
+        _check_finite(out, np.asarray(positions))
+        return np.split(out, np.cumsum([len(t) for t in ids])[:-1])
+
     def select(self, scores, params: np.ndarray):
         return self.backend.select(scores, params)
 

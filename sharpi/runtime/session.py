@@ -336,8 +336,9 @@ class PrefillJob:
     """One prefill, chunk by chunk: step() feeds the next chunk and returns True once the prompt is all fed; then
     .logits holds its last token's logits, and a fresh prompt over the SnapKV budget has been evicted.
 
-    The chunks are the artifact's prefill chunks; a scored prompt's last chunk holds the whole scoring window
-    (prefill_snapkv scores every held position with those queries). A fresh prompt whose chunk finds the pool
+    The chunks are `chunk` tokens (the artifact's prefill chunk unless given; it may change between steps); a
+    scored prompt's last chunk holds the whole scoring window (prefill_snapkv scores every held position with
+    those queries). A fresh prompt whose chunk finds the pool
     full leaves the session empty, as it was."""
 
     def __init__(self, session: Session, ids: np.ndarray, keep_scores: bool, on_fed=None, chunk: int | None = None):
@@ -357,27 +358,39 @@ class PrefillJob:
         if self.window > len(ids):
             raise ConfigError(f"Scoring a prompt needs its last {self.window} tokens computed here; only "
                               f"{len(ids)} follow the adopted prefix.")
-        step = session._engine.prefill_chunk if chunk is None else max(1, min(chunk, session._engine.prefill_chunk))
-        self._chunks = self._plan(len(ids), step, self.window)
+        self.chunk = session._engine.prefill_chunk if chunk is None else chunk
+        self._fed = 0                 # tokens of ids fed so far
         self.logits: np.ndarray | None = None
 
-    @staticmethod
-    def _plan(n: int, step: int, window: int) -> list[tuple[int, int, bool]]:
-        """(start, end, scored) of each chunk; a scored plan's last chunk is at least the window long."""
-        if not window:
-            return [(start, min(start + step, n), False) for start in range(0, n, step)]
-        tail = max(window, n % step or step)
-        return [(start, min(start + step, n - tail), False) for start in range(0, n - tail, step)] + \
-            [(n - tail, n, True)]
+    @property
+    def chunk(self) -> int:
+        """The tokens a step feeds (the last, scored step at least the window); may change between steps (a
+        server sizes each step's share of prefill by what it costs)."""
+        return self._chunk
+
+    @chunk.setter
+    def chunk(self, tokens: int) -> None:
+        self._chunk = max(1, min(int(tokens), self.session._engine.prefill_chunk))
+
+    def _next(self) -> tuple[int, int, bool]:
+        """(start, end, scored) of the next step: chunks of `chunk` tokens, and for a scored prompt a last one
+        holding at least the window (the tokens before it leave it that many)."""
+        start, n = self._fed, len(self.ids)
+        rest = n - start
+        if not self.window:
+            return start, start + min(self.chunk, rest), False
+        if rest <= max(self.chunk, self.window):
+            return start, n, True
+        return start, start + min(self.chunk, rest - self.window), False
 
     @property
     def done(self) -> bool:
-        return not self._chunks
+        return self._fed == len(self.ids)
 
     @property
     def next_tokens(self) -> int:
         """The tokens the next step() feeds."""
-        start, end, _ = self._chunks[0]
+        start, end, _ = self._next()
         return end - start
 
     def pages_needed(self) -> int:
@@ -385,8 +398,10 @@ class PrefillJob:
         return self.session._cache.pages_needed(self.next_tokens)
 
     def step(self) -> bool:
+        if self.done:
+            return True
         session = self.session
-        start, end, scored = self._chunks[0]
+        start, end, scored = self._next()
         try:
             if scored:
                 session._scored_length = session.logical_length + end - start
@@ -400,7 +415,7 @@ class PrefillJob:
                     session._cache.release()
                 session._adopted = 0
             raise
-        self._chunks.pop(0)
+        self._fed = end
         if self.done:
             self.logits = out[-1]
             if self.on_fed is not None:
@@ -427,3 +442,27 @@ def decode_batch(sessions: list[Session], tokens) -> np.ndarray:
     for s in sessions:
         s._before_verify = None
     return engine.forward_batch(ids, [s._cache for s in sessions])
+
+
+def verify_batch(sessions: list[Session], ids) -> list[np.ndarray]:
+    """Session.verify for several sessions of one model in one forward (each its own tokens, any count: a server's
+    sequences each verify their own drafts; decode_batch with an entry a token, Engine.forward_ragged), or one
+    verify each where the artifact lacks decode_batch or its keys are page-scaled. The logits of every token per
+    session; rollback() then applies to each as after its own verify()."""
+    if not sessions:
+        return []
+    engine = sessions[0]._engine
+    if any(s._engine is not engine for s in sessions) or len({id(s) for s in sessions}) != len(sessions):
+        raise ConfigError("verify_batch takes sessions of one model, each once.")
+    ids = [list(t) for t in ids]
+    if len(sessions) == 1 or not engine.has("decode_batch") or engine.pool.kv_format.page_scaled_keys:
+        return [s.verify(t) for s, t in zip(sessions, ids, strict=True)]
+    if all(len(t) == 1 for t in ids):      # one token each: the decode step (one decode each below batch_from)
+        return list(decode_batch(sessions, [t[0] for t in ids])[:, None])
+    checked = [s._check_ids(t) for s, t in zip(sessions, ids, strict=True)]
+    for s, tokens in zip(sessions, checked):
+        if s.fresh:
+            raise ConfigError("verify() continues a sequence; prefill its prompt first.")
+        s._before_verify = None
+        s._cache.slack = max(s._cache.slack, len(tokens))
+    return engine.forward_ragged(checked, [s._cache for s in sessions])

@@ -256,17 +256,28 @@ class Stepper:
             -> list[tuple[int, np.ndarray]]:
         """history: the prompt and output, `token` (the last of output) included; remaining: tokens the
         generation may still emit after `token`."""
-        session = self.session
-        draft = self._draft(history, remaining) if self.drafter is not None else Draft([])
+        draft = self.plan(history, remaining)
+        if draft.tokens:
+            rows = self.session.verify([token] + draft.tokens)
+        else:
+            rows = self.session.decode(token)[None]
+        return self.settle(draft, rows, history, output)
+
+    def plan(self, history: list[int], remaining: int) -> Draft:
+        """The drafted tokens to feed after the last token (none: a plain step)."""
+        return self._draft(history, remaining) if self.drafter is not None else Draft([])
+
+    def settle(self, draft: Draft, rows: np.ndarray, history: list[int], output: list[int]) \
+            -> list[tuple[int, np.ndarray]]:
+        """The tokens that follow, from the logits `rows` of the last token and the drafts fed after it (the
+        rejected drafts rolled back)."""
         if not draft.tokens:
-            logits = session.decode(token)
-            following = self.sampler(logits, history, output)
+            following = self.sampler(rows[0], history, output)
             if draft.probe is not None:                  # a free look at how the drafter would have done
                 self.length.observe(draft.kind, 1, int(draft.probe == following))
-            return [(following, logits)]
-        rows = session.verify([token] + draft.tokens)
+            return [(following, rows[0])]
         kept, following = accept(self.sampler, rows, draft, history, output)
-        session.rollback(len(draft.tokens) - kept)
+        self.session.rollback(len(draft.tokens) - kept)
         self.length.observe(draft.kind, len(draft.tokens), kept)
         self.stats.drafted += len(draft.tokens)
         self.stats.accepted += kept

@@ -3,12 +3,15 @@
 Each step:
 1. cancelled requests leave and give their pages back;
 2. one decode_batch call feeds every running sequence its last sampled token (the weights read once for all of
-   them), and each samples its next token with its own settings; while so few run that each is decoded on its own
-   anyway (Engine.batch_from), a sequence that asked for speculative decoding verifies its drafted tokens in its
-   forward instead (sharpi.runtime.speculative; a decode batch has one token a sequence);
-3. prefill chunks of admitted prompts, up to the step's token budget (so a running sequence waits at most one
-   budget of prefill between two tokens); a prompt whose prefill ends is compressed at once when its SnapKV
-   settings say so, and the admission of the next waiting request, right after, sees the pages it freed.
+   them), and each samples its next token with its own settings; while few run (SPECULATIVE_BATCH), a sequence
+   that asked for speculative decoding feeds the drafted tokens worth verifying after its token in the same call,
+   each sequence its own count (sharpi.runtime.speculative, session.verify_batch);
+3. prefill chunks of admitted prompts, up to the step's budget: the token budget (the artifact's prefill chunk),
+   and while sequences are decoding also a cost: the tokens whose prefill takes about `prefill_share` times a
+   decode step (both measured as the server runs), so a long prompt's admission slows running streams by a
+   bounded factor rather than by its chunks' length (at least MIN_PREFILL tokens a step, so it always advances);
+   a prompt whose prefill ends is compressed at once when its SnapKV settings say so, and the admission of the
+   next waiting request, right after, sees the pages it freed.
 
 Memory: one pool for all sequences. A waiting request is admitted when its whole prompt fits in the free pages
 (and those only the prefix cache holds) with one more page a layer for every running sequence to grow into.
@@ -62,8 +65,8 @@ from ..runtime.kv_cache import PoolExhaustedError
 from ..runtime.model import Model
 from ..runtime.prefix_cache import PrefixCache
 from ..runtime.sampling import Sampler, log_softmax, top_logprobs
-from ..runtime.session import PrefillJob, Session, decode_batch
-from ..runtime.speculative import PromptLookup, Stepper
+from ..runtime.session import PrefillJob, Session, decode_batch, verify_batch
+from ..runtime.speculative import Draft, PromptLookup, Stepper
 from ..runtime.text_output import TextOutput
 from .metrics import ServeMetrics
 from .request import Event, GenerationRequest, RequestHandle, TokenLogprob
@@ -76,9 +79,16 @@ class ServeSettings:
     max_queue: int = 256                # waiting requests before submit() refuses more
     prefill_budget: int | None = None   # prompt tokens a step computes (default: the artifact's prefill chunk)
     prefix_cache: bool = True           # and the conversation cache of compressed sequences
+    # while sequences decode, a step's prefill takes about this many decode steps' time (None: the token budget
+    # alone): a step then lasts about 1 + prefill_share decode steps
+    prefill_share: float | None = 1.0
 
     def validate(self) -> None:
         parse_positive_int(self.parallel, "parallel", highest=1024)
+        if self.prefill_share is not None and not (isinstance(self.prefill_share, (int, float)) and
+                                                   not isinstance(self.prefill_share, bool) and
+                                                   0 < self.prefill_share <= 1000):
+            raise ConfigError(f"prefill_share must be a number in (0, 1000], got {self.prefill_share!r}.")
         parse_positive_int(self.max_queue, "max_queue", allow_zero=True, highest=1 << 20)
         if self.prefill_budget is not None:
             parse_positive_int(self.prefill_budget, "prefill_budget", highest=1 << 20)
@@ -143,6 +153,8 @@ class ServeEngine:
         self._thread: threading.Thread | None = None
         self.fatal: BaseException | None = None
         self._call_seconds: deque[float] = deque(maxlen=64)    # the latest model calls' times (chunks, steps)
+        self._decode_step_s: float | None = None       # a decode step's time, and a prompt token's, lately
+        self._prefill_token_s: float | None = None
 
     # -- the client side (any thread) ---------------------------------------------------------------------------
     def start(self) -> "ServeEngine":
@@ -296,15 +308,15 @@ class ServeEngine:
             running = [s for s in running if s is not victim]
         if not running:
             return True
-        if len(running) < self.engine.batch_from and any(s.drafter is not None for s in running):
-            for seq in running:                  # decoded one by one anyway: each may verify drafts instead
-                self._speculative_step(seq)
+        if len(running) <= SPECULATIVE_BATCH and any(s.drafter is not None for s in running):
+            self._speculative_step(running)
             return True
         tokens = [s.pending for s in running]
         started = time.monotonic()
         with self.engine.lock:
             logits = decode_batch([s.session for s in running], tokens)
         self._call_seconds.append(time.monotonic() - started)
+        self._decode_step_s = _average(self._decode_step_s, self._call_seconds[-1])
         self.metrics.decode_steps.inc()
         self.metrics.decode_batch_size.observe(len(running))
         for seq, row in zip(running, logits):
@@ -312,28 +324,34 @@ class ServeEngine:
             self._next_token(seq, row)
         return True
 
-    def _speculative_step(self, seq: _Sequence) -> None:
-        """One sequence's step on its own: its pending token and the drafts worth verifying (none where the pool
-        has no room for the most it may draft), then every token that came of it."""
-        stepper = seq.speculation()
-        remaining = seq.request.max_tokens - len(seq.out)
-        if stepper is None or not self._have_pages(seq.session.cache.pages_needed(1 + stepper.settings.max_draft)):
-            remaining = 1                        # a plain decode step
-        stepper = stepper or Stepper(seq.session, seq.sampler)
-        before = (stepper.stats.drafted, stepper.stats.accepted)
+    def _speculative_step(self, running: list[_Sequence]) -> None:
+        """One forward for a few running sequences: each its pending token, and a speculative one the drafts worth
+        verifying after it, each its own count (runtime.session.verify_batch: an entry of decode_batch a token);
+        then every token that came of it. Drafts wait where the pool has no room for them."""
+        plans = []
+        for seq in running:
+            stepper = seq.speculation() or Stepper(seq.session, seq.sampler)
+            plans.append((seq, stepper, stepper.plan(seq.prompt + seq.out, seq.request.max_tokens - len(seq.out))))
+        if not self._have_pages(sum(seq.session.cache.pages_needed(1 + len(d.tokens)) for seq, _, d in plans)):
+            plans = [(seq, stepper, Draft([])) for seq, stepper, _ in plans]
         started = time.monotonic()
         with self.engine.lock:
-            steps = stepper.step(seq.pending, seq.prompt + seq.out, seq.out, remaining)
+            rows = verify_batch([seq.session for seq, _, _ in plans], [[seq.pending] + d.tokens for seq, _, d in plans])
         self._call_seconds.append(time.monotonic() - started)
+        self._decode_step_s = _average(self._decode_step_s, self._call_seconds[-1])
         self.metrics.decode_steps.inc()
-        self.metrics.decode_batch_size.observe(1)
-        self.metrics.drafted_tokens.inc(stepper.stats.drafted - before[0])
-        self.metrics.accepted_tokens.inc(stepper.stats.accepted - before[1])
-        seq.pending = None
-        for token, logits in steps:
-            self._take_token(seq, token, logits)
-            if seq.finished:
-                break
+        self.metrics.decode_batch_size.observe(len(running))
+        for (seq, stepper, draft), logits in zip(plans, rows):
+            history = seq.prompt + seq.out
+            with self.engine.lock:
+                steps = stepper.settle(draft, logits, history, seq.out)
+            self.metrics.drafted_tokens.inc(len(draft.tokens))
+            self.metrics.accepted_tokens.inc(len(steps) - 1)
+            seq.pending = None
+            for token, row in steps:
+                self._take_token(seq, token, row)
+                if seq.finished:
+                    break
 
     def _pages_for_decode(self, running: list[_Sequence]) -> int:
         return sum(s.session.cache.pages_needed(1) for s in running)
@@ -355,9 +373,19 @@ class ServeEngine:
     def _have_pages(self, pages: int) -> bool:
         return pages <= self.pool.free_count or pages <= self._available()
 
+    def _prefill_limit(self) -> int:
+        """The prompt tokens this step computes: the token budget, and while sequences decode, those whose
+        prefill takes about prefill_share decode steps (MIN_PREFILL at least)."""
+        decoding = any(s.pending is not None and not s.jobs for s in self._active)
+        share = self.settings.prefill_share
+        if not decoding or share is None or self._decode_step_s is None or not self._prefill_token_s:
+            return self.budget
+        return max(MIN_PREFILL, min(self.budget, int(share * self._decode_step_s / self._prefill_token_s)))
+
     def _prefill_step(self) -> bool:
         spent = 0
-        while spent < self.budget:
+        limit = self._prefill_limit()
+        while spent < limit:
             seq = next((s for s in self._active if s.jobs), None) or self._admit()
             if seq is None:
                 break
@@ -372,6 +400,7 @@ class ServeEngine:
                 job = seq.session.start_prefill(ids, chunk=self.budget)
                 job.on_fed = lambda seq=seq, kind=kind, job=job: self._prompt_fed(seq, kind, job)
                 seq.jobs[0] = (kind, job, ids)
+            job.chunk = max(MIN_PREFILL, limit - spent)
             if not self._make_room(job.pages_needed(), seq):
                 continue                          # seq itself was preempted; the next one may fit
             n = job.next_tokens
@@ -383,6 +412,7 @@ class ServeEngine:
                     self._preempt(seq)
                     continue
             self._call_seconds.append(time.monotonic() - started)
+            self._prefill_token_s = _average(self._prefill_token_s, self._call_seconds[-1] / n)
             spent += n
             self.metrics.prefill_tokens.labels("recompute" if kind == "resume" or seq.out else "prompt").inc(n)
             if done:
@@ -624,6 +654,18 @@ class ServeEngine:
         m.running.set(len(self._active))
         m.pool_pages_used.set(self.pool.used_count)
         m.pool_pages_free.set(self.pool.free_count)
+
+
+MIN_PREFILL = 16      # prompt tokens a step computes at least (a GEMM tile of the CPU kernels)
+# Running sequences up to which speculative ones verify drafts in the decode step: beyond, the batch is compute-bound
+# on a CPU and a drafted token costs about what a decoded one does, so drafts rarely pay (vLLM turns speculation
+# off above a batch size for the same reason)
+SPECULATIVE_BATCH = 4
+
+
+def _average(old: float | None, new: float, weight: float = 0.25) -> float:
+    """An exponential average of the latest times (the newest weighs `weight`)."""
+    return new if old is None else old + weight * (new - old)
 
 
 def generate(engine: ServeEngine, request: GenerationRequest, timeout: float = 600) -> tuple[str, Event, list]:
