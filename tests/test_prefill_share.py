@@ -3,16 +3,14 @@ cost (ServeSettings.prefill_share): while sequences decode, a step computes only
 prefill_share decode steps, so a long prompt's admission slows running streams by a bounded factor."""
 from __future__ import annotations
 
-import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 import sharpi
 from sharpi.common.errors import ConfigError
-from sharpi.runtime.sampling import SamplingParams
 from sharpi.serve.engine import MIN_PREFILL, ServeEngine, ServeSettings
-from sharpi.serve.request import GenerationRequest
 
 
 @pytest.fixture(scope="module")
@@ -47,24 +45,23 @@ def test_chunks_of_changing_size_give_the_same_prefill(tiny, budget):
 
 def test_prefill_limit_follows_the_measured_costs(tiny):
     """With a sequence decoding, a step's prompt tokens are prefill_share decode steps' worth at the measured
-    per-token cost, within [MIN_PREFILL, the token budget]; with none decoding, the token budget."""
-    engine = ServeEngine(tiny, ServeSettings(prefill_share=2.0, prefill_budget=128)).start()
-    try:
-        assert engine._prefill_limit() == 128
-        handle = engine.submit(GenerationRequest(tiny.tokenize("abc abc abc"), max_tokens=10_000,
-                                                 sampling=SamplingParams(), ignore_eos=True), lambda e: None)
-        deadline = time.monotonic() + 60
-        while not any(s.pending is not None and not s.jobs for s in engine._active) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        engine._decode_step_s, engine._prefill_token_s = 0.1, 0.004      # as if measured
-        assert engine._prefill_limit() == 50
-        engine._prefill_token_s = 0.1
-        assert engine._prefill_limit() == MIN_PREFILL
-        engine._prefill_token_s = 1e-5
-        assert engine._prefill_limit() == 128
-        handle.cancel()
-    finally:
-        engine.shutdown(cancel=True, timeout=30)
+    cost (a line through the chunks' times: a fixed part and a part a token), within [MIN_PREFILL, the token
+    budget]; with none decoding, the token budget. (The engine's scheduler is not started: the measurements are
+    set as if taken.)"""
+    engine = ServeEngine(tiny, ServeSettings(prefill_share=2.0, prefill_budget=128))
+    engine._decode_step_s = 0.1
+    engine._prefill_chunks.extend([(100, 0.3), (100, 0.3)])              # one length: 3 ms a token
+    assert engine._prefill_limit() == 128                                 # nothing decoding
+    engine._active.append(SimpleNamespace(pending=5, jobs=[]))            # a sequence waiting for its next token
+    assert engine._prefill_limit() == 66                                  # 2 x 0.1 / 0.003
+    engine._prefill_chunks.extend([(20, 0.1), (60, 0.2)])                 # a line: 50 ms + 2.5 ms a token
+    assert engine._prefill_cost() == pytest.approx((0.05, 0.0025))
+    assert engine._prefill_limit() == 60                                  # (2 x 0.1 - 0.05) / 0.0025
+    engine._prefill_chunks.extend([(16, 1.0), (17, 1.0)])
+    assert engine._prefill_limit() == MIN_PREFILL
+    engine._prefill_chunks.clear()
+    engine._prefill_chunks.append((100, 1e-4))
+    assert engine._prefill_limit() == 128
     for bad in (0, -1, float("nan"), True):
         with pytest.raises(ConfigError, match="prefill_share"):
             ServeSettings(prefill_share=bad).validate()

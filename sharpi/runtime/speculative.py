@@ -11,7 +11,7 @@ measured so far and the measured forward times, so that where drafts miss the lo
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np

@@ -153,8 +153,8 @@ class ServeEngine:
         self._thread: threading.Thread | None = None
         self.fatal: BaseException | None = None
         self._call_seconds: deque[float] = deque(maxlen=64)    # the latest model calls' times (chunks, steps)
-        self._decode_step_s: float | None = None       # a decode step's time, and a prompt token's, lately
-        self._prefill_token_s: float | None = None
+        self._decode_step_s: float | None = None       # a decode step's time lately
+        self._prefill_chunks: deque[tuple[int, float]] = deque(maxlen=32)   # the latest chunks' (tokens, seconds)
 
     # -- the client side (any thread) ---------------------------------------------------------------------------
     def start(self) -> "ServeEngine":
@@ -378,9 +378,23 @@ class ServeEngine:
         prefill takes about prefill_share decode steps (MIN_PREFILL at least)."""
         decoding = any(s.pending is not None and not s.jobs for s in self._active)
         share = self.settings.prefill_share
-        if not decoding or share is None or self._decode_step_s is None or not self._prefill_token_s:
+        if not decoding or share is None or self._decode_step_s is None or not self._prefill_chunks:
             return self.budget
-        return max(MIN_PREFILL, min(self.budget, int(share * self._decode_step_s / self._prefill_token_s)))
+        fixed, per_token = self._prefill_cost()
+        return max(MIN_PREFILL, min(self.budget, int((share * self._decode_step_s - fixed) / per_token)))
+
+    def _prefill_cost(self) -> tuple[float, float]:
+        """(seconds, seconds a token) of a prefill chunk, a line through the latest chunks' times: a chunk reads
+        every weight once whatever its length (on a CPU about a decode step's time), then costs about the same
+        for each token. One length alone: the mean time a token, nothing fixed."""
+        tokens, seconds = (np.array(column, np.float64) for column in zip(*self._prefill_chunks))
+        mean = float((seconds / tokens).mean())
+        if np.ptp(tokens) == 0:
+            return 0.0, mean
+        per_token, fixed = np.polyfit(tokens, seconds, 1)
+        if per_token <= 0:
+            return 0.0, mean
+        return max(0.0, float(fixed)), float(per_token)
 
     def _prefill_step(self) -> bool:
         spent = 0
@@ -412,7 +426,7 @@ class ServeEngine:
                     self._preempt(seq)
                     continue
             self._call_seconds.append(time.monotonic() - started)
-            self._prefill_token_s = _average(self._prefill_token_s, self._call_seconds[-1] / n)
+            self._prefill_chunks.append((n, self._call_seconds[-1]))
             spent += n
             self.metrics.prefill_tokens.labels("recompute" if kind == "resume" or seq.out else "prompt").inc(n)
             if done:
