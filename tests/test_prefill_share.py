@@ -62,6 +62,9 @@ def test_prefill_limit_follows_the_measured_costs(tiny):
     engine._prefill_chunks.clear()
     engine._prefill_chunks.append((100, 1e-4))
     assert engine._prefill_limit() == 128
+    engine._prefill_chunks.clear()
+    engine._prefill_chunks.append((20, 1e-4))                             # cheap, but only 20 tokens seen
+    assert engine._prefill_limit() == 40
     for bad in (0, -1, float("nan"), True):
         with pytest.raises(ConfigError, match="prefill_share"):
             ServeSettings(prefill_share=bad).validate()

@@ -37,10 +37,10 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--max-queue", type=int, default=256, help="requests waiting for admission before 503 (256)")
     s.add_argument("--prefill-budget", type=int, default=None, metavar="TOKENS",
                    help="prompt tokens computed between two decode steps (default: the artifact's prefill chunk)")
-    s.add_argument("--prefill-share", type=float, default=1.0, metavar="X",
+    s.add_argument("--prefill-share", type=float, default=0.5, metavar="X",
                    help="while requests are generating, a step computes only the prompt tokens that take about X "
-                        "decode steps, so a long prompt's admission slows their tokens about 1 + X times (default "
-                        "1; 0: the token budget alone)")
+                        "decode steps, so a long prompt's admission slows their tokens about 1 + X times, and is "
+                        "itself slower (default 0.5; 0: the token budget alone, the prompt first)")
     s.add_argument("--no-prefix-cache", action="store_true", help="recompute every prompt in full")
     s.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health (default: SHARPI_API_KEY)")

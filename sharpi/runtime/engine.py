@@ -97,12 +97,15 @@ class Engine:
             for cache in caches:
                 cache.reserve(1)
             positions = np.array([c.logical_length for c in caches], np.int32)
+            started = time.perf_counter()
             if self.has("decode_batch") and len(caches) >= self.batch_from:
                 out = self.backend.forward("decode_batch", ids, positions, np.stack([c.page_table() for c in caches]),
                                            np.stack([c.kv_lens() for c in caches]))
+                self.times.record("decode_batch", len(caches), time.perf_counter() - started)
             else:
                 out = np.concatenate([self.backend.forward("decode", ids[i:i + 1], positions[i:i + 1],
                                                            c.page_table(), c.kv_lens()) for i, c in enumerate(caches)])
+                self.times.record("decode", 1, (time.perf_counter() - started) / len(caches))
             for cache in caches:
                 cache.advance(1)
         _check_finite(out, positions)
@@ -163,9 +166,13 @@ class ForwardTimes:
     def get(self, function: str, n: int) -> float | None:
         return self._seconds.get((function, n))
 
-    def measured(self, function: str) -> dict[int, float]:
-        """{n: seconds} of the sizes measured so far."""
-        return {n: t for (f, n), t in self._seconds.items() if f == function}
+    def measured(self, *functions: str) -> dict[int, float]:
+        """{n: seconds} of the sizes measured so far (of several functions of the same work: their mean)."""
+        found: dict[int, list[float]] = {}
+        for (f, n), t in self._seconds.items():
+            if f in functions:
+                found.setdefault(n, []).append(t)
+        return {n: sum(ts) / len(ts) for n, ts in found.items()}
 
 
 def select_params(manifest: Manifest) -> int:

@@ -393,6 +393,18 @@ class PrefillJob:
         start, end, _ = self._next()
         return end - start
 
+    def next_plain(self) -> np.ndarray | None:
+        """The next chunk's ids where another forward may feed them (a server's decode step, with its running
+        sequences' tokens): not the scored chunk nor the prompt's last, which finish the job in step() (its
+        logits, scoring, eviction); None where the next chunk is one of those. fed_elsewhere() records them."""
+        start, end, scored = self._next()
+        if scored or end == len(self.ids):
+            return None
+        return self.ids[start:end]
+
+    def fed_elsewhere(self, n: int) -> None:
+        self._fed += n
+
     def pages_needed(self) -> int:
         """The pages the next step() takes from the pool."""
         return self.session._cache.pages_needed(self.next_tokens)
@@ -459,10 +471,17 @@ def verify_batch(sessions: list[Session], ids) -> list[np.ndarray]:
         return [s.verify(t) for s, t in zip(sessions, ids, strict=True)]
     if all(len(t) == 1 for t in ids):      # one token each: the decode step (one decode each below batch_from)
         return list(decode_batch(sessions, [t[0] for t in ids])[:, None])
+    if any(s.fresh for s in sessions):
+        raise ConfigError("verify() continues a sequence; prefill its prompt first.")
+    return feed_batch(sessions, ids)
+
+
+def feed_batch(sessions: list[Session], ids) -> list[np.ndarray]:
+    """Feed each session its tokens in one decode_batch call (an entry a token: Engine.forward_ragged), as
+    verify_batch does, a prompt's chunk too (the tokens of a prompt being prefilled beside running sequences'
+    decode steps); the logits of every token per session. Needs decode_batch and keys that are not page-scaled."""
     checked = [s._check_ids(t) for s, t in zip(sessions, ids, strict=True)]
     for s, tokens in zip(sessions, checked):
-        if s.fresh:
-            raise ConfigError("verify() continues a sequence; prefill its prompt first.")
         s._before_verify = None
         s._cache.slack = max(s._cache.slack, len(tokens))
-    return engine.forward_ragged(checked, [s._cache for s in sessions])
+    return sessions[0]._engine.forward_ragged(checked, [s._cache for s in sessions])

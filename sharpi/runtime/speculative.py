@@ -178,7 +178,8 @@ class DraftLength:
         return best
 
     def verify_seconds(self, n: int, step: float) -> float:
-        measured = self.times.measured("prefill_logits")
+        # a verification is a prefill_logits call (one sequence) or entries of a decode_batch call (a server's)
+        measured = self.times.measured("prefill_logits", "decode_batch")
         if n in measured:
             return measured[n]
         below = [m for m in measured if m < n]

@@ -5,7 +5,8 @@ Each step:
 2. one decode_batch call feeds every running sequence its last sampled token (the weights read once for all of
    them), and each samples its next token with its own settings; while few run (SPECULATIVE_BATCH), a sequence
    that asked for speculative decoding feeds the drafted tokens worth verifying after its token in the same call,
-   each sequence its own count (sharpi.runtime.speculative, session.verify_batch);
+   each sequence its own count (sharpi.runtime.speculative); and a plain chunk of a prompt being prefilled goes
+   in the same call too (every token an entry: session.feed_batch), so a step reads the weights once;
 3. prefill chunks of admitted prompts, up to the step's budget: the token budget (the artifact's prefill chunk),
    and while sequences are decoding also a cost: the tokens whose prefill takes about `prefill_share` times a
    decode step (both measured as the server runs), so a long prompt's admission slows running streams by a
@@ -65,7 +66,7 @@ from ..runtime.kv_cache import PoolExhaustedError
 from ..runtime.model import Model
 from ..runtime.prefix_cache import PrefixCache
 from ..runtime.sampling import Sampler, log_softmax, top_logprobs
-from ..runtime.session import PrefillJob, Session, decode_batch, verify_batch
+from ..runtime.session import PrefillJob, Session, decode_batch, feed_batch
 from ..runtime.speculative import Draft, PromptLookup, Stepper
 from ..runtime.text_output import TextOutput
 from .metrics import ServeMetrics
@@ -80,8 +81,9 @@ class ServeSettings:
     prefill_budget: int | None = None   # prompt tokens a step computes (default: the artifact's prefill chunk)
     prefix_cache: bool = True           # and the conversation cache of compressed sequences
     # while sequences decode, a step's prefill takes about this many decode steps' time (None: the token budget
-    # alone): a step then lasts about 1 + prefill_share decode steps
-    prefill_share: float | None = 1.0
+    # alone): a step then lasts about 1 + prefill_share decode steps (benchmarks/serve.md: 0.5 kept 4 streams'
+    # p99 gap at 2.3x their p50 beside a 4,000-token prompt, whose first token came 3x later than without it)
+    prefill_share: float | None = 0.5
 
     def validate(self) -> None:
         parse_positive_int(self.parallel, "parallel", highest=1024)
@@ -153,7 +155,9 @@ class ServeEngine:
         self._thread: threading.Thread | None = None
         self.fatal: BaseException | None = None
         self._call_seconds: deque[float] = deque(maxlen=64)    # the latest model calls' times (chunks, steps)
-        self._decode_step_s: float | None = None       # a decode step's time lately
+        self._decode_step_s: float | None = None       # a plain decode step's time lately
+        self._mixed = False                            # this step's decode call carried a prompt's chunk
+        self._mixed_token_s: float | None = None       # what a prompt token adds to a decode step, lately
         self._prefill_chunks: deque[tuple[int, float]] = deque(maxlen=32)   # the latest chunks' (tokens, seconds)
 
     # -- the client side (any thread) ---------------------------------------------------------------------------
@@ -286,8 +290,9 @@ class ServeEngine:
     def _step(self) -> bool:
         """One scheduler step; returns whether it ran the model."""
         self._drop_cancelled()
+        self._mixed = False
         decoded = self._decode_step()
-        prefilled = self._prefill_step()
+        prefilled = False if self._mixed else self._prefill_step()     # a chunk went with the decode step
         self._update_gauges()
         return decoded or prefilled
 
@@ -308,8 +313,9 @@ class ServeEngine:
             running = [s for s in running if s is not victim]
         if not running:
             return True
-        if len(running) <= SPECULATIVE_BATCH and any(s.drafter is not None for s in running):
-            self._speculative_step(running)
+        chunk = self._mixed_chunk(running)
+        if chunk is not None or (len(running) <= SPECULATIVE_BATCH and any(s.drafter is not None for s in running)):
+            self._feed_step(running, chunk)
             return True
         tokens = [s.pending for s in running]
         started = time.monotonic()
@@ -324,27 +330,61 @@ class ServeEngine:
             self._next_token(seq, row)
         return True
 
-    def _speculative_step(self, running: list[_Sequence]) -> None:
-        """One forward for a few running sequences: each its pending token, and a speculative one the drafts worth
-        verifying after it, each its own count (runtime.session.verify_batch: an entry of decode_batch a token);
-        then every token that came of it. Drafts wait where the pool has no room for them."""
+    def _mixed_chunk(self, running: list[_Sequence]) -> tuple[_Sequence, PrefillJob, np.ndarray] | None:
+        """A chunk of the first prompt being prefilled that can go with this decode step (the weights then read
+        once for both): a plain chunk (not the scored or last one), its size the tokens that add about
+        prefill_share decode steps at what a token added to the latest such steps (MIN_MIXED at first and at
+        least); None where there is none, or the artifact cannot (no decode_batch, or page-scaled keys)."""
+        share = self.settings.prefill_share
+        if share is None or not self.engine.has("decode_batch") or self.pool.kv_format.page_scaled_keys:
+            return None
+        seq = next((s for s in self._active if s.jobs and s.jobs[0][1] is not None), None)
+        if seq is None or seq.handle.cancelled or self._decode_step_s is None or not self._prefill_chunks:
+            return None
+        job = seq.jobs[0][1]
+        per_token = self._mixed_token_s
+        job.chunk = MIN_MIXED if per_token is None else \
+            max(MIN_MIXED, min(self.budget, int(share * self._decode_step_s / max(per_token, 1e-6))))
+        ids = job.next_plain()
+        pages = job.pages_needed() + self._pages_for_decode(running)
+        return None if ids is None or not self._have_pages(pages) else (seq, job, ids)
+
+    def _feed_step(self, running: list[_Sequence], chunk) -> None:
+        """One decode_batch call (runtime.session.feed_batch: an entry a token) for the running sequences, each
+        its pending token and, while few run (SPECULATIVE_BATCH), a speculative one the drafts worth verifying
+        after it, each its own count; and `chunk`, a prompt's plain chunk, if given. Then every token that came of
+        it. Drafts wait where the pool has no room for them."""
         plans = []
         for seq in running:
-            stepper = seq.speculation() or Stepper(seq.session, seq.sampler)
+            stepper = seq.speculation() if len(running) <= SPECULATIVE_BATCH else None
+            stepper = stepper or Stepper(seq.session, seq.sampler)
             plans.append((seq, stepper, stepper.plan(seq.prompt + seq.out, seq.request.max_tokens - len(seq.out))))
-        if not self._have_pages(sum(seq.session.cache.pages_needed(1 + len(d.tokens)) for seq, _, d in plans)):
+        if not self._have_pages(sum(seq.session.cache.pages_needed(1 + len(d.tokens)) for seq, _, d in plans)
+                                + (chunk[1].pages_needed() if chunk else 0)):
             plans = [(seq, stepper, Draft([])) for seq, stepper, _ in plans]
+        sessions = [seq.session for seq, _, _ in plans] + ([chunk[0].session] if chunk else [])
+        ids = [[seq.pending] + d.tokens for seq, _, d in plans] + ([chunk[2]] if chunk else [])
         started = time.monotonic()
         with self.engine.lock:
-            rows = verify_batch([seq.session for seq, _, _ in plans], [[seq.pending] + d.tokens for seq, _, d in plans])
+            rows = feed_batch(sessions, ids) if chunk or any(d.tokens for _, _, d in plans) else \
+                list(decode_batch(sessions, [t[0] for t in ids])[:, None])
         self._call_seconds.append(time.monotonic() - started)
-        self._decode_step_s = _average(self._decode_step_s, self._call_seconds[-1])
+        if chunk:
+            seq, job, tokens = chunk
+            job.fed_elsewhere(len(tokens))
+            self._mixed = True
+            if not any(d.tokens for _, _, d in plans):      # what a prompt token adds to a decode step
+                added = max(0.0, self._call_seconds[-1] - self._decode_step_s) / len(tokens)
+                self._mixed_token_s = _average(self._mixed_token_s, added)
+            self.metrics.prefill_tokens.labels("recompute" if seq.jobs[0][0] == "resume" or seq.out
+                                               else "prompt").inc(len(tokens))
+        elif not any(d.tokens for _, _, d in plans):
+            self._decode_step_s = _average(self._decode_step_s, self._call_seconds[-1])
         self.metrics.decode_steps.inc()
         self.metrics.decode_batch_size.observe(len(running))
         for (seq, stepper, draft), logits in zip(plans, rows):
-            history = seq.prompt + seq.out
             with self.engine.lock:
-                steps = stepper.settle(draft, logits, history, seq.out)
+                steps = stepper.settle(draft, logits, seq.prompt + seq.out, seq.out)
             self.metrics.drafted_tokens.inc(len(draft.tokens))
             self.metrics.accepted_tokens.inc(len(steps) - 1)
             seq.pending = None
@@ -381,7 +421,10 @@ class ServeEngine:
         if not decoding or share is None or self._decode_step_s is None or not self._prefill_chunks:
             return self.budget
         fixed, per_token = self._prefill_cost()
-        return max(MIN_PREFILL, min(self.budget, int((share * self._decode_step_s - fixed) / per_token)))
+        tokens = int((share * self._decode_step_s - fixed) / per_token)
+        # a line through short chunks' times says little of long ones: grow past what was measured gradually
+        tokens = min(tokens, 2 * max(n for n, _ in self._prefill_chunks))
+        return max(MIN_PREFILL, min(self.budget, tokens))
 
     def _prefill_cost(self) -> tuple[float, float]:
         """(seconds, seconds a token) of a prefill chunk, a line through the latest chunks' times: a chunk reads
@@ -671,6 +714,9 @@ class ServeEngine:
 
 
 MIN_PREFILL = 16      # prompt tokens a step computes at least (a GEMM tile of the CPU kernels)
+# and with a decode step: each token attends through the decode kernel, over the whole context (on a CPU, a
+# prompt token beside four decoding ones added 1.9 ms to the step at 500 tokens of context, 7.6 ms at 3,500)
+MIN_MIXED = 4
 # Running sequences up to which speculative ones verify drafts in the decode step: beyond, the batch is compute-bound
 # on a CPU and a drafted token costs about what a decoded one does, so drafts rarely pay (vLLM turns speculation
 # off above a batch size for the same reason)
