@@ -338,8 +338,7 @@ class PrefillJob:
 
     The chunks are `chunk` tokens (the artifact's prefill chunk unless given; it may change between steps); a
     scored prompt's last chunk holds the whole scoring window (prefill_snapkv scores every held position with
-    those queries). A fresh prompt whose chunk finds the pool
-    full leaves the session empty, as it was."""
+    those queries). A fresh prompt whose chunk finds the pool full leaves the session empty, as it was."""
 
     def __init__(self, session: Session, ids: np.ndarray, keep_scores: bool, on_fed=None, chunk: int | None = None):
         self.session, self.ids, self.on_fed = session, ids, on_fed
