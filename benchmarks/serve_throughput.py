@@ -14,7 +14,7 @@ client, sharpi serve's decode is put beside `sharpi run`'s (sharpi.cli.bench, a 
 alternating pairs (--one-client-only: just those).
 
     python benchmarks/serve_throughput.py --llama-server PATH [--model smollm2-135m] [--threads 2]
-        [--max-tokens 256] [--quick] [--out benchmarks/serve.md]
+        [--max-tokens 256] [--quick] [--clients N ...] [--short-only] [--pairs 0] [--out benchmarks/serve.md]
 
 llama-server: built from the llama.cpp that the llama-cpp-python sdist vendors (../shared/anchors/README.md:
 cmake -DLLAMA_BUILD_SERVER=ON with the anchors' GGML flags). Needs httpx and matplotlib (for the plot).
@@ -216,7 +216,7 @@ def make_prompts(tokenizer, count: int, tokens: int, salt: int = 0) -> list[str]
 # -- the scenarios -----------------------------------------------------------------------------------------------
 def scenario_rounds(args, artifact: Path, gguf: Path, tokenizer, port: int, log_dir: Path) -> list[Round]:
     rounds: list[Round] = []
-    short_clients = [1, 4] if args.quick else [1, 4, 16]
+    short_clients = args.clients or ([1, 4] if args.quick else [1, 4, 16])
     long_clients = [1, 4] if args.quick else [1, 4, 16]
     n = args.max_tokens
     for clients in short_clients:
@@ -233,6 +233,8 @@ def scenario_rounds(args, artifact: Path, gguf: Path, tokenizer, port: int, log_
                 rounds.append(Round(engine, "512", clients, 512, asyncio.run(run_clients(server, prompts, n))))
             finally:
                 server.stop()
+    if args.short_only:
+        return rounds
     pool = 24000
     for clients in long_clients:
         prompts = make_prompts(tokenizer, clients, 4000, salt=100 + clients)
@@ -399,6 +401,8 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--port", type=int, default=8391)
     p.add_argument("--quick", action="store_true", help="1 and 4 clients only")
+    p.add_argument("--clients", type=int, nargs="+", default=None, help="the 512-token scenario's client counts")
+    p.add_argument("--short-only", action="store_true", help="the 512-token scenario alone")
     p.add_argument("--pairs", type=int, default=3, help="one client: alternating (serve, run) pairs")
     p.add_argument("--one-client-only", action="store_true",
                    help="only the alternating one-client pairs (their own report)")
@@ -410,7 +414,7 @@ def main() -> None:
     gguf = find_gguf(manifest, None)
     log_dir = Path("/tmp/sharpi-serve-bench-logs")
     log_dir.mkdir(exist_ok=True)
-    pairs = one_client_pairs(args, artifact, tokenizer, log_dir)
+    pairs = one_client_pairs(args, artifact, tokenizer, log_dir) if args.pairs else []
     rounds = [] if args.one_client_only else scenario_rounds(args, artifact, gguf, tokenizer, args.port, log_dir)
     version = subprocess.run([str(args.llama_server), "--version"], capture_output=True, text=True)
     llama_version = (version.stdout + version.stderr).strip().splitlines()[0:1]
@@ -419,7 +423,7 @@ def main() -> None:
         f"Machine: {machine()}. llama-server: {' '.join(llama_version)}. Measured "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} with `python benchmarks/serve_throughput.py "
         f"{' '.join(sys.argv[1:])}`.", "",
-        pairs_report(pairs), "", ratios(rounds), "", table(rounds) if rounds else "", ""])
+        pairs_report(pairs) if pairs else "", "", ratios(rounds), "", table(rounds) if rounds else "", ""])
     print(report)
     if args.out:
         args.out.write_text(report)
