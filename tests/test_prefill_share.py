@@ -44,9 +44,10 @@ def test_chunks_of_changing_size_give_the_same_prefill(tiny, budget):
 
 
 def test_prefill_limit_follows_the_measured_costs(tiny):
-    """With a sequence decoding, a step's prompt tokens are prefill_share decode steps' worth at the measured
-    cost (a line through the chunks' times: a fixed part and a part a token), within [MIN_PREFILL, the token
-    budget]; with none decoding, the token budget. (The engine's scheduler is not started: the measurements are
+    """With a sequence decoding, a step's prompt tokens are `share` decode steps' worth at the measured cost (a
+    line through the chunks' times: a fixed part and a part a token), within [MIN_PREFILL, the token budget];
+    share is prefill_share, or the waiting requests per decoding one where more; with none decoding, the token
+    budget. (The engine's scheduler is not started: the measurements are
     set as if taken.)"""
     engine = ServeEngine(tiny, ServeSettings(prefill_share=2.0, prefill_budget=128))
     engine._decode_step_s = 0.1
@@ -65,6 +66,9 @@ def test_prefill_limit_follows_the_measured_costs(tiny):
     engine._prefill_chunks.clear()
     engine._prefill_chunks.append((20, 1e-4))                             # cheap, but only 20 tokens seen
     assert engine._prefill_limit() == 40
+    engine._prefill_chunks.extend([(20, 0.1), (60, 0.2)])
+    engine._waiting.extend([SimpleNamespace()] * 8)                     # 8 waiting, 1 decoding: share 8
+    assert engine._share() == 8.0 and engine._prefill_limit() == 120      # 2x the longest chunk measured
     for bad in (0, -1, float("nan"), True):
         with pytest.raises(ConfigError, match="prefill_share"):
             ServeSettings(prefill_share=bad).validate()

@@ -8,9 +8,11 @@ Each step:
    each sequence its own count (sharpi.runtime.speculative); and a plain chunk of a prompt being prefilled goes
    in the same call too (every token an entry: session.feed_batch), so a step reads the weights once;
 3. prefill chunks of admitted prompts, up to the step's budget: the token budget (the artifact's prefill chunk),
-   and while sequences are decoding also a cost: the tokens whose prefill takes about `prefill_share` times a
-   decode step (both measured as the server runs), so a long prompt's admission slows running streams by a
-   bounded factor rather than by its chunks' length (at least MIN_PREFILL tokens a step, so it always advances);
+   and while sequences are decoding also a cost: the tokens whose prefill takes about `share` decode steps (both
+   times measured as the server runs; share: the requests waiting for their prompts over those decoding, at
+   least prefill_share), so a long prompt's admission slows running streams by a bounded factor rather than by
+   its chunks' length, while a burst of new requests is admitted nearly at full speed (at least MIN_PREFILL
+   tokens a step, so a prompt always advances);
    a prompt whose prefill ends is compressed at once when its SnapKV settings say so, and the admission of the
    next waiting request, right after, sees the pages it freed.
 
@@ -335,7 +337,7 @@ class ServeEngine:
         once for both): a plain chunk (not the scored or last one), its size the tokens that add about
         prefill_share decode steps at what a token added to the latest such steps (MIN_MIXED at first and at
         least); None where there is none, or the artifact cannot (no decode_batch, or page-scaled keys)."""
-        share = self.settings.prefill_share
+        share = self._share()
         if share is None or not self.engine.has("decode_batch") or self.pool.kv_format.page_scaled_keys:
             return None
         seq = next((s for s in self._active if s.jobs and s.jobs[0][1] is not None), None)
@@ -416,15 +418,25 @@ class ServeEngine:
     def _prefill_limit(self) -> int:
         """The prompt tokens this step computes: the token budget, and while sequences decode, those whose
         prefill takes about prefill_share decode steps (MIN_PREFILL at least)."""
-        decoding = any(s.pending is not None and not s.jobs for s in self._active)
-        share = self.settings.prefill_share
-        if not decoding or share is None or self._decode_step_s is None or not self._prefill_chunks:
+        share = self._share()
+        if share is None or self._decode_step_s is None or not self._prefill_chunks:
             return self.budget
         fixed, per_token = self._prefill_cost()
         tokens = int((share * self._decode_step_s - fixed) / per_token)
         # a line through short chunks' times says little of long ones: grow past what was measured gradually
         tokens = min(tokens, 2 * max(n for n, _ in self._prefill_chunks))
         return max(MIN_PREFILL, min(self.budget, tokens))
+
+    def _share(self) -> float | None:
+        """A step's prefill time in decode steps while sequences decode (None: none decode, or the token budget
+        alone): the requests waiting for their prompts and those decoding share the machine by their numbers,
+        the waiting at least prefill_share (a burst of new requests is admitted at nearly full speed; one long
+        prompt beside running streams slows them by about 1 + prefill_share)."""
+        decoding = sum(1 for s in self._active if s.pending is not None and not s.jobs)
+        if not decoding or self.settings.prefill_share is None:
+            return None
+        waiting = len(self._waiting) + sum(1 for s in self._active if s.jobs)
+        return max(self.settings.prefill_share, waiting / decoding)
 
     def _prefill_cost(self) -> tuple[float, float]:
         """(seconds, seconds a token) of a prefill chunk, a line through the latest chunks' times: a chunk reads
