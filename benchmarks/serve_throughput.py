@@ -150,11 +150,14 @@ class ServerProcess:
         self._log.close()
 
 
+SHARPI_FLAGS: list[str] = []    # more `sharpi serve` flags (--sharpi-flags)
+
+
 def start_sharpi(artifact: Path, threads: int, parallel: int, pool_tokens: int, budget: int, port: int,
                  log: Path) -> ServerProcess:
     command = [sys.executable, "-m", "sharpi.cli.main", "serve", str(artifact), "--host", HOST, "--port",
                str(port), "--threads", str(threads), "--parallel", str(parallel), "--pool-tokens", str(pool_tokens),
-               "--snapkv-budget", str(budget)]
+               "--snapkv-budget", str(budget), *SHARPI_FLAGS]
     return ServerProcess("sharpi serve", command, port, log)
 
 
@@ -403,11 +406,13 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="1 and 4 clients only")
     p.add_argument("--clients", type=int, nargs="+", default=None, help="the 512-token scenario's client counts")
     p.add_argument("--short-only", action="store_true", help="the 512-token scenario alone")
+    p.add_argument("--sharpi-flags", default="", help="more flags for sharpi serve (\"--prefill-share 0\")")
     p.add_argument("--pairs", type=int, default=3, help="one client: alternating (serve, run) pairs")
     p.add_argument("--one-client-only", action="store_true",
                    help="only the alternating one-client pairs (their own report)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
+    SHARPI_FLAGS.extend(args.sharpi_flags.split())
     artifact = Path(sharpi.compile(args.model, target="llvm", output=f"/tmp/sharpi-serve-bench-{args.model}"))
     tokenizer = artifact_info(artifact)
     manifest = tokenizer.manifest

@@ -8,11 +8,10 @@ Each step:
    each sequence its own count (sharpi.runtime.speculative); and a plain chunk of a prompt being prefilled goes
    in the same call too (every token an entry: session.feed_batch), so a step reads the weights once;
 3. prefill chunks of admitted prompts, up to the step's budget: the token budget (the artifact's prefill chunk),
-   and while sequences are decoding also a cost: the tokens whose prefill takes about `share` decode steps (both
-   times measured as the server runs; share: the requests waiting for their prompts over those decoding, at
-   least prefill_share), so a long prompt's admission slows running streams by a bounded factor rather than by
-   its chunks' length, while a burst of new requests is admitted nearly at full speed (at least MIN_PREFILL
-   tokens a step, so a prompt always advances);
+   and for a prompt longer than a chunk while fewer requests wait than sequences decode, also a cost: the tokens
+   whose prefill takes about `prefill_share` decode steps (both times measured as the server runs), so a long
+   prompt's admission slows running streams by a bounded factor rather than by its chunks' length (at least
+   MIN_PREFILL tokens a step, so it always advances), while short prompts and bursts go at full speed;
    a prompt whose prefill ends is compressed at once when its SnapKV settings say so, and the admission of the
    next waiting request, right after, sees the pages it freed.
 
@@ -337,11 +336,13 @@ class ServeEngine:
         once for both): a plain chunk (not the scored or last one), its size the tokens that add about
         prefill_share decode steps at what a token added to the latest such steps (MIN_MIXED at first and at
         least); None where there is none, or the artifact cannot (no decode_batch, or page-scaled keys)."""
-        share = self._share()
-        if share is None or not self.engine.has("decode_batch") or self.pool.kv_format.page_scaled_keys:
+        if not self.engine.has("decode_batch") or self.pool.kv_format.page_scaled_keys:
             return None
         seq = next((s for s in self._active if s.jobs and s.jobs[0][1] is not None), None)
         if seq is None or seq.handle.cancelled or self._decode_step_s is None or not self._prefill_chunks:
+            return None
+        share = self._share(seq)
+        if share is None:
             return None
         job = seq.jobs[0][1]
         per_token = self._mixed_token_s
@@ -415,10 +416,10 @@ class ServeEngine:
     def _have_pages(self, pages: int) -> bool:
         return pages <= self.pool.free_count or pages <= self._available()
 
-    def _prefill_limit(self) -> int:
-        """The prompt tokens this step computes: the token budget, and while sequences decode, those whose
-        prefill takes about prefill_share decode steps (MIN_PREFILL at least)."""
-        share = self._share()
+    def _prefill_limit(self, seq: _Sequence) -> int:
+        """The prompt tokens this step computes for `seq`'s prompt: the token budget, or while its prefill is
+        shared (_share) those that take about prefill_share decode steps (MIN_PREFILL at least)."""
+        share = self._share(seq)
         if share is None or self._decode_step_s is None or not self._prefill_chunks:
             return self.budget
         fixed, per_token = self._prefill_cost()
@@ -427,16 +428,19 @@ class ServeEngine:
         tokens = min(tokens, 2 * max(n for n, _ in self._prefill_chunks))
         return max(MIN_PREFILL, min(self.budget, tokens))
 
-    def _share(self) -> float | None:
-        """A step's prefill time in decode steps while sequences decode (None: none decode, or the token budget
-        alone): the requests waiting for their prompts and those decoding share the machine by their numbers,
-        the waiting at least prefill_share (a burst of new requests is admitted at nearly full speed; one long
-        prompt beside running streams slows them by about 1 + prefill_share)."""
+    def _share(self, seq: _Sequence) -> float | None:
+        """The decode steps' worth of time a step gives `seq`'s prompt (None: the token budget): prefill_share
+        for a prompt longer than a chunk while fewer requests wait for their prompts than sequences decode (a long
+        prompt beside running streams slows them by about 1 + prefill_share); a prompt of a chunk or less, or a
+        burst of requests, goes at full speed in whole chunks (small chunks read the weights once each: on a CPU
+        16 prompts of 512 tokens arriving at once, throttled, then ran 9-11 at once, not 16, and decoded 30%
+        slower)."""
         decoding = sum(1 for s in self._active if s.pending is not None and not s.jobs)
-        if not decoding or self.settings.prefill_share is None:
-            return None
         waiting = len(self._waiting) + sum(1 for s in self._active if s.jobs)
-        return max(self.settings.prefill_share, waiting / decoding)
+        prompt = sum(len(ids) for _, _, ids in seq.jobs)
+        if self.settings.prefill_share is None or waiting >= decoding or prompt <= self.budget:
+            return None
+        return self.settings.prefill_share
 
     def _prefill_cost(self) -> tuple[float, float]:
         """(seconds, seconds a token) of a prefill chunk, a line through the latest chunks' times: a chunk reads
@@ -453,10 +457,12 @@ class ServeEngine:
 
     def _prefill_step(self) -> bool:
         spent = 0
-        limit = self._prefill_limit()
-        while spent < limit:
+        while True:
             seq = next((s for s in self._active if s.jobs), None) or self._admit()
             if seq is None:
+                break
+            limit = self._prefill_limit(seq)
+            if spent >= limit:
                 break
             if seq.handle.cancelled:              # between two chunks: a drain or a disconnect waits no longer
                 self._finish(seq, "cancelled")
