@@ -179,6 +179,33 @@ def test_rollback_returns_pages_and_bytes(compiled, kv):
             s.rollback(len(prompt) + 5)
 
 
+@pytest.mark.parametrize("kv", [("f32", "f32"), ("q4_ch", "q8_0")], ids="/".join)
+def test_feed_batch_verifies_each_sessions_own_drafts(compiled, kv):
+    """Several sessions, each its own count of tokens, in one call (q4_ch: one verify each, its pages encoded
+    whole): every session's rows are those of its own verify, and each rolls back as after it."""
+    from sharpi.runtime.session import feed_batch
+    model = compiled(kv_dtype=kv[0], kv_dtype_v=kv[1])
+    rng = np.random.default_rng(12)
+    sessions = [model.session() for _ in range(3)]
+    drafts = [rng.integers(0, model.config.vocab_size, k).tolist() for k in (5, 1, 8)]
+    forks = []
+    try:
+        for s, n in zip(sessions, (37, 20, 50)):
+            s.prefill(rng.integers(0, model.config.vocab_size, n).tolist())
+        forks = [s.fork() for s in sessions]
+        want = [f.verify(d) for f, d in zip(forks, drafts)]
+        got = feed_batch(sessions, drafts)
+        tolerance = tolerance_for(model.manifest).logprob_atol
+        for g, w in zip(got, want):
+            assert np.abs(log_softmax(g) - log_softmax(w)).max() <= tolerance
+        for s, d in zip(sessions + forks, drafts + drafts):
+            s.rollback(len(d) - 1)
+        assert [s.logical_length for s in sessions] == [f.logical_length for f in forks] == [38, 21, 51]
+    finally:
+        for s in sessions + forks:
+            s.close()
+
+
 def test_rollback_refuses_what_an_eviction_dropped(compiled):
     model = compiled()
     prompt = _prompt(model.config.vocab_size, seed=6)

@@ -149,19 +149,21 @@ class Engine:
         return resolve_snapkv(self.manifest, self.config, **knobs)
 
 
+def exponential_average(old: float | None, new: float, weight: float = 0.25) -> float:
+    """An average of the latest times that follows drift (the newest weighs `weight`); `new` where none yet."""
+    return new if old is None else old + weight * (new - old)
+
+
 class ForwardTimes:
     """How long a forward of n tokens took lately, per function (an exponential average of the last few): what
     speculative decoding weighs a verification of k drafted tokens against a decode step with."""
-
-    WEIGHT = 0.25     # of the newest time
 
     def __init__(self):
         self._seconds: dict[tuple[str, int], float] = {}
 
     def record(self, function: str, n: int, seconds: float) -> None:
         key = (function, n)
-        old = self._seconds.get(key)
-        self._seconds[key] = seconds if old is None else old + self.WEIGHT * (seconds - old)
+        self._seconds[key] = exponential_average(self._seconds.get(key), seconds)
 
     def get(self, function: str, n: int) -> float | None:
         return self._seconds.get((function, n))

@@ -455,32 +455,22 @@ def decode_batch(sessions: list[Session], tokens) -> np.ndarray:
     return engine.forward_batch(ids, [s._cache for s in sessions])
 
 
-def verify_batch(sessions: list[Session], ids) -> list[np.ndarray]:
-    """Session.verify for several sessions of one model in one forward (each its own tokens, any count: a server's
-    sequences each verify their own drafts; decode_batch with an entry a token, Engine.forward_ragged), or one
-    verify each where the artifact lacks decode_batch or its keys are page-scaled. The logits of every token per
-    session; rollback() then applies to each as after its own verify()."""
-    if not sessions:
-        return []
+def feed_batch(sessions: list[Session], ids) -> list[np.ndarray]:
+    """Feed each of several sessions of one model its own tokens, any count, in one decode_batch call (an entry a
+    token: Engine.forward_ragged): a server's decode step, each sequence's token and the drafts it verifies, and a
+    prompt's chunk being prefilled beside them. The logits of every token per session; rollback() then applies
+    to each as after a verify(). One token each is the decode step (decode_batch); where the artifact lacks
+    decode_batch or its keys are page-scaled (a page of those is encoded whole, not by an entry), each session
+    is verified on its own (Session.verify: not for a prompt being prefilled)."""
     engine = sessions[0]._engine
     if any(s._engine is not engine for s in sessions) or len({id(s) for s in sessions}) != len(sessions):
-        raise ConfigError("verify_batch takes sessions of one model, each once.")
-    ids = [list(t) for t in ids]
-    if len(sessions) == 1 or not engine.has("decode_batch") or engine.pool.kv_format.page_scaled_keys:
-        return [s.verify(t) for s, t in zip(sessions, ids, strict=True)]
-    if all(len(t) == 1 for t in ids):      # one token each: the decode step (one decode each below batch_from)
+        raise ConfigError("feed_batch takes sessions of one model, each once.")
+    if all(len(t) == 1 for t in ids):      # one decode each below batch_from
         return list(decode_batch(sessions, [t[0] for t in ids])[:, None])
-    if any(s.fresh for s in sessions):
-        raise ConfigError("verify() continues a sequence; prefill its prompt first.")
-    return feed_batch(sessions, ids)
-
-
-def feed_batch(sessions: list[Session], ids) -> list[np.ndarray]:
-    """Feed each session its tokens in one decode_batch call (an entry a token: Engine.forward_ragged), as
-    verify_batch does, a prompt's chunk too (the tokens of a prompt being prefilled beside running sequences'
-    decode steps); the logits of every token per session. Needs decode_batch and keys that are not page-scaled."""
+    if not engine.has("decode_batch") or engine.pool.kv_format.page_scaled_keys:
+        return [s.verify(t) for s, t in zip(sessions, ids, strict=True)]
     checked = [s._check_ids(t) for s, t in zip(sessions, ids, strict=True)]
     for s, tokens in zip(sessions, checked):
         s._before_verify = None
-        s._cache.slack = max(s._cache.slack, len(tokens))
-    return sessions[0]._engine.forward_ragged(checked, [s._cache for s in sessions])
+        s._cache.slack = max(s._cache.slack, len(tokens))     # a rollback of drafts finds the windows' slots
+    return engine.forward_ragged(checked, [s._cache for s in sessions])

@@ -169,17 +169,19 @@ class DraftLength:
         if step is None:         # the first step decodes plainly: then there is a step time to weigh drafts by
             return 0
         a = self.acceptance(kind)
+        # a verification is a prefill_logits call (one sequence) or entries of a decode_batch call (a server's)
+        measured = self.times.measured("prefill_logits", "decode_batch")
         best, best_rate, expected = 0, 1.0 / step, 1.0
         for k in range(1, k_max + 1):
             expected += a ** k
-            rate = expected / (self.verify_seconds(k + 1, step) + drafter.seconds(k))
+            rate = expected / (self.verify_seconds(k + 1, step, measured) + drafter.seconds(k))
             if rate > best_rate:
                 best, best_rate = k, rate
         return best
 
-    def verify_seconds(self, n: int, step: float) -> float:
-        # a verification is a prefill_logits call (one sequence) or entries of a decode_batch call (a server's)
-        measured = self.times.measured("prefill_logits", "decode_batch")
+    def verify_seconds(self, n: int, step: float, measured: dict[int, float]) -> float:
+        """A verification of n tokens: as measured, else between the sizes measured around it, else the nearest
+        below it (or a decode step) plus GUESS_SLOPE steps a token."""
         if n in measured:
             return measured[n]
         below = [m for m in measured if m < n]

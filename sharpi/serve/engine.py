@@ -63,6 +63,7 @@ import numpy as np
 from ..common.errors import ConfigError, ContextLengthError, ServerBusyError, SharpiError
 from ..common.settings import parse_positive_int
 from ..runtime.conversation_cache import ConversationCache
+from ..runtime.engine import exponential_average
 from ..runtime.kv_cache import PoolExhaustedError
 from ..runtime.model import Model
 from ..runtime.prefix_cache import PrefixCache
@@ -323,7 +324,7 @@ class ServeEngine:
         with self.engine.lock:
             logits = decode_batch([s.session for s in running], tokens)
         self._call_seconds.append(time.monotonic() - started)
-        self._decode_step_s = _average(self._decode_step_s, self._call_seconds[-1])
+        self._decode_step_s = exponential_average(self._decode_step_s, self._call_seconds[-1])
         self.metrics.decode_steps.inc()
         self.metrics.decode_batch_size.observe(len(running))
         for seq, row in zip(running, logits):
@@ -360,37 +361,39 @@ class ServeEngine:
         plans = []
         for seq in running:
             stepper = seq.speculation() if len(running) <= SPECULATIVE_BATCH else None
-            stepper = stepper or Stepper(seq.session, seq.sampler)
-            plans.append((seq, stepper, stepper.plan(seq.prompt + seq.out, seq.request.max_tokens - len(seq.out))))
+            draft = stepper.plan(seq.prompt + seq.out, seq.request.max_tokens - len(seq.out)) if stepper else Draft([])
+            plans.append((seq, stepper, draft))
         if not self._have_pages(sum(seq.session.cache.pages_needed(1 + len(d.tokens)) for seq, _, d in plans)
                                 + (chunk[1].pages_needed() if chunk else 0)):
             plans = [(seq, stepper, Draft([])) for seq, stepper, _ in plans]
+        drafting = any(d.tokens for _, _, d in plans)
         sessions = [seq.session for seq, _, _ in plans] + ([chunk[0].session] if chunk else [])
         ids = [[seq.pending] + d.tokens for seq, _, d in plans] + ([chunk[2]] if chunk else [])
         started = time.monotonic()
         with self.engine.lock:
-            rows = feed_batch(sessions, ids) if chunk or any(d.tokens for _, _, d in plans) else \
-                list(decode_batch(sessions, [t[0] for t in ids])[:, None])
+            rows = feed_batch(sessions, ids)
         self._call_seconds.append(time.monotonic() - started)
         if chunk:
             seq, job, tokens = chunk
             job.fed_elsewhere(len(tokens))
             self._mixed = True
-            if not any(d.tokens for _, _, d in plans):      # what a prompt token adds to a decode step
+            if not drafting:                      # what a prompt token adds to a decode step
                 added = max(0.0, self._call_seconds[-1] - self._decode_step_s) / len(tokens)
-                self._mixed_token_s = _average(self._mixed_token_s, added)
+                self._mixed_token_s = exponential_average(self._mixed_token_s, added)
             self.metrics.prefill_tokens.labels("recompute" if seq.jobs[0][0] == "resume" or seq.out
                                                else "prompt").inc(len(tokens))
-        elif not any(d.tokens for _, _, d in plans):
-            self._decode_step_s = _average(self._decode_step_s, self._call_seconds[-1])
+        elif not drafting:
+            self._decode_step_s = exponential_average(self._decode_step_s, self._call_seconds[-1])
         self.metrics.decode_steps.inc()
         self.metrics.decode_batch_size.observe(len(running))
         for (seq, stepper, draft), logits in zip(plans, rows):
-            with self.engine.lock:
-                steps = stepper.settle(draft, logits, seq.prompt + seq.out, seq.out)
+            seq.pending = None
+            if stepper is None:
+                self._next_token(seq, logits[0])
+                continue
+            steps = stepper.settle(draft, logits, seq.prompt + seq.out, seq.out)
             self.metrics.drafted_tokens.inc(len(draft.tokens))
             self.metrics.accepted_tokens.inc(len(steps) - 1)
-            seq.pending = None
             for token, row in steps:
                 self._take_token(seq, token, row)
                 if seq.finished:
@@ -739,11 +742,6 @@ MIN_MIXED = 4
 # on a CPU and a drafted token costs about what a decoded one does, so drafts rarely pay (vLLM turns speculation
 # off above a batch size for the same reason)
 SPECULATIVE_BATCH = 4
-
-
-def _average(old: float | None, new: float, weight: float = 0.25) -> float:
-    """An exponential average of the latest times (the newest weighs `weight`)."""
-    return new if old is None else old + weight * (new - old)
 
 
 def generate(engine: ServeEngine, request: GenerationRequest, timeout: float = 600) -> tuple[str, Event, list]:
