@@ -169,10 +169,10 @@ def speculative_options(model, args) -> dict:
         value["max_draft"] = parse_int(k, "--draft-max", 1, MAX_DRAFT)
     if method is None and draft is None:
         value["method"] = "lookup"
+    speculative_settings(value, draft=draft is not None)      # a bad combination is said before any loading
     options = {"speculative": value}
     if draft is not None:
         options["draft"] = model.draft_model(artifact_path(draft))
-    speculative_settings(value, draft=draft is not None)
     return options
 
 
