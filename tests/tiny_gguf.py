@@ -228,3 +228,116 @@ def write_golden_moe(folder: Path, arch: str) -> Path:
         "tiny_gguf.write_tiny_moe no longer writes the file the golden data was made from: run "
         "tests/data/make_moe_golden.py again")
     return path
+
+
+HYBRID_ARCHS = ("qwen35", "qwen35moe", "qwen3next")
+# The tiny hybrids' RoPE: a quarter of each 32-wide head, whose 4 pairs the interleaved M-RoPE sections [2, 1, 1, 0]
+# all give the token's position (text tokens' 4th position is 0, so a pair in the 4th section would not turn)
+HYBRID_ROPE_SECTIONS = [2, 1, 1, 0]
+
+
+def write_tiny_hybrid(path: Path, arch: str, *, layers: int = 4, dim: int = 64, heads: int = 4, kv_heads: int = 2,
+                      head_dim: int = 32, rope_dim: int = 8, ffn: int = 96, ssm_state: int = 16, k_heads: int = 2,
+                      v_heads: int = 4, conv_kernel: int = 4, experts: int = 8, used: int = 2, expert_ffn: int = 32,
+                      shared_ffn: int = 48, mtp_layers: int = 1, interval: int | None = 2, context: int = 256,
+                      router_scale: float = 1.0, seed: int = 0, matrix_type: str = "F32") -> Path:
+    """A tiny hybrid linear-attention GGUF of one of HYBRID_ARCHS, laid out as llama.cpp 0c1e570 loads it
+    (src/models/{qwen35,qwen35moe,qwen3next}.cpp): `layers` trunk blocks, Gated DeltaNet where (i + 1) % interval
+    != 0 (interval None: the key is left out, llama.cpp's default 4), the others gated attention (q projection
+    2 x heads x head_dim, each head's q then its gate) with per-head q/k norms and RoPE over rope_dim; then
+    `mtp_layers` multi-token-prediction blocks (block_count counts them). DeltaNet: attn_qkv (q, k of k_heads and
+    v of v_heads, each ssm_state wide), attn_gate, a causal conv of conv_kernel, ssm_beta and ssm_alpha (qwen3next:
+    one ssm_ba, grouped per k-head), ssm_dt.bias, ssm_a (negative: -exp(A_log)), ssm_norm, ssm_out. The FFN is
+    dense (qwen35) or `experts` experts with a sigmoid-gated shared expert."""
+    import gguf
+
+    assert arch in HYBRID_ARCHS, arch
+    moe = arch != "qwen35"
+    rng = np.random.default_rng(seed)
+    vocab = len(vocabulary(MOE_MERGES))
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(layers + mtp_layers)
+    w.add_nextn_predict_layers(mtp_layers)
+    w.add_context_length(context)
+    w.add_embedding_length(dim)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_freq_base(10000.0)
+    w.add_rope_dimension_count(rope_dim)
+    if arch != "qwen3next":
+        w.add_rope_dimension_sections(HYBRID_ROPE_SECTIONS)
+    w.add_layer_norm_rms_eps(1e-6)
+    if interval is not None:
+        w.add_full_attention_interval(interval)
+    w.add_ssm_conv_kernel(conv_kernel)
+    w.add_ssm_inner_size(v_heads * ssm_state)
+    w.add_ssm_state_size(ssm_state)
+    w.add_ssm_time_step_rank(v_heads)
+    w.add_ssm_group_count(k_heads)
+    if moe:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(used)
+        w.add_expert_feed_forward_length(expert_ffn)
+        w.add_expert_shared_feed_forward_length(shared_ffn)
+    _add_vocab(w, merges=MOE_MERGES, pre="default")
+    recurrent = [i for i in range(layers) if (i + 1) % (interval or 4) != 0]
+    q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
+    key_dim, value_dim = k_heads * ssm_state, v_heads * ssm_state
+    shapes = {"token_embd.weight": (vocab, dim), "output_norm.weight": (dim,), "output.weight": (vocab, dim)}
+    raw = {}
+    for l in range(layers + mtp_layers):
+        p = f"blk.{l}."
+        shapes.update({p + "attn_norm.weight": (dim,), p + "post_attention_norm.weight": (dim,)})
+        if l in recurrent:
+            shapes.update({p + "attn_qkv.weight": (2 * key_dim + value_dim, dim),
+                           p + "attn_gate.weight": (value_dim, dim),
+                           p + "ssm_conv1d.weight": (2 * key_dim + value_dim, conv_kernel),
+                           p + "ssm_dt.bias": (v_heads,), p + "ssm_a": (v_heads,)})
+            if arch == "qwen3next":
+                shapes[p + "ssm_ba.weight"] = (2 * v_heads, dim)
+            else:
+                shapes.update({p + "ssm_beta.weight": (v_heads, dim), p + "ssm_alpha.weight": (v_heads, dim)})
+            shapes.update({p + "ssm_norm.weight": (ssm_state,), p + "ssm_out.weight": (dim, value_dim)})
+            # decays exp(softplus(.) * a) well inside (0, 1): a = -exp(A_log), A_log ~ U(log 0.2, log 1)
+            raw[p + "ssm_a"] = -np.exp(rng.uniform(np.log(0.2), 0.0, v_heads)).astype(np.float32)
+        else:
+            shapes.update({p + "attn_q.weight": (2 * q_dim, dim), p + "attn_k.weight": (kv_dim, dim),
+                           p + "attn_v.weight": (kv_dim, dim), p + "attn_output.weight": (dim, q_dim),
+                           p + "attn_q_norm.weight": (head_dim,), p + "attn_k_norm.weight": (head_dim,)})
+        if moe:
+            shapes.update({p + "ffn_gate_inp.weight": (experts, dim),
+                           p + "ffn_gate_exps.weight": (experts, expert_ffn, dim),
+                           p + "ffn_up_exps.weight": (experts, expert_ffn, dim),
+                           p + "ffn_down_exps.weight": (experts, dim, expert_ffn),
+                           p + "ffn_gate_inp_shexp.weight": (dim,), p + "ffn_gate_shexp.weight": (shared_ffn, dim),
+                           p + "ffn_up_shexp.weight": (shared_ffn, dim), p + "ffn_down_shexp.weight": (dim, shared_ffn)})
+        else:
+            shapes.update({p + "ffn_gate.weight": (ffn, dim), p + "ffn_up.weight": (ffn, dim),
+                           p + "ffn_down.weight": (dim, ffn)})
+        if l >= layers:
+            shapes.update({p + "nextn.eh_proj.weight": (dim, 2 * dim), p + "nextn.enorm.weight": (dim,),
+                           p + "nextn.hnorm.weight": (dim,)})
+    scales = {name: router_scale for name in shapes if name.endswith("ffn_gate_inp.weight")}
+    override = {name: (value, gguf.GGMLQuantizationType.F32) for name, value in raw.items()}
+    _add_tensors(w, shapes, rng, matrix_type, override, scales=scales)
+    return _finish(w, path)
+
+
+HYBRID_GOLDEN = Path(__file__).parent / "data" / "hybrid_golden.json"
+
+
+def write_golden_hybrid(folder: Path, arch: str) -> Path:
+    """The tiny hybrid GGUF of `arch` whose llama.cpp logits tests/data/hybrid_golden.npz holds, checked byte for
+    byte against the sha256 recorded when they were made."""
+    import hashlib
+
+    model = json.loads(HYBRID_GOLDEN.read_text())["models"][arch]
+    path = write_tiny_hybrid(folder / f"{arch}.gguf", arch, seed=model["seed"], interval=model["interval"],
+                             router_scale=model["router_scale"])
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == model["sha256"], (
+        "tiny_gguf.write_tiny_hybrid no longer writes the file the golden data was made from: run "
+        "tests/data/make_hybrid_golden.py again")
+    return path

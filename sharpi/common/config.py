@@ -12,7 +12,10 @@ ROPE_LAYOUTS = ("norm", "neox")
 FFN_ACTIVATIONS = ("silu", "gelu_tanh")
 # fields added after artifacts of format version 2 were first written: a manifest may lack them (their defaults)
 LATER_FIELDS = ("post_norms", "ffn_activation", "n_experts", "n_experts_used", "expert_ffn_dim",
-                "shared_expert_ffn_dim", "expert_weights_norm", "qk_norm_full", "residual_scale", "logit_scale")
+                "shared_expert_ffn_dim", "expert_weights_norm", "qk_norm_full", "residual_scale", "logit_scale",
+                "recurrent_layers", "ssm_conv_kernel", "ssm_state_size", "ssm_k_heads", "ssm_v_heads",
+                "ssm_head_map", "ssm_fused_ba", "attn_q_gate", "rope_dim", "n_mtp_layers")
+SSM_HEAD_MAPS = ("tiled", "grouped")
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,25 @@ class ModelConfig:
     qk_norm_full: bool = False     # olmoe: the q and k norms span the whole projection, not each head
     residual_scale: float = 1.0    # granite: each sublayer's output is multiplied by this before its residual add
     logit_scale: float = 1.0       # granite: the logits are divided by this
+    # Hybrid linear-attention models (qwen35, qwen35moe, qwen3next): the layers of recurrent_layers are Gated
+    # DeltaNet layers (a fixed-size state per sequence, no KV cache), the others gated attention (attn_q_gate: the
+    # q projection holds, per head, the queries then a gate; the attention's output times sigmoid(gate)). DeltaNet
+    # q and k have ssm_k_heads heads, v ssm_v_heads, all ssm_state_size wide; v-head h reads k-head h % ssm_k_heads
+    # ("tiled", qwen35) or h // (ssm_v_heads / ssm_k_heads) ("grouped", qwen3next, whose beta and alpha come from
+    # one projection grouped per k-head: ssm_fused_ba). The pre-FFN norm is blk.N.post_attention_norm.
+    recurrent_layers: tuple = ()
+    ssm_conv_kernel: int = 0
+    ssm_state_size: int = 0
+    ssm_k_heads: int = 0
+    ssm_v_heads: int = 0
+    ssm_head_map: str = "tiled"
+    ssm_fused_ba: bool = False
+    attn_q_gate: bool = False
+    rope_dim: int = 0              # RoPE turns the first rope_dim of each head (0: all of it)
+    n_mtp_layers: int = 0          # multi-token-prediction blocks after the n_layers trunk blocks: read, not run
+
+    def __post_init__(self):
+        object.__setattr__(self, "recurrent_layers", tuple(int(l) for l in self.recurrent_layers))
 
     @property
     def is_moe(self) -> bool:
@@ -67,6 +89,28 @@ class ModelConfig:
         return not self.swa_pattern or layer % self.swa_pattern != self.swa_pattern - 1
 
     @property
+    def is_hybrid(self) -> bool:
+        return bool(self.recurrent_layers)
+
+    def is_recurrent(self, layer: int) -> bool:
+        """Whether `layer` is a Gated DeltaNet layer (no KV cache)."""
+        return layer in self.recurrent_layers
+
+    @property
+    def attention_layers(self) -> list[int]:
+        """The layers that keep a KV cache."""
+        return [l for l in range(self.n_layers) if l not in self.recurrent_layers]
+
+    @property
+    def rotary_dim(self) -> int:
+        return self.rope_dim or self.head_dim
+
+    @property
+    def ssm_conv_channels(self) -> int:
+        """The DeltaNet conv's channels: q, k and v side by side."""
+        return (2 * self.ssm_k_heads + self.ssm_v_heads) * self.ssm_state_size
+
+    @property
     def q_dim(self) -> int:
         return self.n_heads * self.head_dim
 
@@ -75,7 +119,9 @@ class ModelConfig:
         return self.n_kv_heads * self.head_dim
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        d["recurrent_layers"] = list(self.recurrent_layers)      # JSON's form, as a manifest reads it back
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
@@ -98,7 +144,12 @@ class ModelConfig:
             "ffn_activation": schema.one_of(*FFN_ACTIVATIONS), "n_experts": schema.integer(0, 4096),
             "n_experts_used": schema.integer(0, 4096), "expert_ffn_dim": schema.integer(0, MAX_SIZE),
             "shared_expert_ffn_dim": schema.integer(0, MAX_SIZE), "expert_weights_norm": schema.boolean,
-            "qk_norm_full": schema.boolean, "residual_scale": positive, "logit_scale": positive},
+            "qk_norm_full": schema.boolean, "residual_scale": positive, "logit_scale": positive,
+            "recurrent_layers": schema.array(schema.integer(0, 4095), 4096, unique=True),
+            "ssm_conv_kernel": schema.integer(0, 64), "ssm_state_size": schema.integer(0, 4096),
+            "ssm_k_heads": schema.integer(0, 4096), "ssm_v_heads": schema.integer(0, 4096),
+            "ssm_head_map": schema.one_of(*SSM_HEAD_MAPS), "ssm_fused_ba": schema.boolean,
+            "attn_q_gate": schema.boolean, "rope_dim": schema.integer(0, 4096), "n_mtp_layers": schema.integer(0, 64)},
             optional_keys=LATER_FIELDS)(d, path)
         if d.get("n_experts", 0) and not 1 <= d.get("n_experts_used", 0) <= d["n_experts"]:
             raise schema.SchemaError(f"{path}.n_experts_used", f"between 1 and n_experts ({d['n_experts']})",
@@ -108,3 +159,23 @@ class ModelConfig:
                                      d["n_kv_heads"])
         if d["head_dim"] % 2:
             raise schema.SchemaError(f"{path}.head_dim", "even (RoPE rotates pairs)", d["head_dim"])
+        if d.get("rope_dim", 0) % 2 or d.get("rope_dim", 0) > d["head_dim"]:
+            raise schema.SchemaError(f"{path}.rope_dim", f"even and at most head_dim ({d['head_dim']})",
+                                     d.get("rope_dim"))
+        _check_hybrid(d, path)
+
+
+def _check_hybrid(d: dict, path: str) -> None:
+    """A hybrid's recurrent layers are layers of the model, its DeltaNet sizes positive, its v-heads a multiple of
+    its k-heads."""
+    layers = d.get("recurrent_layers") or []
+    if not layers:
+        return
+    if max(layers) >= d["n_layers"]:
+        raise schema.SchemaError(f"{path}.recurrent_layers", f"layers below n_layers ({d['n_layers']})", layers)
+    for key in ("ssm_conv_kernel", "ssm_state_size", "ssm_k_heads", "ssm_v_heads"):
+        if not d.get(key):
+            raise schema.SchemaError(f"{path}.{key}", "positive in a model with recurrent layers", d.get(key))
+    if d["ssm_v_heads"] % d["ssm_k_heads"]:
+        raise schema.SchemaError(f"{path}.ssm_v_heads", f"a multiple of ssm_k_heads ({d['ssm_k_heads']})",
+                                 d["ssm_v_heads"])

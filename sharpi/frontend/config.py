@@ -110,6 +110,64 @@ def _granitemoe(cfg: ModelConfig, field, gguf: GGUFFile) -> ModelConfig:
                     residual_scale=field.number("residual_scale", 1.0), logit_scale=field.number("logit_scale"))
 
 
+def _hybrid(cfg: ModelConfig, field, gguf: GGUFFile, *, head_map: str, fused_ba: bool, moe: bool,
+            sections: bool) -> ModelConfig:
+    """llama.cpp's qwen35, qwen35moe and qwen3next (src/models/<arch>.cpp, llama-hparams.cpp): block_count counts
+    nextn_predict_layers multi-token-prediction blocks after the trunk; layer i is a Gated DeltaNet layer where
+    attention.recurrent_layers says so, else where (i + 1) % full_attention_interval (default 4) != 0; the
+    attention layers gate their output by the q projection's second half per head, norm q and k per head and turn
+    the first rope.dimension_count of each head (NEOX; qwen35's interleaved M-RoPE sections give text tokens'
+    pairs the same position, as NEOX does, where the sections cover them all)."""
+    name = gguf.path.name
+    n_mtp = field.integer("nextn_predict_layers", 0, lowest=0)
+    if n_mtp >= cfg.n_layers:
+        raise GGUFError(f"{name}: nextn_predict_layers {n_mtp} leaves no trunk layer of block_count {cfg.n_layers}.")
+    n_layers = cfg.n_layers - n_mtp
+    marks = gguf.metadata.get(f"{cfg.arch}.attention.recurrent_layers")
+    if marks is not None:
+        if not isinstance(marks, list) or len(marks) != cfg.n_layers:
+            raise GGUFError(f"{name}: {cfg.arch}.attention.recurrent_layers must list all {cfg.n_layers} blocks.")
+        recurrent = [i for i in range(n_layers) if marks[i]]
+    else:
+        interval = field.integer("full_attention_interval", 4)
+        recurrent = [i for i in range(n_layers) if (i + 1) % interval != 0]
+    rope_dim = field.integer("rope.dimension_count", cfg.head_dim)
+    if sections:
+        _check_text_rope_sections(gguf, cfg.arch, rope_dim)
+    state = field.integer("ssm.state_size")
+    v_heads, k_heads = field.integer("ssm.time_step_rank"), field.integer("ssm.group_count")
+    if field.integer("ssm.inner_size") != v_heads * state:
+        raise UnsupportedArchitectureError(f"{name}: ssm.inner_size is not ssm.time_step_rank x ssm.state_size, "
+                                           f"which sharpi does not implement.")
+    if v_heads % k_heads:
+        raise GGUFError(f"{name}: ssm.time_step_rank {v_heads} is not a multiple of ssm.group_count {k_heads}.")
+    cfg = replace(cfg, n_layers=n_layers, n_mtp_layers=n_mtp, recurrent_layers=tuple(recurrent), rope_dim=rope_dim,
+                  qk_norm=True, attn_q_gate=True, ssm_conv_kernel=field.integer("ssm.conv_kernel"),
+                  ssm_state_size=state, ssm_k_heads=k_heads, ssm_v_heads=v_heads, ssm_head_map=head_map,
+                  ssm_fused_ba=fused_ba)
+    if not moe:
+        return cfg
+    used = field.integer("expert_used_count")
+    return _experts(cfg, field, expert_ffn_default=max(1, cfg.ffn_dim // used), weights_norm=True, shared=True)
+
+
+def _check_text_rope_sections(gguf: GGUFFile, arch: str, rope_dim: int) -> None:
+    """ggml's interleaved M-RoPE gives pair i the position of section (i % sum) % 3 while that section has pairs
+    left, else the 4th position, which is 0 for text: sharpi's NEOX RoPE equals it where no pair falls there."""
+    sections = gguf.metadata.get(f"{arch}.rope.dimension_sections")
+    if sections is None:
+        return
+    ok = isinstance(sections, list) and len(sections) == 4 and all(
+        isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in sections) and sum(sections) > 0
+    if ok:
+        total = sum(sections)
+        ok = all((i % total) % 3 < 3 and (i % total) < 3 * sections[(i % total) % 3] for i in range(rope_dim // 2))
+    if not ok:
+        raise UnsupportedArchitectureError(f"{gguf.path.name}: {arch}.rope.dimension_sections {sections!r} leaves "
+                                           f"pairs of the rotary dims unturned for text, which sharpi does not "
+                                           f"implement.")
+
+
 # llama.cpp's src/models/*.cpp: qwen2 is llama plus biases on q, k and v; qwen3 llama plus per-head RMSNorm of q
 # and k before RoPE (its head size from key_length); both NEOX RoPE. The mixtures of experts: olmoe is llama
 # attention with q and k RMS-normed over their whole width and NEOX RoPE; qwen3moe is qwen3's attention; neither
@@ -125,6 +183,12 @@ ARCHITECTURES = {
     "qwen3moe": Architecture("neox", lambda cfg, field, gguf: _experts(
         cfg, field, expert_ffn_default=cfg.ffn_dim, weights_norm=True, qk_norm=True)),
     "granitemoe": Architecture("norm", _granitemoe),
+    "qwen35": Architecture("neox", lambda cfg, field, gguf: _hybrid(
+        cfg, field, gguf, head_map="tiled", fused_ba=False, moe=False, sections=True)),
+    "qwen35moe": Architecture("neox", lambda cfg, field, gguf: _hybrid(
+        cfg, field, gguf, head_map="tiled", fused_ba=False, moe=True, sections=True)),
+    "qwen3next": Architecture("neox", lambda cfg, field, gguf: _hybrid(
+        cfg, field, gguf, head_map="grouped", fused_ba=True, moe=True, sections=False)),
 }
 
 
@@ -192,6 +256,9 @@ def _validate(cfg: ModelConfig, gguf: GGUFFile) -> None:
 
 def _expected_shapes(cfg: ModelConfig):
     yield "token_embd.weight", (cfg.vocab_size, cfg.dim)
+    if cfg.is_hybrid:
+        yield from _hybrid_shapes(cfg)
+        return
     for l in range(cfg.n_layers):
         p = f"blk.{l}."
         yield from {p + "attn_q.weight": (cfg.q_dim, cfg.dim), p + "attn_k.weight": (cfg.kv_dim, cfg.dim),
@@ -206,6 +273,32 @@ def _expected_shapes(cfg: ModelConfig):
             yield from {p + "attn_q_norm.weight": (q_norm,), p + "attn_k_norm.weight": (k_norm,)}.items()
         if cfg.post_norms:
             yield from {p + "post_attention_norm.weight": (cfg.dim,), p + "post_ffw_norm.weight": (cfg.dim,)}.items()
+    yield "output_norm.weight", (cfg.dim,)
+    if not cfg.tied_embeddings:
+        yield "output.weight", (cfg.vocab_size, cfg.dim)
+
+
+def _hybrid_shapes(cfg: ModelConfig):
+    """A hybrid's trunk: DeltaNet or gated attention, the FFN after post_attention_norm; the MTP blocks are not read."""
+    value_dim, conv = cfg.ssm_v_heads * cfg.ssm_state_size, cfg.ssm_conv_channels
+    for l in range(cfg.n_layers):
+        p = f"blk.{l}."
+        yield from {p + "attn_norm.weight": (cfg.dim,), p + "post_attention_norm.weight": (cfg.dim,)}.items()
+        if cfg.is_recurrent(l):
+            yield from {p + "attn_qkv.weight": (conv, cfg.dim), p + "attn_gate.weight": (value_dim, cfg.dim),
+                        p + "ssm_conv1d.weight": (conv, cfg.ssm_conv_kernel), p + "ssm_dt.bias": (cfg.ssm_v_heads,),
+                        p + "ssm_a": (cfg.ssm_v_heads,), p + "ssm_norm.weight": (cfg.ssm_state_size,),
+                        p + "ssm_out.weight": (cfg.dim, value_dim)}.items()
+            if cfg.ssm_fused_ba:
+                yield p + "ssm_ba.weight", (2 * cfg.ssm_v_heads, cfg.dim)
+            else:
+                yield from {p + "ssm_beta.weight": (cfg.ssm_v_heads, cfg.dim),
+                            p + "ssm_alpha.weight": (cfg.ssm_v_heads, cfg.dim)}.items()
+        else:
+            yield from {p + "attn_q.weight": (2 * cfg.q_dim, cfg.dim), p + "attn_k.weight": (cfg.kv_dim, cfg.dim),
+                        p + "attn_v.weight": (cfg.kv_dim, cfg.dim), p + "attn_output.weight": (cfg.dim, cfg.q_dim),
+                        p + "attn_q_norm.weight": (cfg.head_dim,), p + "attn_k_norm.weight": (cfg.head_dim,)}.items()
+        yield from _ffn_shapes(cfg, p)
     yield "output_norm.weight", (cfg.dim,)
     if not cfg.tied_embeddings:
         yield "output.weight", (cfg.vocab_size, cfg.dim)

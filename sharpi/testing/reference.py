@@ -13,6 +13,7 @@ variants are the config's flags: `qkv_bias` (qwen2), `qk_norm` (qwen3, gemma3), 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -47,6 +48,8 @@ class NumpyReference:
         self.swa_pattern = cfg.swa_pattern
         self.kv_types: tuple[str, str] | None = None
         self.router_capture: list | None = None          # a list: each MoE layer's router probabilities [T, E]
+        # parts of a hybrid left out, to show that each moves the logits: "q_gate", "conv", "decay", "head_map"
+        self.left_out: frozenset = frozenset()
         self.page_size = PAGE_SIZE                      # how page-scaled keys are grouped (kv_roundtrip)
         self.local_rope_theta = cfg.rope_theta_local   # 0: local layers keep the model's RoPE base
         self.embed_scale = np.float32(cfg.embed_scale)
@@ -66,12 +69,14 @@ class NumpyReference:
             return False
         return not self.swa_pattern or l % self.swa_pattern != self.swa_pattern - 1
 
-    def forward(self, ids, positions=None, capture: list | None = None) -> np.ndarray:
+    def forward(self, ids, positions=None, capture: list | None = None, states: dict | None = None) -> np.ndarray:
         """Logits [len(ids), vocab] for a fresh sequence (causal attention over ids; for local layers also within
         the sliding window).
 
-        With `capture` (a list), each layer's post-RoPE (q [T, H, D], k [T, KVH, D], v [T, KVH, D]) is appended
-        (after any biases and per-head q/k norms, before any query scaling)."""
+        With `capture` (a list), each attention layer's post-RoPE (q [T, H, D], k [T, KVH, D], v [T, KVH, D]) is
+        appended (after any biases and per-head q/k norms, before any query scaling); a hybrid's DeltaNet layers
+        append nothing. With `states` (a dict), each DeltaNet layer's state after the last token is stored under
+        its layer index."""
         cfg = self.config
         ids = np.asarray(ids, dtype=np.int64)
         T = len(ids)
@@ -80,6 +85,12 @@ class NumpyReference:
         visible = np.tril(np.ones((T, T), dtype=bool))
         masks = {}
         for l in range(cfg.n_layers):
+            if cfg.is_recurrent(l):
+                out, state = self.delta_net(l, x, self.empty_state())
+                if states is not None:
+                    states[l] = state
+                x = self._after_mixer(l, x, out)
+                continue
             q, k, v = self._qkv(l, x, pos)
             k, v = self._as_cached(l, k, v)
             if capture is not None:
@@ -99,23 +110,27 @@ class NumpyReference:
 
     def decode_after_compaction(self, prompt_ids, kept_positions: list[np.ndarray], token: int,
                                 position: int | None = None) -> np.ndarray:
-        """Logits [vocab] of `token` fed after prompt_ids whose cache kept, per layer and KV head, only the
-        slots of kept_positions ([KVH, k] logical positions): the new token is at position len(prompt_ids)
+        """Logits [vocab] of `token` fed after prompt_ids whose cache kept, per attention layer and KV head, only
+        the slots of kept_positions ([KVH, k] logical positions; a hybrid's DeltaNet layers keep their state): the new token is at position len(prompt_ids)
         (or `position`, to model a wrong implementation) and attends over the kept keys/values (RoPE'd at their
         original positions) and itself (and, on local layers, only those inside the sliding window)."""
         cfg = self.config
-        captured = []
-        self.forward(prompt_ids, capture=captured)
+        captured, states = [], {}
+        self.forward(prompt_ids, capture=captured, states=states)
         n = len(prompt_ids) if position is None else position
         x = self._embed(np.array([token]))
         rep = cfg.n_heads // cfg.n_kv_heads
         for l in range(cfg.n_layers):
+            if cfg.is_recurrent(l):                    # the state is never evicted
+                x = self._after_mixer(l, x, self.delta_net(l, x, states[l])[0])
+                continue
             q, k, v = self._qkv(l, x, np.array([n]))
             k, v = self._as_cached(l, k, v)
-            _, pk, pv = captured[l]
+            a = cfg.attention_layers.index(l)
+            _, pk, pv = captured[a]
             out = np.empty((1, cfg.n_heads, cfg.head_dim), np.float32)
             for kvh in range(cfg.n_kv_heads):
-                keep = kept_positions[l][kvh]
+                keep = kept_positions[a][kvh]
                 keys = np.concatenate([pk[keep, kvh], k[:, kvh]])[:, None]
                 values = np.concatenate([pv[keep, kvh], v[:, kvh]])[:, None]
                 heads = slice(kvh * rep, (kvh + 1) * rep)
@@ -159,6 +174,8 @@ class NumpyReference:
         T, hd = x.shape[0], cfg.head_dim
         h = rms_norm(x, W[p + "attn_norm.weight"], cfg.rms_eps)
         q, k, v = (h @ W[p + "attn_q.weight"].T, h @ W[p + "attn_k.weight"].T, h @ W[p + "attn_v.weight"].T)
+        if cfg.attn_q_gate:                                # qwen35, qwen3next: each head's queries, then its gate
+            q = q.reshape(T, cfg.n_heads, 2, hd)[:, :, 0].reshape(T, cfg.q_dim)
         if cfg.qkv_bias:                                   # qwen2
             q, k, v = q + W[p + "attn_q.bias"], k + W[p + "attn_k.bias"], v + W[p + "attn_v.bias"]
         if cfg.qk_norm and cfg.qk_norm_full:               # olmoe: over the whole projection, before the heads
@@ -173,26 +190,89 @@ class NumpyReference:
         rpos = np.asarray(pos) * pos_scale
         return rope(q, rpos, theta), rope(k, rpos, theta), v
 
+    def _q_gate(self, l, x):
+        """Layer l's attention gate [T, q_dim] (attn_q_gate): the second half of each head's q projection."""
+        cfg, W, p = self.config, self.weights, f"blk.{l}."
+        h = rms_norm(x, W[p + "attn_norm.weight"], cfg.rms_eps)
+        q = (h @ W[p + "attn_q.weight"].T).reshape(len(x), cfg.n_heads, 2, cfg.head_dim)
+        return q[:, :, 1].reshape(len(x), cfg.q_dim)
+
     def rope_for(self, l: int):
         """Layer l's RoPE as (rope function, base, position scale): a position p rotates as rope(x, p * scale, base)."""
         rope = rope_neox if self.config.rope_layout == "neox" else rope_adjacent
+        if self.config.rotary_dim < self.config.head_dim:
+            rope = _partial(rope, self.config.rotary_dim)
         if self.is_local(l):
             return rope, self.local_rope_theta or self.config.rope_theta, 1.0
         return rope, self.config.rope_theta, self.global_pos_scale
 
     def _finish_layer(self, l, x, attn):
-        """The attention's output projection and the gated FFN, each joining the residual (RMS-normed first with
-        post_norms)."""
+        """The attention's output projection (gated by sigmoid of the q projection's gate where the model has
+        one) and the gated FFN, each joining the residual (RMS-normed first with post_norms)."""
+        cfg, W, p = self.config, self.weights, f"blk.{l}."
+        out = attn.reshape(x.shape[0], cfg.q_dim)
+        if cfg.attn_q_gate and "q_gate" not in self.left_out:
+            out = out * sigmoid(self._q_gate(l, x))
+        return self._after_mixer(l, x, out @ W[p + "attn_output.weight"].T)
+
+    def _after_mixer(self, l, x, out):
+        """The mixer's (attention's or DeltaNet's) projected output joining the residual, then the FFN. A hybrid's
+        pre-FFN norm is its post_attention_norm."""
         cfg, W, p = self.config, self.weights, f"blk.{l}."
 
         def joined(out, post_norm):
             out = rms_norm(out, W[p + post_norm], cfg.rms_eps) if cfg.post_norms else out
             return out * np.float32(cfg.residual_scale) if cfg.residual_scale != 1 else out
 
-        out = attn.reshape(x.shape[0], cfg.q_dim) @ W[p + "attn_output.weight"].T
         x = x + joined(out, "post_attention_norm.weight")
-        h = rms_norm(x, W[p + "ffn_norm.weight"], cfg.rms_eps)
+        ffn_norm = "post_attention_norm.weight" if cfg.is_hybrid else "ffn_norm.weight"
+        h = rms_norm(x, W[p + ffn_norm], cfg.rms_eps)
         return x + joined(self._ffn(l, h), "post_ffw_norm.weight")
+
+    # -- Gated DeltaNet (hybrid models) ----------------------------------------------------------------------
+
+    def empty_state(self) -> "DeltaState":
+        cfg = self.config
+        d = cfg.ssm_state_size
+        return DeltaState(np.zeros((cfg.ssm_conv_kernel - 1, cfg.ssm_conv_channels), np.float32),
+                          np.zeros((cfg.ssm_v_heads, d, d), np.float32))
+
+    def delta_net(self, l, x, state: "DeltaState"):
+        """Layer l's Gated DeltaNet over x [T, dim] from `state` -> (its projected output [T, dim], the state
+        after the last token), as llama.cpp's qwen35/qwen3next build_layer_attn_linear computes it, one token at a
+        time (its sequential form)."""
+        cfg, W, p = self.config, self.weights, f"blk.{l}."
+        T, d, Hk, Hv = len(x), cfg.ssm_state_size, cfg.ssm_k_heads, cfg.ssm_v_heads
+        h = rms_norm(x, W[p + "attn_norm.weight"], cfg.rms_eps)
+        mixed = h @ W[p + "attn_qkv.weight"].T                                   # [T, C]: q, k, v
+        z = (h @ W[p + "attn_gate.weight"].T).reshape(T, Hv, d)
+        if cfg.ssm_fused_ba:                    # qwen3next: per k-head, its v-heads' betas then their alphas
+            ba = (h @ W[p + "ssm_ba.weight"].T).reshape(T, Hk, 2, Hv // Hk)
+            b, a = ba[:, :, 0].reshape(T, Hv), ba[:, :, 1].reshape(T, Hv)
+        else:
+            b, a = h @ W[p + "ssm_beta.weight"].T, h @ W[p + "ssm_alpha.weight"].T
+        beta = sigmoid(b)
+        g = softplus(a + W[p + "ssm_dt.bias"]) * W[p + "ssm_a"]                  # log of the decay, <= 0
+        if "decay" in self.left_out:
+            g = np.zeros_like(g)
+        window = np.concatenate([state.conv, mixed])                             # [K - 1 + T, C]
+        if "conv" in self.left_out:
+            conv = mixed
+        else:
+            conv = causal_conv(window, W[p + "ssm_conv1d.weight"])
+        conv = silu(conv).astype(np.float32)
+        q = l2_norm(conv[:, :Hk * d].reshape(T, Hk, d), cfg.rms_eps)
+        k = l2_norm(conv[:, Hk * d:2 * Hk * d].reshape(T, Hk, d), cfg.rms_eps)
+        v = conv[:, 2 * Hk * d:].reshape(T, Hv, d)
+        heads = np.arange(Hv)
+        if "head_map" in self.left_out:          # the other architecture's mapping
+            k_head = heads % Hk if cfg.ssm_head_map == "grouped" else heads // (Hv // Hk)
+        else:
+            k_head = heads // (Hv // Hk) if cfg.ssm_head_map == "grouped" else heads % Hk
+        out, matrix = delta_rule(q[:, k_head], k[:, k_head], v, g, beta, state.matrix)
+        out = rms_norm(out, W[p + "ssm_norm.weight"], cfg.rms_eps) * silu(z)
+        new_state = DeltaState(window[len(window) - (cfg.ssm_conv_kernel - 1):].copy(), matrix)
+        return (out.reshape(T, Hv * d).astype(np.float32) @ W[p + "ssm_out.weight"].T), new_state
 
     def _ffn(self, l, h):
         """Layer l's FFN of the normed h [T, dim]: the dense gated FFN, or the mixture of experts (plus a shared
@@ -312,6 +392,48 @@ def moe_ffn(h, router, gate_exps, up_exps, down_exps, k: int, normalize: bool, a
     return out, probs
 
 
+class DeltaState(NamedTuple):
+    """One sequence's state in one Gated DeltaNet layer: the conv's last K - 1 inputs [K - 1, C] and the delta
+    rule's matrix per v-head [H_v, d_k, d_v]."""
+    conv: np.ndarray
+    matrix: np.ndarray
+
+
+def causal_conv(window, weight):
+    """Depthwise causal conv (ggml_ssm_conv): window [K - 1 + T, C] (the state's K - 1 inputs, then T new ones),
+    weight [C, K] -> [T, C]; output t is sum_w window[t + w] * weight[:, w]."""
+    K = weight.shape[1]
+    T = len(window) - (K - 1)
+    return sum(window[w:w + T] * weight[:, w] for w in range(K)).astype(np.float32)
+
+
+def l2_norm(x, eps):
+    """x / sqrt(sum x^2 + eps) over the last axis: llama.cpp's build_gdn_l2_norm (an RMS norm with eps / n,
+    scaled by 1 / sqrt(n))."""
+    return (x / np.sqrt((x * x).sum(-1, keepdims=True) + np.float32(eps))).astype(np.float32)
+
+
+def delta_rule(q, k, v, g, beta, matrix):
+    """The gated delta rule, one token at a time (ggml_gated_delta_net): q, k [T, H, d_k] (L2-normed), v [T, H,
+    d_v], g and beta [T, H], matrix [H, d_k, d_v] (not changed) -> (out [T, H, d_v], the matrix after the last
+    token). Per token and head: S <- exp(g) S; d = beta (v - S^T k); S <- S + k d^T; out = S^T q / sqrt(d_k)."""
+    S = matrix.astype(np.float32).copy()
+    out = np.empty(v.shape, np.float32)
+    scale = np.float32(1 / np.sqrt(q.shape[-1]))
+    for t in range(len(q)):
+        S *= np.exp(g[t]).astype(np.float32)[:, None, None]
+        delta = beta[t][:, None] * (v[t] - np.einsum("hij,hi->hj", S, k[t]))
+        S += k[t][:, :, None] * delta[:, None, :]
+        out[t] = np.einsum("hij,hi->hj", S, q[t]) * scale
+    return out, S
+
+
+def softplus(x):
+    """log(1 + e^x), as ggml_softplus (x itself above 20)."""
+    x = np.asarray(x, np.float32)
+    return np.where(x > 20, x, np.log1p(np.exp(np.minimum(x, 20)))).astype(np.float32)
+
+
 def sigmoid(x):
     return (1.0 / (1.0 + np.exp(-x))).astype(np.float32)
 
@@ -341,6 +463,15 @@ def rope_adjacent(x, pos, theta):
     out[..., 0::2] = x0 * c - x1 * s
     out[..., 1::2] = x0 * s + x1 * c
     return out
+
+
+def _partial(rope, rotary_dim: int):
+    """`rope` over the first rotary_dim of each head, the rest as it is (llama.cpp's n_rot < head size)."""
+    def turned(x, pos, theta):
+        out = x.copy()
+        out[..., :rotary_dim] = rope(x[..., :rotary_dim], pos, theta)
+        return out
+    return turned
 
 
 def rope_neox(x, pos, theta):
@@ -404,6 +535,7 @@ class ReferenceSession:
         self.keys = [empty] * cfg.n_layers                # per layer [KVH, S, D], stored minus the key offset
         self.values = [empty] * cfg.n_layers
         self.positions = [np.zeros((cfg.n_kv_heads, 0), np.int64)] * cfg.n_layers
+        self.states = {l: ref.empty_state() for l in cfg.recurrent_layers}    # a hybrid's DeltaNet layers
 
     def feed(self, ids) -> np.ndarray:
         """Logits [len(ids), vocab] of one call."""
@@ -413,6 +545,10 @@ class ReferenceSession:
         x = ref._embed(np.asarray(ids, np.int64))
         rep = cfg.n_heads // cfg.n_kv_heads
         for l in range(cfg.n_layers):
+            if cfg.is_recurrent(l):
+                out, self.states[l] = ref.delta_net(l, x, self.states[l])
+                x = ref._after_mixer(l, x, out)
+                continue
             q, k, v = ref._qkv(l, x, pos)
             c = ref.cache_offset(l, k.shape[1:])
             self._append(l, (k - c).transpose(1, 0, 2), v.transpose(1, 0, 2), pos)
@@ -428,9 +564,9 @@ class ReferenceSession:
         return ref._logits(x)
 
     def compact(self, kept: list[np.ndarray]) -> None:
-        """Keep, per layer, the slots of kept [KVH, k] (slot indices, ascending), gathered to the front: rows move
-        as they are; keys encoded by page are encoded again per destination page."""
-        for l, rows in enumerate(kept):
+        """Keep, per attention layer, the slots of kept [KVH, k] (slot indices, ascending), gathered to the front:
+        rows move as they are; keys encoded by page are encoded again per destination page. DeltaNet states stay."""
+        for l, rows in zip(self.ref.config.attention_layers, kept):
             rows = np.asarray(rows)
             self.keys[l], self.values[l] = (np.take_along_axis(a, rows[..., None], axis=1)
                                             for a in (self.keys[l], self.values[l]))
