@@ -65,7 +65,8 @@ def read_bandwidth(threads: int) -> float:
 
 def decode_bytes(manifest, context: int, budget: int = 0, gguf: Path | None = None, cache: str = "f16") -> int:
     """Bytes one decode step reads at `context` tokens: the weights (the embedding table's only one row unless it
-    is also the output matrix; of a mixture's experts the k chosen of E) and the KV slots of every layer (a window's at most; SnapKV's budget at most).
+    is also the output matrix; of a mixture's experts the k chosen of E), the KV slots of every layer (a window's at
+    most; SnapKV's budget at most) and a hybrid's recurrent state, read and written.
     With `gguf`, llama.cpp's: the GGUF's tensors (sharpi's layouts hold f32 scales, ~1.2-1.3x the K-quants'
     bytes) and its cache of `cache` types."""
     from sharpi.common.config import ModelConfig
@@ -78,7 +79,8 @@ def decode_bytes(manifest, context: int, budget: int = 0, gguf: Path | None = No
         sizes = {name: t.span[1] for name, t in GGUFFile(gguf).tensors.items()}
     weights = sum(_read_share(cfg, name) * size for name, size in sizes.items())
     weights -= 0 if cfg.tied_embeddings else sizes["token_embd.weight"]
-    return int(weights) + held_slots(cfg, context, budget) * slot_bytes(manifest, cfg, None if gguf is None else cache)
+    kv = held_slots(cfg, context, budget) * slot_bytes(manifest, cfg, None if gguf is None else cache)
+    return int(weights) + kv + 2 * cfg.state_bytes   # a hybrid's recurrent state: read and written
 
 
 def _read_share(cfg, tensor: str) -> float:
@@ -99,7 +101,7 @@ def weight_read_bytes(manifest) -> dict[str, int]:
 def held_slots(cfg, context: int, budget: int = 0) -> int:
     """Slots every layer together holds at `context` tokens (a window's at most; SnapKV's budget at most)."""
     slots = 0
-    for layer in range(cfg.n_layers):
+    for layer in range(cfg.kv_layers):        # a hybrid's DeltaNet layers hold no slots
         held = min(context, cfg.sliding_window) if cfg.sliding_window and cfg.is_local(layer) else context
         slots += min(held, budget) if budget else held
     return slots
@@ -162,7 +164,8 @@ def rows_for(name: str, prompts: list[int], gen: int, repeats: int, budget: int,
         for label, spec in specs.items():     # llama.cpp's cache: its slots times ggml's bytes for them
             if spec["engine"] == "llama.cpp":
                 medians[label]["kv_bytes"] = held_slots(cfg, n + gen) * slot_bytes(manifest, cfg,
-                                                                                   spec.get("cache", "f16"))
+                                                                                   spec.get("cache", "f16")) \
+                    + cfg.state_bytes
         baseline = next(label for label in specs if label.startswith("llama.cpp"))
         theirs = medians[baseline]
         for label, m in medians.items():

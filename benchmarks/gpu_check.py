@@ -91,9 +91,11 @@ SNAPKV_PROMPT, SNAPKV_BUDGET, SNAPKV_STEPS = 1040, 256, 16
 SCORER_CHECKS = (("kvzip", "uniform"), ("probe", "uniform"), ("keydiff", "uniform"), ("snapkv", "pyramid"))
 GREEDY_TOKENS = 32
 SPEED_PROMPT, SPEED_TOKENS, SPEED_REPEATS = 512, 256, 3
-# the mixture-of-experts check: a tiny qwen2moe's logits against the numpy reference's (teacher-forced, and prefill
-# of MOE_PREFILL then decode), the float path's bound of tests/test_moe_models.py (its weights travel: ~1 MB)
-MOE_IDS, MOE_PREFILL, MOE_BOUND = [1 + 7 * i % 200 for i in range(40)], 30, 1e-4
+# the tiny models' checks: a tiny qwen2moe's and a tiny qwen3next's (a hybrid: Gated DeltaNet layers and a mixture
+# of experts) logits against the numpy reference's (teacher-forced, and prefill of TINY_PREFILL then decode), the
+# float path's bound of tests/test_moe_models.py and tests/test_hybrid_models.py (their weights travel: ~2 MB)
+TINY_IDS, TINY_PREFILL, TINY_BOUND = [1 + 7 * i % 200 for i in range(40)], 30, 1e-4
+TINY_MODELS = {"moe": "tiny qwen2moe", "hybrid": "tiny qwen3next"}
 
 
 # -- here: prepare ----------------------------------------------------------------------------------------------
@@ -139,7 +141,8 @@ def prepare(args) -> int:
         numpy_reference.kv_types = rounded.manifest.kv_types
         reference["rounded"][variant] = _references(rounded, numpy_reference, golden, prompt)
         shutil.rmtree(stage / f"cpu-{variant}")
-    reference["moe"] = _moe_reference(stage, target)
+    for name in TINY_MODELS:
+        reference[name] = _tiny_reference(stage, target, name)
     (stage / "reference.json").write_text(json.dumps(reference))
     shutil.rmtree(stage / "cpu")
     _pack(bundle, stage, args)
@@ -147,20 +150,25 @@ def prepare(args) -> int:
     return 0
 
 
-def _moe_reference(stage: Path, target: dict) -> dict:
-    """A tiny qwen2moe (routed experts and a shared one, Q8_0) compiled for the target with a float32 KV cache into
-    stage/moe, and the numpy reference's logits over MOE_IDS."""
+def _tiny_reference(stage: Path, target: dict, name: str) -> dict:
+    """A tiny model of TINY_MODELS (Q8_0) compiled for the target with a float32 KV cache into stage/<name>, and the
+    numpy reference's logits over TINY_IDS: a qwen2moe (routed experts and a shared one) or a qwen3next (DeltaNet
+    layers with 4 v-heads over 2 k-heads, an attention layer, experts)."""
     import sharpi
     from sharpi.testing.reference import NumpyReference
     sys.path.insert(0, str(ROOT / "tests"))
-    from tiny_gguf import write_tiny_moe
-    print("compiling a tiny qwen2moe and its reference logits", flush=True)
-    path = write_tiny_moe(stage / "moe.gguf", "qwen2moe", heads=2, kv_heads=1, seed=3, router_scale=4.0,
-                          matrix_type="Q8_0", shared_ffn=64)
-    sharpi.compile(str(path), **target, kv_dtype="float32", output=stage / "moe")
-    logits = NumpyReference(path).forward(MOE_IDS)
+    from tiny_gguf import write_tiny_hybrid, write_tiny_moe
+    print(f"compiling a {TINY_MODELS[name]} and its reference logits", flush=True)
+    if name == "moe":
+        path = write_tiny_moe(stage / "moe.gguf", "qwen2moe", heads=2, kv_heads=1, seed=3, router_scale=4.0,
+                              matrix_type="Q8_0", shared_ffn=64)
+    else:
+        path = write_tiny_hybrid(stage / "hybrid.gguf", "qwen3next", router_scale=4.0, matrix_type="Q8_0",
+                                 shared_ffn=64, ssm_state=32)
+    sharpi.compile(str(path), **target, kv_dtype="float32", output=stage / name)
+    logits = NumpyReference(path).forward(TINY_IDS)
     path.unlink()
-    return {"ids": MOE_IDS, "logits": logits.tolist()}
+    return {"ids": TINY_IDS, "logits": logits.tolist()}
 
 
 def _speed_dir(model: str, build: str) -> str:
@@ -282,9 +290,9 @@ def _pack_meta(first: Path, stage: Path) -> None:
     reference = json.loads((stage / "reference.json").read_text())
     seen, copies = {}, {}
     with tarfile.open(first / "meta.tar.xz", "w:xz") as tar:
-        moe = ("moe",) if "moe" in reference else ()          # the tiny MoE's weights travel here too
-        for variant in _variants(reference) + tuple(_speed_dirs(reference)) + moe:
-            for path in sorted(p for p in (stage / variant).iterdir() if p.name != "weights.bin" or variant in moe):
+        tiny = tuple(name for name in TINY_MODELS if name in reference)   # the tiny models' weights travel here
+        for variant in _variants(reference) + tuple(_speed_dirs(reference)) + tiny:
+            for path in sorted(p for p in (stage / variant).iterdir() if p.name != "weights.bin" or variant in tiny):
                 arcname = f"{variant}/{path.name}"
                 digest = hashlib.sha256(path.read_bytes()).hexdigest()
                 if digest in seen:
@@ -471,10 +479,11 @@ def run(args) -> int:
             print(f"{variant:5} {name:14} {json.dumps(row[name])[:300]}", flush=True)
         model = None
         save()
-    if "moe" in reference:
-        _section(results, "moe", lambda: _moe_check(reference["moe"], np), save)
+    tiny = [name for name in TINY_MODELS if name in reference]
+    for name in tiny:
+        _section(results, name, lambda name=name: _tiny_check(name, reference[name], np), save)
     results["passed"] = all(_passed(row) for row in results["variants"].values()) and \
-        results.get("moe", {}).get("passed", "moe" not in reference)
+        all(results.get(name, {}).get("passed", False) for name in tiny)
     save()
     _print_table(results)
     if reference.get("target") == "vulkan":         # the speed suite below measures TVM's CUDA runtime
@@ -580,19 +589,19 @@ def _section(rows: dict, key: str, measure, save) -> None:
     save()
 
 
-def _moe_check(moe: dict, np) -> dict:
-    """The tiny MoE's teacher-forced logits, and prefill then decode through the cache, against the reference's:
-    the largest difference over the logits' scale, within MOE_BOUND."""
+def _tiny_check(name: str, tiny: dict, np) -> dict:
+    """A tiny model's teacher-forced logits, and prefill then decode through the cache, against the reference's:
+    the largest difference over the logits' scale, within TINY_BOUND."""
     import sharpi
-    model = sharpi.load(WORK / "moe")
-    ids, want = moe["ids"], np.array(moe["logits"], np.float32)
+    model = sharpi.load(WORK / name)
+    ids, want = tiny["ids"], np.array(tiny["logits"], np.float32)
     scale = float(np.abs(want).max())
     scored = float(np.abs(model.score(ids) - want).max()) / scale
     with model.session() as s:
-        rows = [s.prefill(ids[:MOE_PREFILL])] + [s.decode(t) for t in ids[MOE_PREFILL:-1]]
-    cached = float(np.abs(np.stack(rows) - want[MOE_PREFILL - 1:-1]).max()) / scale
-    return {"teacher_forced_error": scored, "cached_error": cached, "bound": MOE_BOUND,
-            "passed": max(scored, cached) < MOE_BOUND}
+        rows = [s.prefill(ids[:TINY_PREFILL])] + [s.decode(t) for t in ids[TINY_PREFILL:-1]]
+    cached = float(np.abs(np.stack(rows) - want[TINY_PREFILL - 1:-1]).max()) / scale
+    return {"teacher_forced_error": scored, "cached_error": cached, "bound": TINY_BOUND,
+            "passed": max(scored, cached) < TINY_BOUND}
 
 
 def _teacher_forced(model, reference, np) -> dict:
@@ -718,12 +727,14 @@ def _print_table(results: dict) -> None:
                       "speed": lambda: f"prefill {v['prefill_tok_s']:.0f} tok/s, decode {v['decode_tok_s']:.0f} "
                                        f"tok/s (target 1000)"}[name]
             print(f"   {name:15} {status:5} {v.get('error') or detail()}")
-    if "moe" in results:
-        v = results["moe"]
+    for name, label in TINY_MODELS.items():
+        if name not in results:
+            continue
+        v = results[name]
         status = "ERROR" if "error" in v else ("PASS" if v["passed"] else "FAIL")
         detail = v.get("error") or (f"teacher-forced {v['teacher_forced_error']:.1e}, through the cache "
                                     f"{v['cached_error']:.1e} (bound {v['bound']:.0e})")
-        print(f"-- moe (tiny qwen2moe): {status} {detail}")
+        print(f"-- {name} ({label}): {status} {detail}")
     print("ALL PASSED" if results["passed"] else "SOME CHECKS FAILED")
 
 

@@ -14,6 +14,12 @@ f16 scales are set so that a weight's spread is about 1/sqrt(K) (a residual stre
 are generated and written one at a time (gguf's add_tensor_info, then write_tensor_data), so writing a 4 GB file
 takes a tensor's memory. The text is meaningless; what runs is every kernel at the real shapes.
 
+Two hybrids (Gated DeltaNet beside gated attention): `qwen35-0.8b` (Qwen3.5-0.8B: 24 layers of 1024, every 4th
+attention with 8 heads of 256 over 2 KV heads and RoPE over 64 of them, the others DeltaNet with 16 k- and 16
+v-heads of 128, FFN 3584, tied embeddings, vocabulary 248,320) and `qwen35-35b-a3b-8l` (Qwen3.5-35B-A3B's layers,
+8 of its 40: 2048 wide, 16 attention heads over 2 KV heads of 256, DeltaNet 16 k- / 32 v-heads of 128, 256
+experts of 512 rows, 8 a token, and a shared expert of 512).
+
 `qwen2-draft` (2 layers of 256, 4 heads over 2 KV heads, Qwen's vocabulary) with --vocab-from a Qwen2.5 GGUF is a
 draft model for speculative decoding of it (its tokenizer copied, so sharpi accepts it as a draft): what drafting
 costs, measured (benchmarks/speculative.md); its random drafts are almost never accepted.
@@ -45,6 +51,14 @@ class Shape:
     used: int = 0
     head_dim: int = 0          # 0: dim / heads
     qk_norm: str = ""          # "head" (qwen3moe) or "full" (olmoe: over the whole projection)
+    # a hybrid (qwen35, qwen35moe): Gated DeltaNet layers where (i + 1) % interval != 0, of k_heads / v_heads heads
+    # of ssm_state, conv kernel 4; gated attention (RoPE over rope_dim) in the others; a sigmoid-gated shared expert
+    interval: int = 0
+    ssm_state: int = 0
+    k_heads: int = 0
+    v_heads: int = 0
+    rope_dim: int = 0
+    shared_ffn: int = 0
 
 
 SHAPES = {
@@ -55,6 +69,13 @@ SHAPES = {
     "qwen2-draft": Shape("qwen2", 2, 256, 512, 4, 2, 151936, 32768, 1e6, qkv_bias=True, tied=True),
     "qwen3-30b-a3b": Shape("qwen3moe", 48, 2048, 768, 32, 4, 151936, 40960, 1e6, qkv_bias=False, tied=False,
                            experts=128, used=8, head_dim=128, qk_norm="head"),
+    "qwen35-0.8b": Shape("qwen35", 24, 1024, 3584, 8, 2, 248320, 262144, 1e7, qkv_bias=False, tied=True,
+                         head_dim=256, qk_norm="head", interval=4, ssm_state=128, k_heads=16, v_heads=16,
+                         rope_dim=64),
+    # Qwen3.5-35B-A3B's layer, 8 of its 40 layers (the whole model, ~21 GB at Q4_K_M, does not stay resident in 24 GB)
+    "qwen35-35b-a3b-8l": Shape("qwen35moe", 8, 2048, 512, 16, 2, 248320, 262144, 1e7, qkv_bias=False, tied=False,
+                               experts=256, used=8, head_dim=256, qk_norm="head", interval=4, ssm_state=128,
+                               k_heads=16, v_heads=32, rope_dim=64, shared_ffn=512),
 }
 
 _BLOCK_BYTES = {"Q4_K": 144, "Q6_K": 210}
@@ -80,6 +101,9 @@ def _tensors(shape: Shape) -> list[tuple[str, tuple[int, ...], str]]:
     out = [("token_embd.weight", (s.vocab, s.dim), "Q6_K" if s.tied else "Q4_K")]
     for layer in range(s.layers):
         p, heavy = f"blk.{layer}.", "Q6_K" if layer % 2 == 0 else "Q4_K"
+        if s.interval:
+            out += _hybrid_layer(s, layer, p, heavy)
+            continue
         out += [(p + "attn_norm.weight", (s.dim,), "F32"),
                 (p + "attn_q.weight", (q_dim, s.dim), "Q4_K"),
                 (p + "attn_k.weight", (kv_dim, s.dim), "Q4_K"),
@@ -107,8 +131,43 @@ def _tensors(shape: Shape) -> list[tuple[str, tuple[int, ...], str]]:
     return out
 
 
+def _hybrid_layer(s: Shape, layer: int, p: str, heavy: str) -> list[tuple[str, tuple[int, ...], str]]:
+    """A qwen35/qwen35moe block: Gated DeltaNet or gated attention, then the FFN after post_attention_norm."""
+    out = [(p + "attn_norm.weight", (s.dim,), "F32"), (p + "post_attention_norm.weight", (s.dim,), "F32")]
+    if (layer + 1) % s.interval:
+        key, value = s.k_heads * s.ssm_state, s.v_heads * s.ssm_state
+        out += [(p + "attn_qkv.weight", (2 * key + value, s.dim), "Q4_K"),
+                (p + "attn_gate.weight", (value, s.dim), "Q4_K"),
+                (p + "ssm_conv1d.weight", (2 * key + value, 4), "F32"),
+                (p + "ssm_dt.bias", (s.v_heads,), "F32"), (p + "ssm_a", (s.v_heads,), "F32"),
+                (p + "ssm_beta.weight", (s.v_heads, s.dim), "Q4_K"),
+                (p + "ssm_alpha.weight", (s.v_heads, s.dim), "Q4_K"),
+                (p + "ssm_norm.weight", (s.ssm_state,), "F32"),
+                (p + "ssm_out.weight", (s.dim, value), "Q4_K")]
+    else:
+        q_dim, kv_dim = s.heads * s.head_dim, s.kv_heads * s.head_dim
+        out += [(p + "attn_q.weight", (2 * q_dim, s.dim), "Q4_K"), (p + "attn_k.weight", (kv_dim, s.dim), "Q4_K"),
+                (p + "attn_v.weight", (kv_dim, s.dim), heavy), (p + "attn_output.weight", (s.dim, q_dim), "Q4_K"),
+                (p + "attn_q_norm.weight", (s.head_dim,), "F32"), (p + "attn_k_norm.weight", (s.head_dim,), "F32")]
+    if s.experts:
+        out += [(p + "ffn_gate_inp.weight", (s.experts, s.dim), "F32"),
+                (p + "ffn_gate_exps.weight", (s.experts, s.ffn, s.dim), "Q4_K"),
+                (p + "ffn_up_exps.weight", (s.experts, s.ffn, s.dim), "Q4_K"),
+                (p + "ffn_down_exps.weight", (s.experts, s.dim, s.ffn), heavy),
+                (p + "ffn_gate_inp_shexp.weight", (s.dim,), "F32"),
+                (p + "ffn_gate_shexp.weight", (s.shared_ffn, s.dim), "Q4_K"),
+                (p + "ffn_up_shexp.weight", (s.shared_ffn, s.dim), "Q4_K"),
+                (p + "ffn_down_shexp.weight", (s.dim, s.shared_ffn), heavy)]
+    else:
+        out += [(p + "ffn_gate.weight", (s.ffn, s.dim), "Q4_K"), (p + "ffn_up.weight", (s.ffn, s.dim), "Q4_K"),
+                (p + "ffn_down.weight", (s.dim, s.ffn), heavy)]
+    return out
+
+
 def _array(name: str, logical: tuple[int, ...], qtype: str, rng: np.random.Generator) -> np.ndarray:
-    if qtype == "F32" and len(logical) == 2:        # a router: logits of spread ~1
+    if name.endswith("ssm_a"):                      # -exp(A_log): decays exp(softplus(.) * a) inside (0, 1)
+        return -np.exp(rng.uniform(-1.0, 1.0, logical)).astype(np.float32)
+    if qtype == "F32" and len(logical) == 2:        # a router (or a conv): spread ~1/sqrt(K)
         return (rng.standard_normal(logical) / np.sqrt(logical[1])).astype(np.float32)
     if qtype == "F32":
         scale = 0.1 if name.endswith(".bias") else 0.05
@@ -172,6 +231,17 @@ def write(shape_name: str, path: Path, seed: int = 0, show_progress: bool = True
     if shape.head_dim:
         w.add_key_length(shape.head_dim)
         w.add_value_length(shape.head_dim)
+    if shape.interval:
+        w.add_full_attention_interval(shape.interval)
+        w.add_rope_dimension_count(shape.rope_dim)
+        w.add_rope_dimension_sections([11, 11, 10, 0])
+        w.add_ssm_conv_kernel(4)
+        w.add_ssm_state_size(shape.ssm_state)
+        w.add_ssm_group_count(shape.k_heads)
+        w.add_ssm_time_step_rank(shape.v_heads)
+        w.add_ssm_inner_size(shape.v_heads * shape.ssm_state)
+    if shape.shared_ffn:
+        w.add_expert_shared_feed_forward_length(shape.shared_ffn)
     if vocab_from is not None:
         _add_tokenizer(w, _tokenizer_of(vocab_from))
     else:

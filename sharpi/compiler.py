@@ -239,7 +239,7 @@ def front_half(gguf_path: Path, options: CompileOptions, kv_types: tuple[str, st
     weights.choose_scales(lambda name: sub_scales == "all" or (sub_scales == "experts" and name in weights.experts))
     max_pages = math.ceil(max_context / PAGE_SIZE)
     mod = builder(cfg, weights, max_pages, kv_types=kv_types).build()
-    functions = list(BASE_FUNCTIONS)
+    functions = list(BASE_FUNCTIONS) + (["state_copy"] if cfg.is_hybrid else [])
     if options.snapkv == "on":
         mod = snapkv_pass(mod)
         functions += list(SNAPKV_FUNCTIONS)

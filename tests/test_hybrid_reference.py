@@ -14,10 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import sharpi
 from sharpi.common.config import ModelConfig
 from sharpi.common.errors import GGUFError, UnsupportedArchitectureError
-from sharpi.frontend.architectures import frontend_for
 from sharpi.frontend.config import config_from_gguf
 from sharpi.frontend.gguf_file import GGUFFile
 from sharpi.testing.reference import NumpyReference, ReferenceSession
@@ -151,12 +149,3 @@ def test_bad_ssm_sizes_are_refused(tmp_path):
     reader.metadata["qwen35.ssm.group_count"] = 3
     with pytest.raises(GGUFError, match="group_count"):
         config_from_gguf(reader)
-
-
-def test_compiling_says_what_is_missing(tmp_path):
-    """Until the DeltaNet kernels exist, compiling a hybrid is one clear sentence, not a crash deep in a builder."""
-    path = write_tiny_hybrid(tmp_path / "a.gguf", "qwen35")
-    with pytest.raises(UnsupportedArchitectureError, match="Gated DeltaNet"):
-        frontend_for(config_from_gguf(GGUFFile(path)))
-    with pytest.raises(sharpi.SharpiError, match="Gated DeltaNet"):
-        sharpi.compile(str(path), output=str(tmp_path / "out"))

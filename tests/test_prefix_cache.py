@@ -36,7 +36,7 @@ def test_lookup_finds_the_longest_cached_prefix_in_whole_pages():
     seq = _sequence(pool, tokens)
     assert cache.insert(tokens, seq) == 2 and cache.pages == 2 * LAYERS
     assert all(pool.refs[p] == 2 for l in range(LAYERS) for p in seq.pages[l][:2])
-    n, pages = cache.lookup(tokens + [99], limit=11)
+    n, pages, _ = cache.lookup(tokens + [99], limit=11)
     assert n == 8 and pages == [seq.pages[l][:2] for l in range(LAYERS)]
     assert cache.lookup(tokens, limit=7)[0] == 4           # the limit counts in whole pages
     assert cache.lookup([0, 1, 2, 3, 4, 5, 6, 0, 8], limit=9)[0] == 4     # the second page differs
@@ -75,7 +75,7 @@ def test_the_pool_reclaims_from_the_cache_when_it_runs_short():
     seq.release()
     assert pool.free_count == 4 and cache.reclaimable() == 8
     other = SequenceCache(pool, LAYERS, 1, max_pages=8)
-    n, pages = cache.lookup(tokens + [1], limit=15)
+    n, pages, _ = cache.lookup(tokens + [1], limit=15)
     other.adopt(pages, n)                                  # 12 tokens: 3 pages a layer, shared
     assert n == 12 and np.all(pool.refs[pages[0]] == 2)
     other.reserve(4)                                       # a fresh page a layer: from the free list

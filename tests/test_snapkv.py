@@ -318,6 +318,10 @@ def test_auto_budget_edges():
     assert auto_budget(16384, 512 * mib, "cuda") == 4096
     assert auto_budget(65536, 4096 * mib, "cuda") == 4096
     assert auto_budget(65536, 4096 * mib, "llvm") == 0
+    # a hybrid's attention cache: on any target past 256 MiB (Qwen3.5-0.8B's 12 KiB a token: 16k tokens stay off)
+    assert auto_budget(65536, 768 * mib, "llvm", hybrid=True) == 4096
+    assert auto_budget(16384, 192 * mib, "llvm", hybrid=True) == 0
+    assert auto_budget(2048, 300 * mib, "llvm", hybrid=True) == 1024
 
 
 def test_env_budget_tristate():

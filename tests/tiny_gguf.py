@@ -95,9 +95,10 @@ def _add_vocab(w, merges: tuple = (), pre: str = "gpt2") -> None:
 
 
 def _add_tensors(w, shapes: dict, rng, matrix_type: str = "F32", override_raw: dict | None = None,
-                 scales: dict | None = None) -> None:
+                 scales: dict | None = None, keep_f32: tuple = ()) -> None:
     """Random tensors in the order of `shapes`: biases N(0, 0.25), norms 1 + N(0, 0.01), matrices (and stacks of
-    them: experts) N(0, 1 / cols) times scales.get(name, 1), quantized to matrix_type."""
+    them: experts) N(0, 1 / cols) times scales.get(name, 1), quantized to matrix_type (those whose names end
+    with one of keep_f32 stay F32, as llama.cpp's converter keeps them)."""
     import gguf
 
     override_raw = override_raw or {}
@@ -113,7 +114,7 @@ def _add_tensors(w, shapes: dict, rng, matrix_type: str = "F32", override_raw: d
             w.add_tensor(name, (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32))
             continue
         data = (rng.standard_normal(shape) * (scales or {}).get(name, 1.0) / np.sqrt(shape[-1])).astype(np.float32)
-        qtype = gguf.GGMLQuantizationType[matrix_type]
+        qtype = gguf.GGMLQuantizationType["F32" if name.endswith(keep_f32) else matrix_type]
         if qtype == gguf.GGMLQuantizationType.F32:
             w.add_tensor(name, data)
         else:
@@ -240,7 +241,8 @@ def write_tiny_hybrid(path: Path, arch: str, *, layers: int = 4, dim: int = 64, 
                       head_dim: int = 32, rope_dim: int = 8, ffn: int = 96, ssm_state: int = 16, k_heads: int = 2,
                       v_heads: int = 4, conv_kernel: int = 4, experts: int = 8, used: int = 2, expert_ffn: int = 32,
                       shared_ffn: int = 48, mtp_layers: int = 1, interval: int | None = 2, context: int = 256,
-                      router_scale: float = 1.0, seed: int = 0, matrix_type: str = "F32") -> Path:
+                      router_scale: float = 1.0, seed: int = 0, matrix_type: str = "F32",
+                      chat_template: str | None = None) -> Path:
     """A tiny hybrid linear-attention GGUF of one of HYBRID_ARCHS, laid out as llama.cpp 0c1e570 loads it
     (src/models/{qwen35,qwen35moe,qwen3next}.cpp): `layers` trunk blocks, Gated DeltaNet where (i + 1) % interval
     != 0 (interval None: the key is left out, llama.cpp's default 4), the others gated attention (q projection
@@ -248,7 +250,8 @@ def write_tiny_hybrid(path: Path, arch: str, *, layers: int = 4, dim: int = 64, 
     `mtp_layers` multi-token-prediction blocks (block_count counts them). DeltaNet: attn_qkv (q, k of k_heads and
     v of v_heads, each ssm_state wide), attn_gate, a causal conv of conv_kernel, ssm_beta and ssm_alpha (qwen3next:
     one ssm_ba, grouped per k-head), ssm_dt.bias, ssm_a (negative: -exp(A_log)), ssm_norm, ssm_out. The FFN is
-    dense (qwen35) or `experts` experts with a sigmoid-gated shared expert."""
+    dense (qwen35) or `experts` experts with a sigmoid-gated shared expert. chat_template: tokenizer.chat_template
+    (none by default)."""
     import gguf
 
     assert arch in HYBRID_ARCHS, arch
@@ -283,6 +286,8 @@ def write_tiny_hybrid(path: Path, arch: str, *, layers: int = 4, dim: int = 64, 
         w.add_expert_feed_forward_length(expert_ffn)
         w.add_expert_shared_feed_forward_length(shared_ffn)
     _add_vocab(w, merges=MOE_MERGES, pre="default")
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
     recurrent = [i for i in range(layers) if (i + 1) % (interval or 4) != 0]
     q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
     key_dim, value_dim = k_heads * ssm_state, v_heads * ssm_state
@@ -322,7 +327,7 @@ def write_tiny_hybrid(path: Path, arch: str, *, layers: int = 4, dim: int = 64, 
                            p + "nextn.hnorm.weight": (dim,)})
     scales = {name: router_scale for name in shapes if name.endswith("ffn_gate_inp.weight")}
     override = {name: (value, gguf.GGMLQuantizationType.F32) for name, value in raw.items()}
-    _add_tensors(w, shapes, rng, matrix_type, override, scales=scales)
+    _add_tensors(w, shapes, rng, matrix_type, override, scales=scales, keep_f32=("ssm_conv1d.weight",))
     return _finish(w, path)
 
 

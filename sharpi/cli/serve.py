@@ -14,6 +14,7 @@ from ..common.config import ModelConfig
 from ..common.errors import ConfigError, SharpiError
 from ..common.manifest import Manifest
 from ..common.settings import parse_int, parse_positive_int
+from ..common.speculative_settings import check_model_can_speculate
 from ..runtime.engine import kv_slot_bytes
 from .common import (MODEL_HELP, add_device_flags, add_snapkv_flags, already_checked, resolve_model_arg,
                      snapkv_knobs)
@@ -119,6 +120,7 @@ def cmd_serve(args) -> int:
     manifest = Manifest.read(Path(args.artifact), verify_digest=False)       # a bad directory fails here, fast
     name = args.model_name or Path(manifest.source.get("name", Path(args.artifact).name)).stem
     pool_tokens = _pool_tokens(args, manifest)
+    check_model_can_speculate(_speculative(args), ModelConfig.from_dict(manifest.config))
     if args.ray:
         return _serve_on_ray(args, manifest, name, api_key, parallel, pool_tokens, limits)
     if args.replicas is not None or args.min_replicas is not None or args.max_replicas is not None \
@@ -233,8 +235,10 @@ def _load(state, args, parallel: int, pool_tokens: int | None) -> None:
     from ..serve.client import LocalEngine
     from ..serve.engine import ServeEngine, ServeSettings
     try:
-        model = sharpi.load(args.artifact, threads=args.threads, adapter=args.adapter,
-                            expect_sha256=args.expect_sha256, pool_tokens=pool_tokens, **already_checked(args))
+        # a hybrid model's recurrent-state slots: one per sequence, and as many prefix-cache snapshots
+        model = sharpi.load(args.artifact, threads=args.threads, adapter=args.adapter, pool_sequences=parallel,
+                            state_snapshots=parallel, expect_sha256=args.expect_sha256, pool_tokens=pool_tokens,
+                            **already_checked(args))
         model.snapkv_settings(**state.snapkv_knobs)                           # bad SnapKV flags fail here
         engine = ServeEngine(model, ServeSettings(parallel=parallel, max_queue=args.max_queue,
                                                   prefill_budget=args.prefill_budget,
@@ -247,7 +251,7 @@ def _load(state, args, parallel: int, pool_tokens: int | None) -> None:
         return
     state.model, state.engine = model, LocalEngine(engine)
     pool = engine.pool_summary()
-    slots = pool["pages"] // model.config.n_layers * model.manifest.page_size
+    slots = pool["pages"] // model.config.kv_layers * model.manifest.page_size
     print(f"sharpi serve: ready on {model.backend}; KV pool {slots} tokens a layer "
           f"({pool['pages'] * engine.pool.page_bytes / 2**20:.0f} MiB), {parallel} sequences at once", flush=True)
 

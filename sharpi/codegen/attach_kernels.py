@@ -34,6 +34,8 @@ from .kernels.quant_matmul_vnni512 import make_gemm_vnni512, vnni512_fits
 from .kernels.quant_matmul import cpu_quants, make_embedding, make_matmul
 from .kernels.moe import make_moe_matmul, make_moe_route
 from .kernels.kv_rotate import make_kv_rotate
+from .kernels.delta_net import make_delta_conv, make_delta_rule, make_state_copy
+from .kernels.gpu import delta_net as gpu_delta_net
 from .kernels.rope import make_rope
 from .kernels.snapkv import make_kv_compact, make_snapkv_score, make_snapkv_select
 from .kernels.gpu import attention as gpu_attention
@@ -154,10 +156,40 @@ class KernelAttacher(relax.PyExprMutator):
             return self._moe_route(args, call.ty)
         if name == ops.MOE_MATMUL:
             return self._moe_matmul(args, call.ty)
+        if name in (ops.DELTA_CONV, ops.DELTA_RULE, ops.STATE_COPY):
+            return self._delta_net(name, args, call.ty)
         if name.startswith(ops.DEQUANTIZE):
             return call  # consumed by a fused matmul or embedding; dead code after this pass
         raise CompileError(f"The frontend emitted {name}, which the {'GPU' if self.gpu else 'CPU'} codegen has "
                            f"no kernel for.")
+
+    def _delta_net(self, name, args, ty):
+        """The Gated DeltaNet ops: each writes the state pool (args[0]) in place; conv and rule also return a
+        fresh output."""
+        cfg = self.cfg
+        states = args[0]
+        layers, width = int(states.ty.shape[1]), int(states.ty.shape[2])
+        gpu = "gpu_" if self.gpu else ""
+        if name == ops.STATE_COPY:
+            make = gpu_delta_net.make_gpu_state_copy if self.gpu else make_state_copy
+            gv = self.kernel((gpu + "state_copy", layers, width), lambda: make(layers, width))
+            return relax.call_tir_inplace(gv, args, [0], ty)
+        out_ty = ty.fields[0]
+        tokens = _static_int(out_ty.shape[0])
+        if name == ops.DELTA_CONV:
+            channels, kernel = (int(d) for d in args[2].ty.shape)
+            make = gpu_delta_net.make_gpu_delta_conv if self.gpu else make_delta_conv
+            gv = self.kernel((gpu + "delta_conv", channels, kernel, layers, width, tokens),
+                             lambda: make(channels, kernel, layers, width, tokens))
+        else:
+            offset = cfg.ssm_conv_floats
+            grouped = cfg.ssm_head_map == "grouped"
+            make = gpu_delta_net.make_gpu_delta_rule if self.gpu else make_delta_rule
+            gv = self.kernel((gpu + "delta_rule", cfg.ssm_k_heads, cfg.ssm_v_heads, cfg.ssm_state_size, layers,
+                              width, int(grouped), tokens),
+                             lambda: make(cfg.ssm_k_heads, cfg.ssm_v_heads, cfg.ssm_state_size, layers, width,
+                                          offset, grouped, tokens))
+        return relax.call_tir_inplace(gv, args, [-1, 0], list(ty.fields))
 
     def _fuse_matmul(self, call):
         weight = self._bound(call.args[1])

@@ -102,6 +102,11 @@ class ModelConfig:
         return [l for l in range(self.n_layers) if l not in self.recurrent_layers]
 
     @property
+    def kv_layers(self) -> int:
+        """The layers with a KV cache (the KV pool's page tables and lengths cover these, in order)."""
+        return self.n_layers - len(self.recurrent_layers)
+
+    @property
     def rotary_dim(self) -> int:
         return self.rope_dim or self.head_dim
 
@@ -109,6 +114,21 @@ class ModelConfig:
     def ssm_conv_channels(self) -> int:
         """The DeltaNet conv's channels: q, k and v side by side."""
         return (2 * self.ssm_k_heads + self.ssm_v_heads) * self.ssm_state_size
+
+    @property
+    def ssm_conv_floats(self) -> int:
+        """A sequence's conv window in one DeltaNet layer: its last K - 1 inputs (where its matrices start)."""
+        return (self.ssm_conv_kernel - 1) * self.ssm_conv_channels
+
+    @property
+    def ssm_state_width(self) -> int:
+        """Floats of a sequence's state in one DeltaNet layer: the conv window, then the matrices [H_v, d, d]."""
+        return self.ssm_conv_floats + self.ssm_v_heads * self.ssm_state_size ** 2
+
+    @property
+    def state_bytes(self) -> int:
+        """A sequence's recurrent state in every DeltaNet layer, f32 (0 for a model without them)."""
+        return 4 * self.ssm_state_width * len(self.recurrent_layers)
 
     @property
     def q_dim(self) -> int:

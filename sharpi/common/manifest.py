@@ -38,7 +38,7 @@ TOKENIZER = "tokenizer.json"
 WEIGHT_ALIGN = 64
 CONTRACT_FUNCTION = "sharpi_contract"   # the library's function returning kernel_contract() as JSON
 FUNCTIONS = ("prefill", "prefill_logits", "decode", "decode_batch", "prefill_snapkv", "snapkv_select",
-             "snapkv_compact")
+             "snapkv_compact", "state_copy")
 REQUIRED_FUNCTIONS = FUNCTIONS[:3]
 MAX_PREFILL_CHUNK = 8192
 
@@ -325,7 +325,8 @@ def check_manifest_dict(raw: dict) -> None:
                                  raw["max_context"])
     if raw["max_pages"] != math.ceil(raw["max_context"] / raw["page_size"]):
         raise schema.SchemaError("max_pages", "max_context / page_size, rounded up", raw["max_pages"])
-    missing = [f for f in REQUIRED_FUNCTIONS if f not in raw["functions"]]
+    required = REQUIRED_FUNCTIONS + (("state_copy",) if cfg.get("recurrent_layers") else ())
+    missing = [f for f in required if f not in raw["functions"]]
     if missing:
         raise schema.SchemaError("functions", f"a list holding {', '.join(missing)}", raw["functions"])
     _check_snapkv(raw["snapkv"], "prefill_snapkv" in raw["functions"])

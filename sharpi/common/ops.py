@@ -37,6 +37,18 @@ MOE_MIN_WEIGHT_SUM = 6.103515625e-5
 #   stored as [E * N, K]), which codegen fuses as it fuses a matmul's; ids are clamped into [0, E)
 MOE_MATMUL = "sharpi.moe_matmul"
 
+# Gated DeltaNet (hybrid models): each sequence's recurrent state lives in a state pool [slots, R, W] f32 beside the
+# KV pool (R: the DeltaNet layers; W: the conv's last K - 1 inputs [K - 1, C], then the delta rule's matrices
+# [H_v, d, d]); every token names its sequence's slot, and the tokens of one sequence come in order.
+# sharpi.delta_conv(states, mixed [n, C], weight [C, K], slots [n] int32, layer: i64) -> (out [n, C], states)
+#   the causal depthwise conv of each token over its sequence's last K - 1 inputs; the token joins them
+DELTA_CONV = "sharpi.delta_conv"
+# sharpi.delta_rule(states, q [n, H_k, d], k [n, H_k, d], v [n, H_v, d], g [n, H_v], beta [n, H_v], slots [n],
+#   layer: i64) -> (out [n, H_v, d], states): the gated delta rule, token by token (the config's head map)
+DELTA_RULE = "sharpi.delta_rule"
+# sharpi.state_copy(states, pair [2] int32) -> states: slot pair[1] becomes a copy of slot pair[0]
+STATE_COPY = "sharpi.state_copy"
+
 PAGE_SIZE = 16
 
 

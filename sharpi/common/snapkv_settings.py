@@ -75,10 +75,11 @@ def knobs_from_keywords(keywords: dict) -> dict:
     return knobs
 
 
-def auto_budget(max_seq_len: int, full_cache_bytes: int, target: str) -> int:
-    """min(max_seq_len/4, 4096), raised to min(1024, max_seq_len); on only for GPU targets whose full KV cache
-    would exceed 256 MiB, else 0 (off)."""
-    if not target_spec(target).is_gpu or full_cache_bytes <= AUTO_MIN_CACHE_BYTES:
+def auto_budget(max_seq_len: int, full_cache_bytes: int, target: str, hybrid: bool = False) -> int:
+    """min(max_seq_len/4, 4096), raised to min(1024, max_seq_len); on only where the full KV cache would exceed
+    256 MiB, and then for GPU targets, or on any target for a hybrid model (Gated DeltaNet beside attention: the
+    attention layers' cache is all that grows with the prompt, as the reference engine has it), else 0 (off)."""
+    if not (hybrid or target_spec(target).is_gpu) or full_cache_bytes <= AUTO_MIN_CACHE_BYTES:
         return 0
     return max(min(max_seq_len // 4, 4096), min(1024, max_seq_len))
 

@@ -63,3 +63,12 @@ def speculative_settings(value, *, draft: bool = False) -> SpeculativeSettings:
     if settings.method == "draft" and not draft:
         raise ConfigError("speculative 'draft' needs a draft model (draft=DIR, or --draft DIR).")
     return settings
+
+
+def check_model_can_speculate(settings: SpeculativeSettings, config) -> SpeculativeSettings:
+    """settings, unless they ask a hybrid model (a ModelConfig with recurrent layers) to speculate: verifying
+    drafts means rolling back the rejected ones, and a recurrent state keeps no history to roll back to."""
+    if settings.on and config.is_hybrid:
+        raise ConfigError(f"Speculative decoding rolls back rejected drafts, which this {config.arch} model's "
+                          f"recurrent state cannot do; use speculative off.")
+    return settings

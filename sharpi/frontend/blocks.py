@@ -96,10 +96,29 @@ class GraphBlocks:
             y = self.norm(y, name + "_norm.weight")
         return self.bb.emit(R.reshape(y, (n, heads, cfg.head_dim)))
 
+    def qkv_gated(self, p: str, h, n):
+        """A gated attention layer's (attn_q_gate) q [n, H, D], its gate [n, q_dim], k and v [n, KVH, D]: the q
+        projection holds each head's queries, then its gate."""
+        cfg, bb = self.cfg, self.bb
+        both = bb.emit(R.reshape(self.linear(h, p + "attn_q.weight"), (n, cfg.n_heads, 2, cfg.head_dim)))
+        half = [bb.emit(R.reshape(R.strided_slice(both, axes=[2], begin=[i], end=[i + 1]),
+                                  (n, cfg.n_heads, cfg.head_dim))) for i in (0, 1)]
+        q, gate = half[0], bb.emit(R.reshape(half[1], (n, cfg.q_dim)))
+        k, v = (self.project(h, p + name, cfg.n_kv_heads, n) for name in ("attn_k", "attn_v"))
+        q, k = self.norm(q, p + "attn_q_norm.weight"), self.norm(k, p + "attn_k_norm.weight")
+        return q, gate, k, v
+
     def rope(self, x, pos, theta: float | None = None):
-        theta = relax.prim_value(tvm.tirx.FloatImm("float64", theta or self.cfg.rope_theta))
-        return self.bb.emit(relax.call_dps_packed(ops.rope_op(self.cfg.rope_layout), [x, pos, theta],
-                                                  x.ty))
+        """RoPE over the first rotary_dim of each head (all of it unless the model turns only part)."""
+        cfg, bb = self.cfg, self.bb
+        theta = relax.prim_value(tvm.tirx.FloatImm("float64", theta or cfg.rope_theta))
+        if cfg.rotary_dim == cfg.head_dim:
+            return bb.emit(relax.call_dps_packed(ops.rope_op(cfg.rope_layout), [x, pos, theta], x.ty))
+        n, heads, _ = x.ty.shape
+        turned = bb.emit(R.strided_slice(x, axes=[2], begin=[0], end=[cfg.rotary_dim]))
+        rest = bb.emit(R.strided_slice(x, axes=[2], begin=[cfg.rotary_dim], end=[cfg.head_dim]))
+        turned = bb.emit(relax.call_dps_packed(ops.rope_op(cfg.rope_layout), [turned, pos, theta], turned.ty))
+        return bb.emit(R.concat([turned, rest], axis=2))
 
     def attention(self, l, q, k, v, pool, page_table, kv_lens, n, scale: float | None = None, window: int = 0):
         """Append k and v to layer l's cache, attend; returns (attention output [n, q_dim], the pool)."""
@@ -122,6 +141,46 @@ class GraphBlocks:
         if value_codec.rotated:
             attn = bb.emit(relax.call_dps_packed(ops.kv_rotate_op(value_codec.name, True), [attn], out_ty))
         return bb.emit(R.reshape(attn, (n, cfg.q_dim))), pool
+
+    # -- Gated DeltaNet --------------------------------------------------------------------------------------
+    def delta_net(self, p: str, h, n, states, slots, layer: int):
+        """llama.cpp's build_layer_attn_linear (qwen35, qwen3next) on the normed h [n, dim]: the q, k, v
+        projection through the causal conv (its window in the state pool) and SiLU; q and k L2-normed; beta =
+        sigmoid(b), g = softplus(a + dt_bias) * ssm_a; the gated delta rule (its matrix in the state pool); its
+        output RMS-normed per head, times silu(attn_gate h), through ssm_out. Returns (output [n, dim], states)."""
+        cfg, bb = self.cfg, self.bb
+        Hk, Hv, d = cfg.ssm_k_heads, cfg.ssm_v_heads, cfg.ssm_state_size
+        index = relax.prim_value(tvm.tirx.IntImm("int64", layer))
+        mixed = self.linear(h, p + "attn_qkv.weight")
+        z = bb.emit(R.reshape(self.linear(h, p + "attn_gate.weight"), (n, Hv, d)))
+        if cfg.ssm_fused_ba:            # qwen3next: per k-head, its v-heads' betas, then their alphas
+            ba = bb.emit(R.reshape(self.linear(h, p + "ssm_ba.weight"), (n, Hk, 2, Hv // Hk)))
+            b, a = (bb.emit(R.reshape(R.strided_slice(ba, axes=[2], begin=[i], end=[i + 1]), (n, Hv))) for i in (0, 1))
+        else:
+            b, a = self.linear(h, p + "ssm_beta.weight"), self.linear(h, p + "ssm_alpha.weight")
+        beta = bb.emit(R.sigmoid(b))
+        g = bb.emit(R.multiply(R.nn.softplus(R.add(a, self.vector(p + "ssm_dt.bias")), threshold=20.0),
+                               self.vector(p + "ssm_a")))
+        conv = bb.emit(relax.call_dps_packed(
+            ops.DELTA_CONV, [states, mixed, self.vector(p + "ssm_conv1d.weight"), slots, index],
+            [tensor_type((n, cfg.ssm_conv_channels), "float32"), states.ty]))
+        states = bb.emit(relax.TupleGetItem(conv, 1))
+        conv = bb.emit(R.nn.silu(relax.TupleGetItem(conv, 0)))
+        q, k, v = (bb.emit(R.reshape(R.strided_slice(conv, axes=[1], begin=[lo * d], end=[hi * d]), (n, hi - lo, d)))
+                   for lo, hi in ((0, Hk), (Hk, 2 * Hk), (2 * Hk, 2 * Hk + Hv)))
+        q, k = self.l2_norm(q), self.l2_norm(k)
+        rule = bb.emit(relax.call_dps_packed(ops.DELTA_RULE, [states, q, k, v, g, beta, slots, index],
+                                             [tensor_type((n, Hv, d), "float32"), states.ty]))
+        states = bb.emit(relax.TupleGetItem(rule, 1))
+        out = self.norm(bb.emit(relax.TupleGetItem(rule, 0)), p + "ssm_norm.weight")
+        out = bb.emit(R.reshape(R.multiply(out, R.nn.silu(z)), (n, Hv * d)))
+        return self.linear(out, p + "ssm_out.weight"), states
+
+    def l2_norm(self, x):
+        """x / sqrt(sum x^2 + eps) over the last axis (llama.cpp's build_gdn_l2_norm)."""
+        bb = self.bb
+        total = bb.emit(R.sum(R.multiply(x, x), axis=[-1], keepdims=True))
+        return bb.emit(R.multiply(x, R.rsqrt(R.add(total, relax.const(self.cfg.rms_eps, "float32")))))
 
     # -- feed-forward -----------------------------------------------------------------------------------------
     def gated_ffn(self, h, name: str):

@@ -28,9 +28,15 @@ class Backend(Protocol):
 
     # -- calls ------------------------------------------------------------------------------------------------
     def forward(self, function: str, ids: np.ndarray, positions: np.ndarray, page_table: np.ndarray,
-                kv_lens: np.ndarray, extra: tuple = ()):
+                kv_lens: np.ndarray, extra: tuple = (), slots: np.ndarray | None = None):
         """Run prefill / prefill_logits / decode (logits as numpy) or prefill_snapkv ((logits, scores), the
-        scores left on the device for select)."""
+        scores left on the device for select). slots: a hybrid model's state slot of each token (its functions
+        take the state pool and them after the KV inputs)."""
+
+    # -- a hybrid model's recurrent-state pool [slots, DeltaNet layers, width] f32 (runtime.state_pool) -------------
+    def allocate_states(self, shape: tuple) -> None: ...
+
+    def copy_state(self, src: int, dst: int) -> None: ...
 
     def select(self, scores, params: np.ndarray):
         """snapkv_select of scores on the device or in numpy: (keep on the device, keep as numpy [L, KVH, slots])."""

@@ -20,15 +20,18 @@ from ..common.ops import SELECT_PARAMS, SELECT_PARAMS_BEFORE_SINKS
 from ..common.snapkv_settings import ENV, SnapKVSettings, auto_budget, check_against, fit_recency, settings_from
 from .backend import Backend
 from .kv_cache import PagePool, SequenceCache
+from .state_pool import StatePool
 
 
 class Engine:
     def __init__(self, backend: Backend, manifest: Manifest, config: ModelConfig, pool_sequences: int,
-                 pool_tokens: int | None = None, key_offsets: list | None = None):
-        """key_offsets: per layer what its cached keys are stored minus (loader.key_offsets), or None."""
+                 pool_tokens: int | None = None, state_snapshots: int = 0, key_offsets: list | None = None):
+        """key_offsets: per layer what its cached keys are stored minus (loader.key_offsets), or None; a hybrid
+        model's state pool holds pool_sequences sequences and state_snapshots snapshots."""
         self.backend, self.manifest, self.config = backend, manifest, config
         self.key_offsets = key_offsets
         self.pool = self._make_pool(pool_sequences, pool_tokens)
+        self.states = self._make_states(pool_sequences + state_snapshots) if config.is_hybrid else None
         # Reentrant: eviction (select, compact) runs inside a prefill.
         self.lock = threading.RLock()
         self.times = ForwardTimes()
@@ -40,8 +43,13 @@ class Engine:
         cfg, m = self.config, self.manifest
         fmt = m.kv_format(cfg)
         pages_per_layer = -(-tokens // m.page_size) if tokens else sequences * m.max_pages
-        pages = self.backend.allocate_pool(fmt.pool_shape(cfg.n_layers * pages_per_layer), fmt.pool_dtype)
+        pages = self.backend.allocate_pool(fmt.pool_shape(cfg.kv_layers * pages_per_layer), fmt.pool_dtype)
         return PagePool(self.backend, pages, m.page_size, fmt.page_bytes, fmt)
+
+    def _make_states(self, slots: int) -> StatePool:
+        """A hybrid's recurrent-state slots: one per sequence it runs at once, and its snapshots'."""
+        cfg = self.config
+        return StatePool(self.backend, slots, len(cfg.recurrent_layers), cfg.ssm_state_width)
 
     # -- what sessions read of the artifact -------------------------------------------------------------------
     @property
@@ -72,8 +80,14 @@ class Engine:
 
     def new_cache(self) -> SequenceCache:
         cfg = self.config
-        windows = [cfg.sliding_window if cfg.is_local(l) else 0 for l in range(cfg.n_layers)]
-        return SequenceCache(self.pool, cfg.n_layers, cfg.n_kv_heads, self.manifest.max_pages, windows)
+        windows = [cfg.sliding_window if cfg.is_local(l) else 0 for l in range(cfg.kv_layers)]
+        return SequenceCache(self.pool, cfg.kv_layers, cfg.n_kv_heads, self.manifest.max_pages, windows, self.states)
+
+    def _slots(self, caches, counts) -> dict:
+        """A hybrid's forward takes each token's state slot: `counts[i]` tokens of caches[i], in order."""
+        if self.states is None:
+            return {}
+        return {"slots": np.repeat([c.state_slot() for c in caches], counts).astype(np.int32)}
 
     # -- calls ------------------------------------------------------------------------------------------------
     def forward(self, function: str, ids: np.ndarray, cache: SequenceCache, extra: tuple = ()):
@@ -83,7 +97,8 @@ class Engine:
             cache.reserve(len(ids))
             positions = np.arange(cache.logical_length, cache.logical_length + len(ids), dtype=np.int32)
             started = time.perf_counter()
-            out = self.backend.forward(function, ids, positions, cache.page_table(), cache.kv_lens(), extra)
+            out = self.backend.forward(function, ids, positions, cache.page_table(), cache.kv_lens(), extra,
+                                       **self._slots([cache], [len(ids)]))
             self.times.record(function, len(ids), time.perf_counter() - started)
             cache.advance(len(ids))
         _check_finite(out[0] if function == "prefill_snapkv" else out, positions)
@@ -100,11 +115,13 @@ class Engine:
             started = time.perf_counter()
             if self.has("decode_batch") and len(caches) >= self.batch_from:
                 out = self.backend.forward("decode_batch", ids, positions, np.stack([c.page_table() for c in caches]),
-                                           np.stack([c.kv_lens() for c in caches]))
+                                           np.stack([c.kv_lens() for c in caches]),
+                                           **self._slots(caches, [1] * len(caches)))
                 self.times.record("decode_batch", len(caches), time.perf_counter() - started)
             else:
                 out = np.concatenate([self.backend.forward("decode", ids[i:i + 1], positions[i:i + 1],
-                                                           c.page_table(), c.kv_lens()) for i, c in enumerate(caches)])
+                                                           c.page_table(), c.kv_lens(), **self._slots([c], [1]))
+                                      for i, c in enumerate(caches)])
                 self.times.record("decode", 1, (time.perf_counter() - started) / len(caches))
             for cache in caches:
                 cache.advance(1)
@@ -131,7 +148,8 @@ class Engine:
             started = time.perf_counter()
             out = self.backend.forward("decode_batch", np.concatenate(ids).astype(np.int32),
                                        np.asarray(positions, np.int32), np.stack(tables),
-                                       np.stack(lens).astype(np.int32))
+                                       np.stack(lens).astype(np.int32),
+                                       **self._slots(caches, [len(t) for t in ids]))
             self.times.record("decode_batch", len(positions), time.perf_counter() - started)
             for cache, tokens in zip(caches, ids):
                 cache.advance(len(tokens))
@@ -192,8 +210,8 @@ def resolve_snapkv(manifest: Manifest, config: ModelConfig, **knobs) -> tuple[Sn
     settings = settings_from(info.get("defaults"), **knobs)
     budget = settings.budget
     if budget is None:
-        full = manifest.kv_format(config).page_bytes * config.n_layers * manifest.max_pages   # one full sequence
-        budget = auto_budget(manifest.max_context, full, manifest.target.get("kind"))
+        full = manifest.kv_format(config).page_bytes * config.kv_layers * manifest.max_pages  # one full sequence
+        budget = auto_budget(manifest.max_context, full, manifest.target.get("kind"), config.is_hybrid)
     if budget and not info.get("enabled"):
         raise ConfigError("This artifact was compiled with --snapkv off; recompile with --snapkv on to evict.")
     settings, note = fit_recency(settings, budget, knobs.get("recency") is not None or ENV["recency"] in os.environ)
@@ -210,7 +228,7 @@ def resolve_snapkv(manifest: Manifest, config: ModelConfig, **knobs) -> tuple[Sn
 
 def kv_slot_bytes(manifest: Manifest, config: ModelConfig) -> int:
     """The KV cache's bytes for one token in every layer (keys and values, block scales included)."""
-    return manifest.kv_format(config).row_bytes * config.n_kv_heads * config.n_layers
+    return manifest.kv_format(config).row_bytes * config.n_kv_heads * config.kv_layers
 
 
 def _check_finite(logits: np.ndarray, positions: np.ndarray) -> None:

@@ -105,8 +105,12 @@ class SequenceCache:
     """One sequence's page tables and lengths."""
 
     def __init__(self, pool: PagePool, n_layers: int, kv_heads: int, max_pages: int,
-                 windows: list[int] | None = None):
+                 windows: list[int] | None = None, states=None):
+        """n_layers: the layers with a KV cache; states: a hybrid model's StatePool (its recurrent layers' state
+        slot is this sequence's too), or None."""
         self.pool = pool
+        self.states = states
+        self.state: int | None = None                       # the sequence's slot in `states`, once it has one
         self.n_layers = n_layers
         self.kv_heads = kv_heads
         self.max_pages = max_pages
@@ -223,9 +227,20 @@ class SequenceCache:
 
     @property
     def kv_bytes(self) -> int:
-        return sum(len(p) for p in self.pages) * self.pool.page_bytes
+        """The memory the sequence holds: its pages, and a hybrid's recurrent-state slot."""
+        state = self.states.slot_bytes if self.state is not None else 0
+        return sum(len(p) for p in self.pages) * self.pool.page_bytes + state
+
+    def state_slot(self) -> int:
+        """The sequence's recurrent-state slot (a hybrid model's), taken from the pool (empty) at its first use."""
+        if self.state is None:
+            self.state = self.states.allocate()
+        return self.state
 
     def release(self) -> None:
+        if self.state is not None:
+            self.states.release(self.state)
+            self.state = None
         for l in range(self.n_layers):
             self.pool.release(self.pages[l])
             self.pages[l] = []
@@ -239,7 +254,9 @@ class SequenceCache:
     def fork(self) -> "SequenceCache":
         """A copy that shares every page (copy-on-write: whichever sequence writes a shared page first copies it),
         so both sequences can go on independently; a fork costs no memory until they differ."""
-        other = SequenceCache(self.pool, self.n_layers, self.kv_heads, self.max_pages, self.windows)
+        other = SequenceCache(self.pool, self.n_layers, self.kv_heads, self.max_pages, self.windows, self.states)
+        if self.state is not None:                         # a recurrent state is copied at once
+            other.state = self.states.allocate(like=self.state)
         for l in range(self.n_layers):
             self.pool.share(self.pages[l])
             other.pages[l] = list(self.pages[l])
@@ -252,10 +269,18 @@ class SequenceCache:
         other.slack = self.slack
         return other
 
-    def adopt(self, pages: list[list[int]], tokens: int) -> None:
+    def adopt(self, pages: list[list[int]], tokens: int, state: int | None = None) -> None:
         """Start this (empty) sequence from a shared prefix: `pages` per layer holding its first `tokens` tokens'
-        keys and values, contiguous from position 0 (the prefix cache's full pages)."""
+        keys and values, contiguous from position 0 (the prefix cache's full pages); for a hybrid model, `state`
+        the slot holding its recurrent state after them (copied into the sequence's own)."""
         assert self.logical_length == 0 and all(not p for p in self.pages)
+        if self.states is not None:
+            if state is None:
+                raise ConfigError("A hybrid model's sequence cannot start from cached pages alone: its recurrent "
+                                  "state at the prefix's end is needed too.")
+            if self.state is not None:
+                self.states.release(self.state)
+            self.state = self.states.allocate(like=state)
         for l, layer_pages in enumerate(pages):
             self.pool.share(layer_pages)
             self.pages[l] = list(layer_pages)
@@ -307,6 +332,9 @@ class SequenceCache:
     def _check_truncatable(self, n: int) -> None:
         if not 0 < n <= self.logical_length:
             raise ConfigError(f"Cannot roll back {n} tokens of a sequence of {self.logical_length}.")
+        if self.states is not None:
+            raise ConfigError(f"Cannot roll back {n} tokens of a hybrid model's sequence: its recurrent state keeps "
+                              f"no history.")
         last = np.arange(self.logical_length - n, self.logical_length)
         for l in range(self.n_layers):
             keeps = min(self.windows[l] - 1, self.logical_length - n) if self.windows[l] else 0

@@ -14,7 +14,7 @@ from ..common.errors import ConfigError, ContextLengthError
 from ..common.manifest import Manifest
 from ..common.settings import MAX_COUNT, parse_int, parse_positive_int, resolve_threads
 from ..common.snapkv_settings import PREFIX, SnapKVSettings, knobs_from_keywords
-from ..common.speculative_settings import SpeculativeSettings, speculative_settings
+from ..common.speculative_settings import SpeculativeSettings, check_model_can_speculate, speculative_settings
 from ..common.targets import target_spec
 from ..common.tokenizer import token_ids
 from .backend import Backend
@@ -45,7 +45,7 @@ class GenerationResult:
 class Model:
     def __init__(self, directory: str | Path, *, threads: int | None = None, verify: bool = True,
                  pool_sequences: int = 4, adapter: str | None = None, expect_sha256: str | None = None,
-                 pool_tokens: int | None = None):
+                 pool_tokens: int | None = None, state_snapshots: int = 0):
         """Load an artifact. threads: CPU threads (llvm); adapter: part of the Vulkan adapter's name to use
         (default: the highest-performance one, or $SHARPI_VULKAN_ADAPTER). verify: check every file's sha256
         (and the manifest's digest) before loading; without it, the manifest is still checked in full.
@@ -53,7 +53,9 @@ class Model:
         this artifact must have: an artifact is code (its kernel library is loaded into this process), so pin
         one you did not build yourself; every file is then verified, whatever `verify` says, before any of it
         is loaded. The KV page pool holds pool_sequences full-context sequences, or pool_tokens slots in every
-        layer when given (what sequences of any lengths share: a server's pool)."""
+        layer when given (what sequences of any lengths share: a server's pool); a hybrid model (Gated DeltaNet
+        layers) runs at most pool_sequences sequences at once (its recurrent-state slots), and keeps up to
+        state_snapshots copies of a state besides (a server's prefix cache: runtime.prefix_cache)."""
         self.path = Path(directory)
         if not isinstance(verify, bool):
             raise ConfigError(f"verify must be True or False, got {verify!r}.")
@@ -62,11 +64,13 @@ class Model:
         pool_sequences = parse_positive_int(pool_sequences, "pool_sequences", highest=MAX_POOL_SEQUENCES)
         if pool_tokens is not None:
             pool_tokens = parse_positive_int(pool_tokens, "pool_tokens", highest=MAX_POOL_TOKENS)
+        state_snapshots = parse_positive_int(state_snapshots, "state_snapshots", allow_zero=True,
+                                             highest=MAX_POOL_SEQUENCES)
         manifest = Manifest.read(self.path, verify_digest=verify, expect_sha256=expect_sha256)
         backend = open_backend(self.path, manifest, threads=self.threads, verify=verify, adapter=adapter)
         self.info = ModelInfo(self.path, manifest)
         self.config, self.tokenizer = self.info.config, self.info.tokenizer
-        self.engine = Engine(backend, manifest, self.config, pool_sequences, pool_tokens,
+        self.engine = Engine(backend, manifest, self.config, pool_sequences, pool_tokens, state_snapshots,
                              key_offsets=key_offsets(self.path, manifest, self.config.n_layers,
                                                      (self.config.n_kv_heads, self.config.head_dim)))
         self._drafts: dict[Path, Model] = {}     # draft models loaded for speculative decoding, by directory
@@ -175,7 +179,8 @@ class Model:
         stop, special, snapkv = options.pop("stop", None), options.pop("special", False), options.pop("snapkv", None)
         compress = options.pop("compress", None)
         draft = options.pop("draft", None)
-        speculation = speculative_settings(options.pop("speculative", None), draft=draft is not None)
+        speculation = check_model_can_speculate(
+            speculative_settings(options.pop("speculative", None), draft=draft is not None), self.config)
         knobs = {k: options.pop(k) for k in list(options) if k.startswith(PREFIX)}
         if options:
             raise ConfigError(f"Unknown option(s): {', '.join(sorted(options))}.")

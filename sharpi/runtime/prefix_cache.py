@@ -11,11 +11,17 @@ go of the least recently used blocks that only it holds, leaves first.
 
 Only sequences that hold every position from 0 (no eviction, nothing dropped by a sliding window) give blocks:
 the pages of an evicted cache hold a selection of positions, which another prompt cannot share.
+
+A hybrid model (Gated DeltaNet layers) cannot go on from pages alone: its recurrent state after the prefix is not
+in them. There a block may hold a snapshot of that state (a slot of the model's StatePool, copied when a prompt's
+prefill reached the block's end), and a lookup goes only as far as the deepest block of its chain that holds one.
+At most `snapshot_limit` snapshots are kept; past it the least recently used one goes (its block stays).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -29,6 +35,13 @@ class _Block:
     parent: "_Block | None"
     pages: list[int]                # one per layer
     children: int = 0
+    state: int | None = None        # a hybrid's recurrent-state snapshot at the block's end (a StatePool slot)
+
+
+class PrefixHit(NamedTuple):
+    tokens: int                     # the prefix's length, in whole blocks
+    pages: list[list[int]]          # per layer
+    state: int | None               # a hybrid's state snapshot after the prefix (None: no state, or no hit)
 
 
 @dataclass
@@ -41,11 +54,14 @@ class PrefixStats:
 
 
 class PrefixCache:
-    def __init__(self, pool: PagePool, n_layers: int):
+    def __init__(self, pool: PagePool, n_layers: int, states=None, snapshot_limit: int = 0):
+        """states: a hybrid model's StatePool, of which the cache keeps at most snapshot_limit slots."""
         self.pool, self.n_layers = pool, n_layers
+        self.states, self.snapshot_limit = states, snapshot_limit
         self.page_size = pool.page_size
         self._blocks: dict[tuple, _Block] = {}
         self._lru: OrderedDict[int, _Block] = OrderedDict()    # least recently used first
+        self._snapshots: OrderedDict[int, _Block] = OrderedDict()   # blocks holding a state, least recent first
         self._next_id = 1
         self._page_array: np.ndarray | None = None    # every block's pages, rebuilt after a change
         self.stats = PrefixStats()
@@ -73,10 +89,10 @@ class PrefixCache:
     def _key(self, tokens: list[int], index: int, parent: _Block | None) -> tuple:
         return parent.id if parent else 0, tuple(tokens[index * self.page_size:(index + 1) * self.page_size])
 
-    def lookup(self, tokens: list[int], limit: int) -> tuple[int, list[list[int]]]:
-        """The longest cached prefix of `tokens` of at most `limit` tokens, in whole blocks: (its token count,
-        its pages per layer). The blocks become the most recently used (leaves before their parents, so that
-        eviction takes a chain from its end)."""
+    def lookup(self, tokens: list[int], limit: int) -> PrefixHit:
+        """The longest cached prefix of `tokens` of at most `limit` tokens, in whole blocks (for a hybrid model:
+        ending at a block with a state snapshot). The blocks become the most recently used (leaves before their
+        parents, so that eviction takes a chain from its end)."""
         self.stats.lookups += 1
         found: list[_Block] = []
         for i in range(min(len(tokens), max(0, limit)) // self.page_size):
@@ -84,12 +100,51 @@ class PrefixCache:
             if block is None:
                 break
             found.append(block)
+        if self.states is not None:
+            while found and found[-1].state is None:
+                found.pop()
+            if found:
+                self._snapshots.move_to_end(found[-1].id)
         self._touch(found)
         if found:
             self.stats.hits += 1
             self.stats.hit_tokens += len(found) * self.page_size
         pages = [[b.pages[l] for b in found] for l in range(self.n_layers)]
-        return len(found) * self.page_size, pages
+        return PrefixHit(len(found) * self.page_size, pages, found[-1].state if found else None)
+
+    def snapshot(self, tokens: list[int], cache: SequenceCache) -> bool:
+        """Index `cache`'s full pages (it holds `tokens`, a whole number of pages, from position 0) and keep a
+        copy of its recurrent state with the last block, the least recently used snapshot giving way past
+        snapshot_limit; returns whether the state was kept."""
+        end = len(tokens) // self.page_size
+        if self.states is None or not end or self.snapshot_limit <= 0 or cache.logical_length != len(tokens):
+            return False
+        self.insert(tokens, cache)
+        block = self._block_at(tokens, end)
+        if block is None:
+            return False
+        if block.state is None:
+            if len(self._snapshots) >= self.snapshot_limit:
+                self._forget_state(next(iter(self._snapshots.values())))
+            block.state = self.states.allocate(like=cache.state_slot())
+        self._snapshots[block.id] = block
+        self._snapshots.move_to_end(block.id)
+        return True
+
+    def _block_at(self, tokens: list[int], end: int) -> _Block | None:
+        """The block whose chain holds tokens[:end * page_size]."""
+        block = None
+        for i in range(end):
+            block = self._blocks.get(self._key(tokens, i, block))
+            if block is None:
+                return None
+        return block
+
+    def _forget_state(self, block: _Block) -> None:
+        if block.state is not None:
+            self.states.release(block.state)
+            block.state = None
+            del self._snapshots[block.id]
 
     def _touch(self, chain: list[_Block]) -> None:
         """Make a chain (root first) the most recently used, its root the most recent of all."""
@@ -137,6 +192,7 @@ class PrefixCache:
     def clear(self) -> None:
         """Let go of every block (pages still used by sequences stay with them)."""
         for block in list(self._blocks.values()):
+            self._forget_state(block)
             self.pool.release(block.pages)
         self._blocks.clear()
         self._lru.clear()
@@ -148,5 +204,6 @@ class PrefixCache:
         del self._lru[block.id]
         if block.parent is not None:
             block.parent.children -= 1
+        self._forget_state(block)
         self.pool.release(block.pages)
         self.stats.evicted_blocks += 1

@@ -84,13 +84,14 @@ class Session:
         then). chunk: tokens a step, at most the artifact's prefill chunk (the default)."""
         return PrefillJob(self, self._check_ids(ids), keep_scores, on_fed, chunk)
 
-    def adopt_prefix(self, pages: list[list[int]], tokens: int) -> None:
+    def adopt_prefix(self, pages: list[list[int]], tokens: int, state: int | None = None) -> None:
         """Start this new session from `tokens` tokens whose keys and values other sequences computed (`pages`
-        per layer: full pages, shared until written). The prompt that follows is still this session's first: a
-        prefill of the rest scores and evicts the whole prompt as a fresh one would."""
+        per layer: full pages, shared until written; a hybrid model's recurrent state after them in slot
+        `state`). The prompt that follows is still this session's first: a prefill of the rest scores and evicts
+        the whole prompt as a fresh one would."""
         self._check_open()
         with self._engine.lock:
-            self._cache.adopt(pages, tokens)
+            self._cache.adopt(pages, tokens, state)
         self._adopted = tokens
 
     @property
@@ -342,6 +343,10 @@ class PrefillJob:
 
     def __init__(self, session: Session, ids: np.ndarray, keep_scores: bool, on_fed=None, chunk: int | None = None):
         self.session, self.ids, self.on_fed = session, ids, on_fed
+        # a position (of the sequence) a chunk must end at, and what to call there: a hybrid's server keeps the
+        # recurrent state at the prompt's last full page
+        self.boundary: int | None = None
+        self.on_boundary = None
         self.fresh = session.fresh
         total = session.logical_length + len(ids)
         self.evict = self.fresh and session._should_evict(total, session.snapkv_budget)
@@ -376,6 +381,10 @@ class PrefillJob:
         holding at least the window (the tokens before it leave it that many)."""
         start, n = self._fed, len(self.ids)
         rest = n - start
+        cut = n if self.boundary is None else self.boundary - (self.session.logical_length - start)
+        if start < cut < n and cut <= n - self.window:
+            n, rest = cut, cut - start                # the part up to the boundary: never the scored chunk
+            return start, start + min(self.chunk, rest), False
         if not self.window:
             return start, start + min(self.chunk, rest), False
         if rest <= max(self.chunk, self.window):
@@ -403,6 +412,11 @@ class PrefillJob:
 
     def fed_elsewhere(self, n: int) -> None:
         self._fed += n
+        self._at_boundary()
+
+    def _at_boundary(self) -> None:
+        if self.on_boundary is not None and self.session.logical_length == self.boundary:
+            self.on_boundary()
 
     def pages_needed(self) -> int:
         """The pages the next step() takes from the pool."""
@@ -427,6 +441,7 @@ class PrefillJob:
                 session._adopted = 0
             raise
         self._fed = end
+        self._at_boundary()
         if self.done:
             self.logits = out[-1]
             if self.on_fed is not None:

@@ -43,6 +43,7 @@ class TVMBackend:
         self.weights = load_weights(directory, manifest, self.device)
         self.functions = {name: self._vm[name] for name in manifest.functions}
         self.pool = None
+        self.states = None              # a hybrid model's recurrent-state pool
         self._pool_view = None
         self._decode_buffers = None
         self._fixed_decode_inputs = not self.on_host   # --cuda-graph replays decode from fixed input buffers
@@ -61,6 +62,26 @@ class TVMBackend:
                                       f"allocated on {self.description} ({first_line(exc)}); load the model with "
                                       f"fewer pool_sequences.") from None
         return int(shape[0])
+
+    def allocate_states(self, shape: tuple) -> None:
+        """The recurrent-state pool [slots, DeltaNet layers, width] f32 of a hybrid model; slot 0 zeroed (the
+        empty state new sequences copy)."""
+        import tvm
+
+        try:
+            self.states = tvm.runtime.empty(shape, "float32", self.device)
+        except Exception as exc:
+            nbytes = 4 * int(np.prod(shape, dtype=object))
+            raise PoolAllocationError(f"The recurrent-state pool ({nbytes / 2**30:.1f} GiB for {shape[0] - 1} "
+                                      f"sequences) cannot be allocated on {self.description} ({first_line(exc)}); "
+                                      f"load the model with fewer pool_sequences.") from None
+        first = self.states._create_view(tuple(int(d) for d in shape[1:]), "float32")
+        first.copyfrom(np.zeros(shape[1:], np.float32))
+
+    def copy_state(self, src: int, dst: int) -> None:
+        import tvm
+
+        self.functions["state_copy"](self.states, tvm.runtime.tensor(np.array([src, dst], np.int32), self.device))
 
     def pool_view(self) -> np.ndarray:
         """The pool as a numpy array (zero-copy: CPU only). numpy's DLPack import has no bfloat16, so a bf16
@@ -103,17 +124,19 @@ class TVMBackend:
             self._page(p).copyfrom(np.ascontiguousarray(page, str(self.pool.dtype)))
 
     # -- calls ------------------------------------------------------------------------------------------------
-    def forward(self, function: str, ids, positions, page_table, kv_lens, extra: tuple = ()):
-        """A forward function: logits as numpy; for prefill_snapkv (logits, scores on the device)."""
+    def forward(self, function: str, ids, positions, page_table, kv_lens, extra: tuple = (), slots=None):
+        """A forward function: logits as numpy; for prefill_snapkv (logits, scores on the device). slots: a
+        hybrid model's state slot of each token."""
         import tvm
 
         dev = self.device
+        states = () if slots is None else (self.states, tvm.runtime.tensor(slots, dev))
         if function == "decode" and self._fixed_decode_inputs:
             ids, positions, page_table, kv_lens = self._decode_inputs(ids, positions, page_table, kv_lens)
         else:
             ids, positions, page_table, kv_lens = (tvm.runtime.tensor(a, dev)
                                                    for a in (ids, positions, page_table, kv_lens))
-        out = self.functions[function](ids, positions, self.pool, page_table, kv_lens, self.weights,
+        out = self.functions[function](ids, positions, self.pool, page_table, kv_lens, *states, self.weights,
                                        *[tvm.runtime.tensor(e, dev) for e in extra])
         if function == "prefill_snapkv":
             return out[0].numpy(), out[1]

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..common.errors import ArtifactError
 from ..common.manifest import PLAN, check_contract
 from ..common.plan import Plan
 from .loader import check_artifact, weight_arrays
@@ -32,6 +33,7 @@ class VulkanBackend:
         self.functions = set(manifest.functions) & set(self.runner.plan.functions)
         self.weights = self._upload_weights(directory, manifest)
         self.pool: DeviceTensor | None = None
+        self.states: DeviceTensor | None = None       # a hybrid model's recurrent-state pool
 
     def _upload_weights(self, directory: Path, manifest) -> list[DeviceTensor]:
         limit = self.runner.max_binding_size
@@ -78,12 +80,27 @@ class VulkanBackend:
             self.runner.device.queue.write_buffer(self.pool.buffer, p * self._page_bytes,
                                                   np.ascontiguousarray(page, self.pool.dtype))
 
+    def allocate_states(self, shape: tuple) -> None:
+        """The recurrent-state pool [slots, DeltaNet layers, width] f32, zeroed (slot 0 is the empty state); one
+        buffer, so it must fit the adapter's storage-binding limit."""
+        nbytes = 4 * int(np.prod(shape))
+        if nbytes > self.runner.max_binding_size:
+            raise ArtifactError(f"The recurrent-state pool ({nbytes >> 20} MiB for {shape[0] - 1} sequences) is "
+                                f"more than a storage buffer of {self.runner.adapter_name} may bind "
+                                f"({self.runner.max_binding_size >> 20} MiB); load the model with fewer "
+                                f"pool_sequences.")
+        self.states = self.runner.upload(np.zeros(shape, np.float32))
+
+    def copy_state(self, src: int, dst: int) -> None:
+        self.runner.run_on_device("state_copy", self.states, np.array([src, dst], np.int32))
+
     # -- calls ------------------------------------------------------------------------------------------------
-    def forward(self, function: str, ids, positions, page_table, kv_lens, extra: tuple = ()):
+    def forward(self, function: str, ids, positions, page_table, kv_lens, extra: tuple = (), slots=None):
         # decode is replayed from a recording (its shapes never change); a prefill chunk is bound afresh, since a
         # recording per chunk length would pin its activations (and prefill_snapkv's scores outlive the call)
-        out = self.runner.run_on_device(function, ids, positions, self.pool, page_table, kv_lens, self.weights,
-                                        *extra, reuse=function == "decode")
+        states = () if slots is None else (self.states, np.asarray(slots, np.int32))
+        out = self.runner.run_on_device(function, ids, positions, self.pool, page_table, kv_lens, *states,
+                                        self.weights, *extra, reuse=function == "decode")
         if function == "prefill_snapkv":
             return self.runner.download(out[0]), out[1]
         return self.runner.download(out)

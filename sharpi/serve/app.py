@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..common.chat import render_chat
 from ..common.errors import ConfigError, ContextLengthError, ServerBusyError, SharpiError
-from ..common.speculative_settings import SpeculativeSettings
+from ..common.speculative_settings import SpeculativeSettings, check_model_can_speculate
 from ..common.tokenizer import PromptTooLongError, token_ids
 from ..runtime.sampling import SamplingParams
 from .client import EngineClient, EventStream, ModelFront
@@ -308,11 +308,20 @@ def _generation_request(state: ServerState, model: ModelFront, body: _Generation
     return GenerationRequest(ids, max_tokens=room if max_tokens is None else min(max_tokens, room),
                              sampling=sampling, stop=tuple(s for s in body.stops() if s), logprobs=logprobs,
                              snapkv=settings, ignore_eos=body.ignore_eos, compress=compress,
-                             speculative=_speculative(state, body.speculative))
+                             speculative=_speculative(state, body.speculative, model))
 
 
-def _speculative(state: ServerState, given) -> SpeculativeSettings:
-    """A request's speculative decoding: its own method and max_draft over the server's default."""
+def _speculative(state: ServerState, given, model: ModelFront) -> SpeculativeSettings:
+    """A request's speculative decoding (its own method and max_draft over the server's default), which the model
+    must be able to roll back."""
+    settings = _requested_speculation(state, given)
+    try:
+        return check_model_can_speculate(settings, model.config)
+    except ConfigError as error:
+        raise ApiError(400, str(error), param="speculative") from None
+
+
+def _requested_speculation(state: ServerState, given) -> SpeculativeSettings:
     if given is None:
         return state.speculative
     if isinstance(given, str):

@@ -138,12 +138,21 @@ class ServeEngine:
         self.model, self.settings = model, settings
         self.engine = model.engine
         self.pool = self.engine.pool
-        self.n_layers = model.config.n_layers
+        self.n_layers = model.config.kv_layers
         self.page_size = self.pool.page_size
         self.budget = settings.prefill_budget or self.engine.prefill_chunk
         self.metrics = ServeMetrics()
-        self.prefix_cache = PrefixCache(self.pool, self.n_layers) if settings.prefix_cache else None
-        self.conversations = ConversationCache(self.pool) if settings.prefix_cache else None
+        states = self.engine.states
+        if states is not None and states.slots < settings.parallel:
+            raise ConfigError(f"This hybrid model was loaded with {states.slots} recurrent-state slots, fewer than "
+                              f"the {settings.parallel} sequences the server runs at once; load it with "
+                              f"pool_sequences={settings.parallel}.")
+        # A hybrid model's prefix needs its recurrent state too: the prefix cache keeps snapshots in the state
+        # slots beyond the running sequences'; its compressed conversations (sessions holding slots) are not kept
+        self.prefix_cache = PrefixCache(self.pool, self.n_layers, states,
+                                        states.slots - settings.parallel if states else 0) \
+            if settings.prefix_cache else None
+        self.conversations = ConversationCache(self.pool) if settings.prefix_cache and states is None else None
         if self.prefix_cache is not None:
             self.pool.reclaim = self._reclaim
         self.metrics.prefix_cache_pages.set_function(lambda: self.pool_summary()["cached"])    # at each scrape
@@ -215,7 +224,8 @@ class ServeEngine:
         if self.prefix_cache is not None:
             with self.engine.lock:
                 self.prefix_cache.clear()
-                self.conversations.clear()
+                if self.conversations is not None:
+                    self.conversations.clear()
                 self.pool.reclaim = None
         self._update_gauges()
 
@@ -231,14 +241,18 @@ class ServeEngine:
 
     def pool_summary(self) -> dict:
         with self.engine.lock:
-            return {"pages": self.pool.num_pages, "free": self.pool.free_count, "used": self.pool.used_count,
-                    "cached": self._cached_pages()}
+            summary = {"pages": self.pool.num_pages, "free": self.pool.free_count, "used": self.pool.used_count,
+                       "cached": self._cached_pages()}
+            if self.engine.states is not None:      # a hybrid's recurrent states: the sequences' and snapshots'
+                summary["state_bytes"] = self.engine.states.used_count * self.engine.states.slot_bytes
+            return summary
 
     def _cached_pages(self) -> int:
         """Pages the prefix and conversation caches hold (each page once)."""
         if self.prefix_cache is None:
             return 0
-        return len(self.prefix_cache.page_set() | self.conversations.page_set())
+        cached = self.prefix_cache.page_set()
+        return len(cached | self.conversations.page_set() if self.conversations is not None else cached)
 
     def _check_fits(self, ids: list[int]) -> None:
         context = self.model.max_context
@@ -406,13 +420,14 @@ class ServeEngine:
         """Free pages and those only the caches hold."""
         if self.prefix_cache is None:
             return self.pool.free_count
-        return self.pool.free_count + self.prefix_cache.reclaimable() + self.conversations.reclaimable()
+        conversations = self.conversations.reclaimable() if self.conversations is not None else 0
+        return self.pool.free_count + self.prefix_cache.reclaimable() + conversations
 
     def _reclaim(self, wanted: int) -> int:
         """The pool's reclaim hook: the prefix cache's blocks first, then compressed conversations (see the
         module doc); returns the pages freed."""
         freed = self.prefix_cache.reclaim(wanted)
-        if freed < wanted:
+        if freed < wanted and self.conversations is not None:
             freed += self.conversations.reclaim(wanted - freed)
         return freed
 
@@ -477,6 +492,8 @@ class ServeEngine:
             if job is None:
                 job = seq.session.start_prefill(ids, chunk=self.budget)
                 job.on_fed = lambda seq=seq, kind=kind, job=job: self._prompt_fed(seq, kind, job)
+                if kind == "prompt":
+                    self._snapshot_at_last_page(seq, job)
                 seq.jobs[0] = (kind, job, ids)
             job.chunk = max(MIN_PREFILL, limit - spent)
             if not self._make_room(job.pages_needed(), seq):
@@ -581,15 +598,16 @@ class ServeEngine:
         compresses = session.evicts(len(seq.prompt))
         limit = len(seq.prompt) - (session.snapkv.window if compresses else 1)
         with self.engine.lock:
-            tokens, pages = self.prefix_cache.lookup(seq.prompt, limit)
-            entry = self.conversations.lookup(seq.prompt, session) if compresses else None
+            tokens, pages, state = self.prefix_cache.lookup(seq.prompt, limit)
+            entry = self.conversations.lookup(seq.prompt, session) \
+                if compresses and self.conversations is not None else None
             faithful = min(limit, entry.prompt_tokens) // self.page_size * self.page_size if entry else 0
             if entry is not None and tokens < faithful:          # the prefix cache lost the compressed prompt
                 session.close()
                 seq.compressed_prompt = entry.prompt_tokens
                 return entry.session.fork(), len(entry.tokens)
             if tokens:
-                session.adopt_prefix(pages, tokens)
+                session.adopt_prefix(pages, tokens, state)
         seq.compressed_prompt = len(seq.prompt)
         return session, tokens
 
@@ -609,6 +627,24 @@ class ServeEngine:
             if victim is requester:
                 return False
         return True
+
+    def _snapshot_at_last_page(self, seq: _Sequence, job: PrefillJob) -> None:
+        """A hybrid's prompt stops at its last full page that a later lookup of it may reach (the limit of
+        _start_from_caches), and the prefix cache keeps its pages and recurrent state there: the next prompt that
+        starts with it (a chat's next turn, another question on the document) goes on from that page."""
+        session = seq.session
+        if self.prefix_cache is None or self.engine.states is None or not session.fresh:
+            return
+        limit = len(seq.prompt) - (session.snapkv.window if session.evicts(len(seq.prompt)) else 1)
+        end = limit // self.page_size * self.page_size
+        if end <= session.logical_length:
+            return
+
+        def keep() -> None:
+            copies = -(-session.snapkv_budget // self.page_size) * self.n_layers if job.evict else 0
+            if copies <= self.pool.free_count:         # as _prompt_fed: the compaction can copy what it shares
+                self.prefix_cache.snapshot(seq.prompt[:end], session.cache)
+        job.boundary, job.on_boundary = end, keep
 
     def _prompt_fed(self, seq: _Sequence, kind: str, job: PrefillJob) -> None:
         """Every token of a prefill is in the cache, before any compression: index the prompt's full pages, if
@@ -704,7 +740,8 @@ class ServeEngine:
                 if cacheable:
                     seen = (seq.prompt + seq.out)[:seq.session.logical_length]
                     self.prefix_cache.insert(seen, seq.session.cache)
-                    kept = self.conversations.insert(seen, seq.session, seq.compressed_prompt)
+                    kept = self.conversations is not None and self.conversations.insert(
+                        seen, seq.session, seq.compressed_prompt)
                 if not kept:
                     seq.session.close()
         for queue in (self._active, self._waiting):

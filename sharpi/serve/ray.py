@@ -116,7 +116,9 @@ class EngineReplica:
     def __init__(self, options: ReplicaOptions):
         import sharpi
         model = sharpi.load(options.artifact, threads=options.threads, adapter=options.adapter,
-                            expect_sha256=options.expect_sha256, pool_tokens=options.pool_tokens)
+                            expect_sha256=options.expect_sha256, pool_tokens=options.pool_tokens,
+                            pool_sequences=options.serve.parallel,
+                            state_snapshots=options.serve.parallel)
         model.snapkv_settings(**options.snapkv_knobs)
         self.engine = ServeEngine(model, options.serve).start()
         self.local = LocalEngine(self.engine)          # health as `sharpi serve` reports it

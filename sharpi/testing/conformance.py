@@ -445,17 +445,17 @@ def check_snapkv_invariants(model, ids, run: SnapKVRun | None = None) -> str:
     attends to everything kv_length == budget and kept_positions [kv_heads, budget] strictly ascending, in [0, n),
     ending with the last `recency` positions (a sliding-window layer holds its window's last positions, untouched);
     after one decode: logical_length n + 1, one slot more per layer (window layers: up to the window), the new slot
-    at position n."""
+    at position n. (A hybrid model's layers here are its attention layers: its DeltaNet layers hold no slots.)"""
     name = "snapkv_invariants"
     run = run or snapkv_run(model, ids)
     cfg, n = model.config, len(run.ids)
     budget, recency = run.knobs["snapkv_budget"], run.knobs["snapkv_recency"]
     _require(run.evicted, name, f"a {n}-token prompt with budget {budget} was not evicted")
-    expect = [_window_slots(cfg, l, n) or budget for l in range(cfg.n_layers)]
+    expect = [_window_slots(cfg, l, n) or budget for l in range(cfg.kv_layers)]
     _require(run.kv_length == expect, name, f"kv_length {run.kv_length}, expected {expect}")
     _require(run.logical_length == n, name, f"logical_length {run.logical_length}, expected {n}")
-    _require(len(run.kept_positions) == cfg.n_layers, name,
-             f"kept_positions has {len(run.kept_positions)} layers, expected {cfg.n_layers}")
+    _require(len(run.kept_positions) == cfg.kv_layers, name,
+             f"kept_positions has {len(run.kept_positions)} layers, expected {cfg.kv_layers}")
     for layer, p in enumerate(run.kept_positions):
         p, held = np.asarray(p), expect[layer]
         _require(p.shape == (cfg.n_kv_heads, held), name,
@@ -466,13 +466,13 @@ def check_snapkv_invariants(model, ids, run: SnapKVRun | None = None) -> str:
         _require(bool((p[:, -tail:] == np.arange(n - tail, n)).all()), name,
                  f"layer {layer}: the last {tail} positions were not all kept: {p[:, -tail:]}")
     after = run.after_decode
-    expect = [_window_slots(cfg, l, n + 1) or budget + 1 for l in range(cfg.n_layers)]
+    expect = [_window_slots(cfg, l, n + 1) or budget + 1 for l in range(cfg.kv_layers)]
     _require(after["kv_length"] == expect, name, f"after one decode kv_length {after['kv_length']}, expected {expect}")
     _require(after["logical_length"] == n + 1, name,
              f"after one decode logical_length {after['logical_length']}, expected {n + 1}")
     last = {int(x) for p in after["kept_positions"] for x in np.asarray(p)[:, -1]}
     _require(last == {n}, name, f"the decoded token's slot records positions {sorted(last)}, expected {n}")
-    window = sum(cfg.is_local(l) for l in range(cfg.n_layers))
+    window = sum(cfg.is_local(l) for l in range(cfg.kv_layers))
     return (f"{n} tokens -> {budget} slots/layer (window {run.knobs['snapkv_window']}, recency {recency})"
             + (f", {window} sliding-window layers untouched" if window else "") + f"; decode at {n}")
 
@@ -494,7 +494,8 @@ def check_snapkv_decode_after_compaction(model, reference: ArtifactReference, id
 
 def expected_kv_bytes(model, kv_length, kept_positions=None) -> int:
     """The pages the held slots need times the page's bytes (from the manifest): ceil(length / page_size) per
-    layer; a sliding-window layer's slots start at its first held position's offset in its first page."""
+    layer; a sliding-window layer's slots start at its first held position's offset in its first page. A hybrid
+    model's sequence holds its recurrent state besides: every DeltaNet layer's conv window and matrices, f32."""
     m, cfg = model.manifest, model.config
     page_bytes = m.kv_format(cfg).page_bytes
     pages = 0
@@ -503,7 +504,7 @@ def expected_kv_bytes(model, kv_length, kept_positions=None) -> int:
         if length and kept_positions is not None and cfg.is_local(layer):
             offset = int(np.asarray(kept_positions[layer])[0, 0]) % m.page_size
         pages += math.ceil((offset + length) / m.page_size)
-    return pages * page_bytes
+    return pages * page_bytes + cfg.state_bytes
 
 
 def check_kv_bytes_after_compaction(model, ids, run: SnapKVRun | None = None) -> str:

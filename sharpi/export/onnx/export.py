@@ -40,7 +40,7 @@ from onnx import TensorProto, helper, numpy_helper
 from tvm import relax
 
 from ...common import ops
-from ...common.errors import CompileError, ConfigError
+from ...common.errors import CompileError, ConfigError, UnsupportedArchitectureError
 from ...common.output_dir import OutputKind
 from ...common.quant_layout import LAYOUTS, dequantize_layout
 from ...common.version import __version__
@@ -592,6 +592,9 @@ def export_module(mod, cfg, weights, directory: Path, *, functions=DEFAULT_FUNCT
     {function: {"file", "inputs", "outputs"}}. snapkv_settings (SnapKVSettings) is needed for prefill_snapkv."""
     if weight_dtype not in WEIGHT_DTYPES:
         raise ConfigError(f"ONNX weights must be one of {', '.join(WEIGHT_DTYPES)}, got {weight_dtype!r}.")
+    if cfg.is_hybrid:
+        raise UnsupportedArchitectureError(f"ONNX export: {cfg.arch}'s Gated DeltaNet layers (a recurrent state "
+                                           f"per sequence) have no ONNX translation yet.")
     for fname in functions:
         if fname not in FUNCTIONS:
             raise ConfigError(f"Unknown ONNX function {fname!r}; choose from {', '.join(FUNCTIONS)}.")

@@ -82,6 +82,20 @@ class LlamaBuilder(GraphBlocks):
     def _function(self, name: str, tokens: int | None, all_logits: bool, batched: bool = False) -> None:
         """One Relax function; batched: decode_batch, n tokens of n sequences (page tables [n, L, MP], lengths
         [n, L]; every token's logits)."""
+        n, (ids, pos, pool, page_table, kv_lens), params = self._inputs(tokens, batched)
+        bb = self.bb
+        with bb.function(name, [ids, pos, pool, page_table, kv_lens, params], attrs={"num_input": 5}, pure=False):
+            with bb.dataflow():
+                self.params = params
+                x = self.embedding(ids)
+                for layer in range(self.cfg.n_layers):
+                    x, pool = self._layer(layer, x, pos, pool, page_table, kv_lens, n)
+                logits = bb.emit_output(self._head(x, n, all_logits))
+            bb.emit_func_output(logits)
+
+    def _inputs(self, tokens: int | None, batched: bool):
+        """(n, the KV inputs (ids, pos, pool, page_table, kv_lens), the weights' tuple) of a function of `tokens`
+        tokens (None: any number); the page tables and lengths cover the layers with a KV cache."""
         cfg = self.cfg
         n = tvm.tirx.Var("n", "int64") if tokens is None else tokens
         pages = tvm.tirx.Var("pages", "int64")
@@ -89,29 +103,26 @@ class LlamaBuilder(GraphBlocks):
         pos = relax.Var("pos", tensor_type((n,), "int32"))
         pool = relax.Var("pool", tensor_type(self.kv_format.pool_shape(pages), self.kv_format.pool_dtype))
         per_sequence = (n,) if batched else ()
-        page_table = relax.Var("page_table", tensor_type((*per_sequence, cfg.n_layers, self.max_pages), "int32"))
-        kv_lens = relax.Var("kv_lens", tensor_type((*per_sequence, cfg.n_layers), "int32"))
+        page_table = relax.Var("page_table", tensor_type((*per_sequence, cfg.kv_layers, self.max_pages), "int32"))
+        kv_lens = relax.Var("kv_lens", tensor_type((*per_sequence, cfg.kv_layers), "int32"))
         self.batched = batched
         params = relax.Var("params", relax.TupleType([tensor_type(spec.shape, spec.dtype)
                                                       for spec in self.weights.specs]))
-        bb = self.bb
-        with bb.function(name, [ids, pos, pool, page_table, kv_lens, params], attrs={"num_input": 5}, pure=False):
-            with bb.dataflow():
-                self.params = params
-                x = self.embedding(ids)
-                for layer in range(cfg.n_layers):
-                    x, pool = self._layer(layer, x, pos, pool, page_table, kv_lens, n)
-                x = bb.emit(R.nn.rms_norm(x, self.vector("output_norm.weight"), axes=[-1], epsilon=cfg.rms_eps))
-                if not all_logits:
-                    # in bounds (a prompt has a token), which keeps the row count 1 rather than an expression
-                    # of n that Relax's GPU fusion cannot type
-                    x = bb.emit(R.strided_slice(x, axes=[0], begin=[n - 1], end=[n], assume_inbound=True))
-                head = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
-                logits = self.linear(x, head)
-                if cfg.logit_scale != 1.0:          # granite
-                    logits = bb.emit(R.divide(logits, relax.const(cfg.logit_scale, "float32")))
-                logits = bb.emit_output(logits)
-            bb.emit_func_output(logits)
+        return n, (ids, pos, pool, page_table, kv_lens), params
+
+    def _head(self, x, n, all_logits: bool):
+        """The final norm and the output matrix: every token's logits, or the last token's."""
+        cfg, bb = self.cfg, self.bb
+        x = bb.emit(R.nn.rms_norm(x, self.vector("output_norm.weight"), axes=[-1], epsilon=cfg.rms_eps))
+        if not all_logits:
+            # in bounds (a prompt has a token), which keeps the row count 1 rather than an expression
+            # of n that Relax's GPU fusion cannot type
+            x = bb.emit(R.strided_slice(x, axes=[0], begin=[n - 1], end=[n], assume_inbound=True))
+        head = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
+        logits = self.linear(x, head)
+        if cfg.logit_scale != 1.0:          # granite
+            logits = bb.emit(R.divide(logits, relax.const(cfg.logit_scale, "float32")))
+        return logits
 
     def _layer(self, l, x, pos, pool, page_table, kv_lens, n):
         """One transformer block: attention, then the dense or the mixture's FFN, each with its residual."""
