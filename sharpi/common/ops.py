@@ -39,7 +39,7 @@ MOE_MATMUL = "sharpi.moe_matmul"
 
 # Gated DeltaNet (hybrid models): each sequence's recurrent state lives in a state pool [slots, R, W] f32 beside the
 # KV pool (R: the DeltaNet layers; W: the conv's last K - 1 inputs [K - 1, C], then the delta rule's matrices
-# [H_v, d, d]); every token names its sequence's slot, and the tokens of one sequence come in order.
+# [H_v, d, d]); every token names its sequence's slot, and the tokens of one sequence come together, in order.
 # sharpi.delta_conv(states, mixed [n, C], weight [C, K], slots [n] int32, layer: i64) -> (out [n, C], states)
 #   the causal depthwise conv of each token over its sequence's last K - 1 inputs; the token joins them
 DELTA_CONV = "sharpi.delta_conv"

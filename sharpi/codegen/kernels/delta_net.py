@@ -3,9 +3,9 @@
 A hybrid model's recurrent state lives in one pool, [slots, recurrent layers, width] f32: per sequence (slot) and
 DeltaNet layer, the conv's last K - 1 inputs ([K - 1, C], row by row) and then the delta rule's matrix per v-head
 ([H_v, d_k, d_v], d_v contiguous). Each token names its slot, so one call serves a prompt (every token the same
-slot, in order) and a decode batch (one token of each of n sequences) alike; a kernel walks the tokens in order and
-updates the state in the pool as it goes, so the tokens of one sequence must come in order. Slots are clamped into
-the pool: a bad slot reads and writes a wrong sequence's state, never memory outside the pool.
+slot, in order) and a decode batch (one token of each of n sequences) alike; the tokens of one sequence must come
+together and in order. Slots are clamped into the pool: a bad slot reads and writes a wrong sequence's state, never
+memory outside the pool.
 """
 from __future__ import annotations
 
@@ -21,13 +21,22 @@ def _slot(slots, t, count):
     return T.min(T.max(T.Cast("int64", slots[t]), T.int64(0)), count - 1)
 
 
+CONV_BLOCK = 64      # channels a task takes: its tokens' rows are read as contiguous vectors of this many
+
+
 def make_delta_conv(channels: int, kernel: int, layers: int, width: int, tokens: int | None = None):
     """PrimFunc (states [S, R, W], mixed [n, C], weight [C, K], slots [n] int32, layer: int64, out [n, C]): the
     causal depthwise conv (ggml_ssm_conv) of each token over its sequence's last K - 1 inputs and itself,
-    out[t, c] = sum_w window[w, c] * weight[c, w]; then the token joins the window. Parallel over channels."""
+    out[t, c] = sum_w window[w, c] * weight[c, w]; then every sequence's window moves on to its last K - 1 inputs.
+
+    A token's earlier inputs are the tokens before it in the call with the same slot (a prompt's run) and, past
+    those, its slot's window; so outputs read the windows as they were, and the windows are written after, each
+    from the last token of its run. Parallel over blocks of CONV_BLOCK channels, the channels in vectors."""
     n = token_count(tokens)
     S = tirx.Var("slots", "int64")
     C, K = channels, kernel
+    block = CONV_BLOCK if C % CONV_BLOCK == 0 else 1
+    lanes = min(block, 16)
 
     @T.prim_func
     def delta_conv(var_states: T.handle, var_mixed: T.handle, var_weight: T.handle, var_slots: T.handle,
@@ -38,17 +47,44 @@ def make_delta_conv(channels: int, kernel: int, layers: int, width: int, tokens:
         weight = T.match_buffer(var_weight, (C, K), "float32")
         slots = T.match_buffer(var_slots, (n,), "int32")
         out = T.match_buffer(var_out, (n, C), "float32")
-        for c in T.parallel(C):
+        for cb in T.parallel(C // block):
+            run = T.decl_buffer((n,), "int32", scope="global")         # earlier tokens of the token's run
+            w_t = T.decl_buffer((K, block), "float32", scope="global")  # this block's weights, tap by tap
+            keep = T.decl_buffer((K - 1, block), "float32", scope="global")
+            for t in range(n):
+                run[t] = T.if_then_else(t > 0, T.if_then_else(slots[t] == slots[T.max(t - 1, 0)],
+                                                              run[T.max(t - 1, 0)] + 1, 0), 0)
+            for w in range(K):
+                for ci in range(block):
+                    w_t[w, ci] = weight[cb * block + ci, w]
             for t in range(n):
                 s = T.meta_var(_slot(slots, t, S))
-                acc = T.decl_buffer((1,), "float32", scope="global")
-                acc[0] = mixed[t, c] * weight[c, K - 1]
+                for co in range(block // lanes):
+                    for cv in T.vectorized(lanes):
+                        ci = T.meta_var(co * lanes + cv)
+                        c = T.meta_var(cb * block + ci)
+                        out[t, c] = mixed[t, c] * w_t[K - 1, ci]
                 for w in range(K - 1):
-                    acc[0] = acc[0] + states[s, layer, w * C + c] * weight[c, w]
-                out[t, c] = acc[0]
-                for w in range(K - 2):
-                    states[s, layer, w * C + c] = states[s, layer, (w + 1) * C + c]
-                states[s, layer, (K - 2) * C + c] = mixed[t, c]
+                    back = T.meta_var(K - 1 - w)           # how many inputs back tap w reads
+                    for co in range(block // lanes):
+                        for cv in T.vectorized(lanes):
+                            ci = T.meta_var(co * lanes + cv)
+                            c = T.meta_var(cb * block + ci)
+                            out[t, c] = out[t, c] + w_t[w, ci] * T.if_then_else(
+                                back <= run[t], mixed[T.max(t - back, 0), c],
+                                states[s, layer, (K - 1 - (back - run[t])) * C + c])
+            for t in range(n):
+                if t == n - 1 or slots[T.min(t + 1, n - 1)] != slots[t]:       # the last token of its run
+                    s = T.meta_var(_slot(slots, t, S))
+                    for j in range(K - 1):
+                        back = T.meta_var(K - 2 - j)      # the window's row j: this many inputs before t
+                        for ci in range(block):
+                            c = T.meta_var(cb * block + ci)
+                            keep[j, ci] = T.if_then_else(back <= run[t], mixed[T.max(t - back, 0), c],
+                                                         states[s, layer, (K - 1 - (back - run[t])) * C + c])
+                    for j in range(K - 1):
+                        for ci in range(block):
+                            states[s, layer, j * C + cb * block + ci] = keep[j, ci]
 
     return delta_conv
 
