@@ -640,10 +640,11 @@ class ServeEngine:
         if end <= session.logical_length:
             return
 
-        def keep() -> None:
+        def keep() -> None:             # in a prefill step, or after a decode step that fed the chunk
             copies = -(-session.snapkv_budget // self.page_size) * self.n_layers if job.evict else 0
-            if copies <= self.pool.free_count:         # as _prompt_fed: the compaction can copy what it shares
-                self.prefix_cache.snapshot(seq.prompt[:end], session.cache)
+            with self.engine.lock:
+                if copies <= self.pool.free_count:     # as _prompt_fed: the compaction can copy what it shares
+                    self.prefix_cache.snapshot(seq.prompt[:end], session.cache)
         job.boundary, job.on_boundary = end, keep
 
     def _prompt_fed(self, seq: _Sequence, kind: str, job: PrefillJob) -> None:
