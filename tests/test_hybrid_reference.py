@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from sharpi.common.config import ModelConfig
-from sharpi.common.errors import GGUFError, UnsupportedArchitectureError
+from sharpi.common.errors import GGUFError, SharpiError, UnsupportedArchitectureError
+from sharpi.common.schema import SchemaError
 from sharpi.frontend.config import config_from_gguf
 from sharpi.frontend.gguf_file import GGUFFile
 from sharpi.testing.reference import NumpyReference, ReferenceSession
@@ -144,8 +145,14 @@ def test_rope_sections_that_leave_pairs_unturned_are_refused(tmp_path, sections)
         config_from_gguf(reader)
 
 
-def test_bad_ssm_sizes_are_refused(tmp_path):
+@pytest.mark.parametrize("key, value", [("ssm.group_count", 3), ("ssm.conv_kernel", 1), ("ssm.state_size", 0),
+                                        ("ssm.inner_size", 100), ("nextn_predict_layers", 5)])
+def test_bad_ssm_sizes_are_refused(tmp_path, key, value):
+    """Sizes the DeltaNet kernels cannot run: one sentence naming the field, no crash."""
     reader = GGUFFile(write_tiny_hybrid(tmp_path / "a.gguf", "qwen35"))
-    reader.metadata["qwen35.ssm.group_count"] = 3
-    with pytest.raises(GGUFError, match="group_count"):
+    reader.metadata[f"qwen35.{key}"] = value
+    with pytest.raises(SharpiError, match=key.split(".")[-1] if key != "ssm.inner_size" else "inner_size"):
         config_from_gguf(reader)
+    bad = ModelConfig.from_dict({**config_from_gguf(GGUFFile(tmp_path / "a.gguf")).to_dict(), "ssm_conv_kernel": 1})
+    with pytest.raises(SchemaError, match="ssm_conv_kernel"):
+        ModelConfig.check_dict(bad.to_dict())

@@ -196,6 +196,9 @@ def _check_hybrid(d: dict, path: str) -> None:
     for key in ("ssm_conv_kernel", "ssm_state_size", "ssm_k_heads", "ssm_v_heads"):
         if not d.get(key):
             raise schema.SchemaError(f"{path}.{key}", "positive in a model with recurrent layers", d.get(key))
+    if d["ssm_conv_kernel"] < 2:
+        raise schema.SchemaError(f"{path}.ssm_conv_kernel", "at least 2 (the conv's window holds K - 1 inputs)",
+                                 d["ssm_conv_kernel"])
     if d["ssm_v_heads"] % d["ssm_k_heads"]:
         raise schema.SchemaError(f"{path}.ssm_v_heads", f"a multiple of ssm_k_heads ({d['ssm_k_heads']})",
                                  d["ssm_v_heads"])

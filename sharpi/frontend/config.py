@@ -142,7 +142,7 @@ def _hybrid(cfg: ModelConfig, field, gguf: GGUFFile, *, head_map: str, fused_ba:
     if v_heads % k_heads:
         raise GGUFError(f"{name}: ssm.time_step_rank {v_heads} is not a multiple of ssm.group_count {k_heads}.")
     cfg = replace(cfg, n_layers=n_layers, n_mtp_layers=n_mtp, recurrent_layers=tuple(recurrent), rope_dim=rope_dim,
-                  qk_norm=True, attn_q_gate=True, ssm_conv_kernel=field.integer("ssm.conv_kernel"),
+                  qk_norm=True, attn_q_gate=True, ssm_conv_kernel=field.integer("ssm.conv_kernel", lowest=2),
                   ssm_state_size=state, ssm_k_heads=k_heads, ssm_v_heads=v_heads, ssm_head_map=head_map,
                   ssm_fused_ba=fused_ba)
     if not moe:
