@@ -301,3 +301,22 @@ def test_the_conformance_suite_and_onnx_export(float_hybrid, tmp_path):
     assert all(r.status == "PASS" for r in results), [(r.name, r.status, r.detail) for r in results]
     with pytest.raises(UnsupportedArchitectureError, match="Gated DeltaNet"):
         sharpi.compile(str(path), output=tmp_path / "onnx", emit="onnx")
+
+
+def test_fixed_decode_inputs_carry_the_slots(float_hybrid):
+    """--cuda-graph replays decode from fixed input buffers (TVMBackend._decode_inputs); a hybrid's state slots
+    must be among them, or a replay reads the slot of the step it was captured at. Forced on the CPU backend: two
+    sequences decoded in turn through the fixed buffers each equal the reference."""
+    _, _, model, expected = float_hybrid
+    backend = model.engine.backend
+    backend._fixed_decode_inputs, backend._decode_buffers = True, None
+    try:
+        with model.session() as a, model.session() as b:
+            a.prefill(IDS[:20])
+            b.prefill(IDS[:25])
+            assert _err(a.decode(IDS[20]), expected[20]) < RTOL
+            assert _err(b.decode(IDS[25]), expected[25]) < RTOL
+            assert _err(a.decode(IDS[21]), expected[21]) < RTOL
+        assert len(backend._decode_buffers) == 5                      # ids, positions, pages, lengths, slots
+    finally:
+        backend._fixed_decode_inputs, backend._decode_buffers = False, None

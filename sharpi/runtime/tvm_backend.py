@@ -130,12 +130,13 @@ class TVMBackend:
         import tvm
 
         dev = self.device
-        states = () if slots is None else (self.states, tvm.runtime.tensor(slots, dev))
-        if function == "decode" and self._fixed_decode_inputs:
-            ids, positions, page_table, kv_lens = self._decode_inputs(ids, positions, page_table, kv_lens)
+        inputs = (ids, positions, page_table, kv_lens) + (() if slots is None else (slots,))
+        if function == "decode" and self._fixed_decode_inputs:     # the slots too: a captured graph reads them
+            inputs = self._decode_inputs(*inputs)
         else:
-            ids, positions, page_table, kv_lens = (tvm.runtime.tensor(a, dev)
-                                                   for a in (ids, positions, page_table, kv_lens))
+            inputs = [tvm.runtime.tensor(a, dev) for a in inputs]
+        ids, positions, page_table, kv_lens, *slots = inputs
+        states = (self.states, *slots) if slots else ()
         out = self.functions[function](ids, positions, self.pool, page_table, kv_lens, *states, self.weights,
                                        *[tvm.runtime.tensor(e, dev) for e in extra])
         if function == "prefill_snapkv":
