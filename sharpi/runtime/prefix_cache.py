@@ -116,13 +116,12 @@ class PrefixCache:
         """Index `cache`'s full pages (it holds `tokens`, a whole number of pages, from position 0) and keep a
         copy of its recurrent state with the last block, the least recently used snapshot giving way past
         snapshot_limit; returns whether the state was kept."""
-        end = len(tokens) // self.page_size
-        if self.states is None or not end or self.snapshot_limit <= 0 or cache.logical_length != len(tokens):
+        if self.states is None or self.snapshot_limit <= 0 or cache.logical_length != len(tokens):
             return False
-        self.insert(tokens, cache)
-        block = self._block_at(tokens, end)
-        if block is None:
+        chain, _ = self._index(tokens, cache)
+        if not chain:
             return False
+        block = chain[-1]
         if block.state is None:
             if len(self._snapshots) >= self.snapshot_limit:
                 self._forget_state(next(iter(self._snapshots.values())))
@@ -130,15 +129,6 @@ class PrefixCache:
         self._snapshots[block.id] = block
         self._snapshots.move_to_end(block.id)
         return True
-
-    def _block_at(self, tokens: list[int], end: int) -> _Block | None:
-        """The block whose chain holds tokens[:end * page_size]."""
-        block = None
-        for i in range(end):
-            block = self._blocks.get(self._key(tokens, i, block))
-            if block is None:
-                return None
-        return block
 
     def _forget_state(self, block: _Block) -> None:
         if block.state is not None:
@@ -155,8 +145,12 @@ class PrefixCache:
         """Index the full pages of `cache`, which holds `tokens` from position 0 (at least its first
         cache.logical_length of them); returns the blocks added. A cache that does not hold every position from
         0 adds none."""
+        return self._index(tokens, cache)[1]
+
+    def _index(self, tokens: list[int], cache: SequenceCache) -> tuple[list[_Block], int]:
+        """insert()'s work: (the chain of blocks holding the cache's full pages, root first; the blocks added)."""
         if not cache.contiguous:
-            return 0
+            return [], 0
         added, chain = 0, []
         for i in range(min(len(tokens), cache.logical_length) // self.page_size):
             parent = chain[-1] if chain else None
@@ -174,7 +168,7 @@ class PrefixCache:
             chain.append(block)
         self._touch(chain)
         self.stats.inserted_blocks += added
-        return added
+        return chain, added
 
     def reclaim(self, wanted: int) -> int:
         """Let go of least recently used leaf blocks that only the cache holds until `wanted` pages are free

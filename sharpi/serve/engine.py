@@ -596,7 +596,7 @@ class ServeEngine:
         if self.prefix_cache is None:
             return session, 0
         compresses = session.evicts(len(seq.prompt))
-        limit = len(seq.prompt) - (session.snapkv.window if compresses else 1)
+        limit = self._lookup_limit(seq, session)
         with self.engine.lock:
             tokens, pages, state = self.prefix_cache.lookup(seq.prompt, limit)
             entry = self.conversations.lookup(seq.prompt, session) \
@@ -610,6 +610,12 @@ class ServeEngine:
                 session.adopt_prefix(pages, tokens, state)
         seq.compressed_prompt = len(seq.prompt)
         return session, tokens
+
+    def _lookup_limit(self, seq: _Sequence, session: Session) -> int:
+        """The most of a prompt its session may take from the caches: all but its last token (which gives the
+        first logits), or all but the SnapKV window where the prompt is compressed (the window's queries score
+        it, so they are computed)."""
+        return len(seq.prompt) - (session.snapkv.window if session.evicts(len(seq.prompt)) else 1)
 
     def _make_room(self, pages: int, requester: _Sequence) -> bool:
         """Free `pages` pages: the prefix cache's first, then by preempting the latest admitted sequences (the
@@ -635,8 +641,7 @@ class ServeEngine:
         session = seq.session
         if self.prefix_cache is None or self.engine.states is None or not session.fresh:
             return
-        limit = len(seq.prompt) - (session.snapkv.window if session.evicts(len(seq.prompt)) else 1)
-        end = limit // self.page_size * self.page_size
+        end = self._lookup_limit(seq, session) // self.page_size * self.page_size
         if end <= session.logical_length:
             return
 
