@@ -161,7 +161,7 @@ def _check_text_rope_sections(gguf: GGUFFile, arch: str, rope_dim: int) -> None:
         isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in sections) and sum(sections) > 0
     if ok:
         total = sum(sections)
-        ok = all((i % total) % 3 < 3 and (i % total) < 3 * sections[(i % total) % 3] for i in range(rope_dim // 2))
+        ok = all(i % total < 3 * sections[i % total % 3] for i in range(rope_dim // 2))
     if not ok:
         raise UnsupportedArchitectureError(f"{gguf.path.name}: {arch}.rope.dimension_sections {sections!r} leaves "
                                            f"pairs of the rotary dims unturned for text, which sharpi does not "

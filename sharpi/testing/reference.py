@@ -111,9 +111,10 @@ class NumpyReference:
     def decode_after_compaction(self, prompt_ids, kept_positions: list[np.ndarray], token: int,
                                 position: int | None = None) -> np.ndarray:
         """Logits [vocab] of `token` fed after prompt_ids whose cache kept, per attention layer and KV head, only
-        the slots of kept_positions ([KVH, k] logical positions; a hybrid's DeltaNet layers keep their state): the new token is at position len(prompt_ids)
-        (or `position`, to model a wrong implementation) and attends over the kept keys/values (RoPE'd at their
-        original positions) and itself (and, on local layers, only those inside the sliding window)."""
+        the slots of kept_positions ([KVH, k] logical positions; a hybrid's DeltaNet layers keep their state): the
+        new token is at position len(prompt_ids) (or `position`, to model a wrong implementation) and attends over
+        the kept keys/values (RoPE'd at their original positions) and itself (and, on local layers, only those
+        inside the sliding window)."""
         cfg = self.config
         captured, states = [], {}
         self.forward(prompt_ids, capture=captured, states=states)

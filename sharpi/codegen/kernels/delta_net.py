@@ -18,6 +18,7 @@ from .common import LANES, token_count
 
 
 def _slot(slots, t, count):
+    """Token t's slot, clamped into the pool's `count` slots (the GPU kernels' too)."""
     return T.min(T.max(T.Cast("int64", slots[t]), T.int64(0)), count - 1)
 
 

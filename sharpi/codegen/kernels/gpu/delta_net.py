@@ -14,12 +14,9 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ..common import GPU_KERNEL_ATTRS, ceil_div, token_count
+from ..delta_net import _slot
 
 THREADS = 64
-
-
-def _slot(slots, t, count):
-    return T.min(T.max(T.Cast("int64", slots[t]), T.int64(0)), count - 1)
 
 
 def make_gpu_delta_conv(channels: int, kernel: int, layers: int, width: int, tokens: int | None = None):
