@@ -1,10 +1,12 @@
 """The CPU decode attention kernel alone, per KV cache type: one layer's call over a cache of --slots slots holding
 encoded random keys and values (a pool of random bytes would time NaN and subnormal scales instead), Qwen2.5-Coder-
 0.5B's shape by default (14 query heads, 2 KV heads, head_dim 64). Run with TVM_NUM_THREADS set to the threads the
-comparison wants.
+comparison wants. With --layers L the pool holds L layers' pages and the calls cycle through them, so that a call
+reads its keys and values from memory (as decode does: a model's layers together outgrow the caches) rather than
+from the L2/L3 its previous call filled.
 
     TVM_NUM_THREADS=2 python benchmarks/kv_attention_kernel.py [--types q4_0/q4_0,q8_0/q4_0,tq4/q4_0,tq4/tq4]
-        [--slots 1056] [--heads 14] [--kv-heads 2] [--head-dim 64] [--calls 300]
+        [--slots 1056] [--heads 14] [--kv-heads 2] [--head-dim 64] [--calls 300] [--layers 1]
 """
 from __future__ import annotations
 
@@ -20,12 +22,12 @@ from sharpi.common.kv_format import KVFormat, encode_rows
 from sharpi.common.ops import PAGE_SIZE
 
 
-def time_type(pair, heads: int, kv_heads: int, head_dim: int, slots: int, calls: int) -> float:
-    """Microseconds a call."""
+def time_type(pair, heads: int, kv_heads: int, head_dim: int, slots: int, calls: int, layers: int = 1) -> float:
+    """Microseconds a call, the calls cycling through `layers` layers' pages."""
     fmt = KVFormat(*pair, kv_heads, PAGE_SIZE, head_dim)
     prim = make_paged_attention(heads, kv_heads, head_dim, PAGE_SIZE, head_dim ** -0.5, 1, kv_dtype=fmt)
     kernel = tvm.compile(tvm.IRModule({"main": prim}), target=make_target(None))        # this CPU
-    pages = (slots + PAGE_SIZE - 1) // PAGE_SIZE
+    pages = (slots + PAGE_SIZE - 1) // PAGE_SIZE * layers
     rng = np.random.default_rng(0)
     k, v = rng.standard_normal((2, pages * PAGE_SIZE, kv_heads, head_dim)).astype(np.float32)
     rows = encode_rows(fmt, k, v) if fmt.packed else np.stack([k, v], 1).astype(fmt.pool_dtype)
@@ -33,13 +35,13 @@ def time_type(pair, heads: int, kv_heads: int, head_dim: int, slots: int, calls:
             else rows.reshape(pages, PAGE_SIZE, 2, kv_heads, head_dim).transpose(0, 2, 3, 1, 4))
     args = [tvm.runtime.tensor(np.ascontiguousarray(a)) for a in
             (rng.standard_normal((1, heads, head_dim)).astype(np.float32), pool,
-             np.arange(pages, dtype=np.int32)[None], np.array([slots - 1], np.int32))]
+             np.arange(pages, dtype=np.int32).reshape(layers, -1), np.full(layers, slots - 1, np.int32))]
     out = tvm.runtime.tensor(np.zeros((1, heads, head_dim), np.float32))
-    for _ in range(20):
-        kernel(*args, 0, out)
+    for call in range(20):
+        kernel(*args, call % layers, out)
     start = time.perf_counter()
-    for _ in range(calls):
-        kernel(*args, 0, out)
+    for call in range(calls):
+        kernel(*args, call % layers, out)
     return (time.perf_counter() - start) / calls * 1e6
 
 
@@ -51,11 +53,13 @@ def main() -> None:
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--calls", type=int, default=300)
+    p.add_argument("--layers", type=int, default=1, help="pages of this many layers, the calls cycling through them")
     args = p.parse_args()
     print(f"| K/V | us a call ({args.slots} slots) |\n| --- | ---: |")
     for pair in args.types.split(","):
         k, _, v = pair.partition("/")
-        us = time_type((k, v or k), args.heads, args.kv_heads, args.head_dim, args.slots, args.calls)
+        us = time_type((k, v or k), args.heads, args.kv_heads, args.head_dim, args.slots, args.calls,
+                       args.layers)
         print(f"| {pair} | {us:.1f} |", flush=True)
 
 
