@@ -1,5 +1,5 @@
 """What every kernel family shares: the token dimension, ceil_div, the CPU vector width, the finite minus infinity, the
-attributes of a hand-scheduled GPU kernel."""
+attributes of a hand-scheduled GPU kernel, a CPU read prefetch."""
 from __future__ import annotations
 
 from tvm import tirx
@@ -12,6 +12,12 @@ LANES = 8
 NEG_INF = -3.0e38
 # A GPU kernel written with explicit thread bindings: dlight leaves it be, fusion treats it as opaque.
 GPU_KERNEL_ATTRS = {"tirx.noalias": True, "op_pattern": 8, "tirx.is_scheduled": True}
+
+
+def prefetch(flat, index):
+    """A read prefetch of element `index` of a flat buffer into every cache level (llvm.prefetch: prefetcht0)."""
+    return T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(flat[index]), T.int32(0),
+                                         T.int32(3), T.int32(1)))
 
 
 def ceil_div(a: int, b: int) -> int:

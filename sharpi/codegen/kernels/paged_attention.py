@@ -18,7 +18,8 @@ from tvm.script import tirx as T
 
 from ...common.kv_format import KVFormat
 from .common import LANES, NEG_INF, token_count
-from .kv_rows import page_source, store_page_keys, store_slot, unpack_page, unpacked_shape, unpacks_pages, with_pool_rows
+from .kv_rows import (page_source, prefetch_head_page, store_page_keys, store_slot, unpack_page, unpacked_shape,
+                      unpacks_pages, with_pool_rows)
 from .lanes import lane_total
 
 
@@ -358,8 +359,14 @@ def _paged_attention_split(heads, kv_heads, head_dim, page_size, scale, n, group
                 stats[g, 1] = T.float32(0)
                 for d in T.vectorized(head_dim):
                     part[task * group + g, d] = T.float32(0)
-            for p in range(first + count * sp // SP, first + count * (sp + 1) // SP):
+            lo = T.meta_var(first + count * sp // SP)
+            hi = T.meta_var(first + count * (sp + 1) // SP)
+            if lo < hi:
+                prefetch_head_page(rows, page_of(page_tables, t, layer, lo), kvh)
+            for p in range(lo, hi):
                 page = T.meta_var(T.Cast("int64", page_of(page_tables, t, layer, p)))
+                # the next page's rows arrive while this one is read (the last page asks for itself again)
+                prefetch_head_page(rows, page_of(page_tables, t, layer, T.min(p + 1, hi - 1)), kvh)
                 if unpack:
                     unpack_page(src, rows, page, kvh, page_size, head_dim)
                 for ip in range(group // QP):

@@ -29,7 +29,7 @@ from tvm.script import tirx as T
 
 from ...common.quant_layout import BLOCK, LAYOUTS
 from .lanes import lane_max, lane_total
-from .common import token_count
+from .common import prefetch, token_count
 from .moe import group_by_expert, grouped_input_row, grouped_rows
 from .quant_matmul import cpu_quants, ks_bit_word
 
@@ -309,12 +309,6 @@ def _unit_term(qtype, qs, s, xq, xd, row, j, isa):
 PREFETCH_BYTES = 2048
 
 
-def _prefetch(flat, index):
-    """A read prefetch of element `index` of a flat buffer into every cache level."""
-    return T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(flat[index]), T.int32(0),
-                                         T.int32(3), T.int32(1)))
-
-
 def make_gemv_int8(qtype: str, N: int, K: int, isa: str = "avx2", prefetch_bytes: int = PREFETCH_BYTES):
     """PrimFunc (x [1, K] f32, *weight parts as the CPU kernels take them, y [1, N] f32); prefetch_bytes: how far
     ahead the weights are prefetched (0: not at all, for benchmarks/gemv_stream.py's comparison).
@@ -452,9 +446,9 @@ class _GemvRows:
             for jj in range(NU // A):
                 ahead = T.meta_var(T.min(row * NB + jj * STEP_BLOCKS + AHEAD, N * NB - 1))   # a block
                 for line in T.unroll(QS_LINES):
-                    _prefetch(qs_flat, T.min(ahead * QS_BLOCK + line * LINE, N * NB * QS_BLOCK - 1))
+                    prefetch(qs_flat, T.min(ahead * QS_BLOCK + line * LINE, N * NB * QS_BLOCK - 1))
                 for f in T.unroll(PLANES):
-                    _prefetch(s_flat, (f, ahead))
+                    prefetch(s_flat, (f, ahead))
                 for a in T.unroll(A):
                     acc[a, T.ramp(0, 1, W)] = acc[a, T.ramp(0, 1, W)] + _unit_term(qtype, qs, s, xq, xd, row,
                                                                                    jj * A + a, isa)

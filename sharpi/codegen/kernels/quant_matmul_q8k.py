@@ -26,12 +26,12 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from ...common.quant_layout import BLOCK, K_QUANTS, KS_WORDS, SUPER_BLOCK
-from .common import token_count
+from .common import prefetch, token_count
 from .lanes import lane_max, lane_total
 from .moe import group_by_expert, grouped_input_row, grouped_rows
 from .quant_matmul import cpu_quants, ks_offset_byte, ks_sub_scale_byte, ks_super_min, ks_super_scale
 from .quant_matmul_int8 import (GEMM_TILE, PREFETCH_BYTES, TASKS, _abs_max8, _activation_sums, _half_sum8, _intrin,
-                                _prefetch, _quantized_block, _unsigned_quants)
+                                _quantized_block, _unsigned_quants)
 
 Q8K_TYPES = K_QUANTS
 BLOCKS = SUPER_BLOCK // BLOCK   # blocks of 32 a super-block
@@ -379,9 +379,9 @@ class _GemvRowsQ8K:
             for sb in range(NS):
                 ahead = T.meta_var(T.min(row * NS + sb + AHEAD, N * NS - 1))    # a super-block
                 for line in T.unroll(QS_LINES):
-                    _prefetch(qs_flat, T.min(ahead * QS_SB + line * 16, N * NS * QS_SB - 1))
+                    prefetch(qs_flat, T.min(ahead * QS_SB + line * 16, N * NS * QS_SB - 1))
                 for line in T.unroll(KS_LINES):
-                    _prefetch(ks_flat, ahead * W + line * (W - 1))
+                    prefetch(ks_flat, ahead * W + line * (W - 1))
                 for h in T.unroll(2):
                     dot[h, T.ramp(0, 1, 8)] = T.Broadcast(T.int32(0), 8)
                 for b in T.unroll(BLOCKS):
