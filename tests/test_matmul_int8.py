@@ -282,7 +282,9 @@ def test_q8k_extremes_do_not_saturate(rng):
     x = np.where(rng.random((2, k)) < 0.5, -1.0, 1.0).astype(np.float32) * 3
     want = _expected("q6_k", parts, x, block=256)
     np.testing.assert_allclose(_run_q8k(make_gemm_q8k, "q6_k", parts, n, k, x), want, rtol=1e-6)
-    np.testing.assert_allclose(_run_q8k(make_gemv_q8k, "q6_k", parts, n, k, x[:1])[0], want[0], rtol=1e-6)
+    # the GEMV's int32 lanes sum other products than the GEMM's (pair order) and pass 2^24 here, so they round
+    # differently as they convert; the dot term and the -32 offset term then cancel to a few times less
+    np.testing.assert_allclose(_run_q8k(make_gemv_q8k, "q6_k", parts, n, k, x[:1])[0], want[0], rtol=3e-6)
 
 
 @pytest.mark.parametrize("per_slot", [False, True], ids=["shared-input", "per-slot-input"])

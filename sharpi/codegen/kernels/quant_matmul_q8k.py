@@ -29,9 +29,10 @@ from ...common.quant_layout import BLOCK, K_QUANTS, KS_WORDS, SUPER_BLOCK
 from .common import prefetch, token_count
 from .lanes import lane_max, lane_total
 from .moe import group_by_expert, grouped_input_row, grouped_rows
-from .quant_matmul import cpu_quants, ks_offset_byte, ks_sub_scale_byte, ks_super_min, ks_super_scale
-from .quant_matmul_int8 import (GEMM_TILE, PREFETCH_BYTES, TASKS, _abs_max8, _activation_sums, _half_sum8, _intrin,
-                                _quantized_block, _unsigned_quants)
+from .quant_matmul import (cpu_quants, ks_bit_word, ks_offset_byte, ks_sub_scale_byte, ks_super_min,
+                           ks_super_scale)
+from .quant_matmul_int8 import (GEMM_TILE, PREFETCH_BYTES, TASKS, _abs_max8, _activation_sums, _bit_lanes, _byte_vector,
+                                _half_sum8, _intrin, _quantized_block, _unsigned_quants, lane_element)
 
 Q8K_TYPES = K_QUANTS
 BLOCKS = SUPER_BLOCK // BLOCK   # blocks of 32 a super-block
@@ -66,12 +67,81 @@ def _scaled_dot(u, x, scales):
     return _intrin("int32x8", "llvm.x86.avx2.pmadd.wd", pairs, scales)
 
 
+# The decode GEMVs' order of a pair of blocks (2P, 2P + 1), in the quants and the activations alike: 64 bytes,
+# lanes 0-15 of block 2P, lanes 0-15 of block 2P + 1, then lanes 16-31 of each (lanes in quant_matmul_int8's
+# order: a block's 16 bytes of nibbles give lanes 0-15 as their low nibbles, 16-31 as their high ones). Then one
+# 32-byte load of the two blocks' nibbles, one shift and two masks unpack both halves, each 128-bit half of a
+# vector belongs to one block (so a byte shuffle within halves gives every lane its sub-scale and bit fields),
+# and both halves of a pair share one vector of sub-scales. A block at a time took a cross-half insert and a
+# broadcast for each block's sub-scale: shuffle-port work that left the MoE GEMVs waiting on the dots rather than
+# on memory (q4_K ~10 weights a cycle a core).
+def _pair_offset(b, half):
+    """The first byte, in a row of pair-ordered activations, of block b's lanes 16 * half .. 16 * half + 15."""
+    return b // 2 * 2 * BLOCK + half * BLOCK + b % 2 * (BLOCK // 2)
+
+
+def _repeat(vector, lanes: int, times: int):
+    """A vector of `lanes` lanes `times` times over (LLVM makes a broadcast load of it)."""
+    return T.Shuffle([vector] * times, list(range(lanes * times)))
+
+
+def _shuffle_bytes(table, control):
+    """vpshufb: byte l of the result is byte control(l) of `table`'s 128-bit half holding l (0 where control(l)
+    has its top bit set); control is a function of the lane index, folded to a constant."""
+    return T.reinterpret("uint8x32", _intrin("int8x32", "llvm.x86.avx2.pshuf.b", T.reinterpret("int8x32", table),
+                                             T.reinterpret("int8x32", _byte_vector(control))))
+
+
+def _pair_quants(qtype, qs, ks, row, P):
+    """(A, B), int8x32 each: the unsigned quants of blocks 2P and 2P + 1 in pair order, A their lanes 0-15 (the
+    low nibbles and, for q5_K and q6_K, those elements' high bits), B their lanes 16-31."""
+    packed = T.reinterpret("uint8x32", qs[row, T.ramp(P * 8, 1, 8)])
+    halves = [packed & T.Broadcast(T.uint8(15), 32), packed >> T.Broadcast(T.uint8(4), 32)]
+    # the element of byte l of half h: lane 16 h + l % 16 of block 2P + l // 16
+    element = lambda h: lambda l: lane_element(l % 16 + 16 * h, qtype)   # noqa: E731
+    if qtype == "q5_k":      # the fifth bit of element e is bit e of its block's qh word
+        qh = _repeat(ks[row, T.ramp(ks_bit_word(qtype, 2 * P, 0), 1, 2)], 2, 4)
+        halves = [u | _bit_lanes(qh, lambda l, h=h: l // 16 * 4 + element(h)(l) // 8,
+                                 lambda l, h=h: element(h)(l) % 8, 16) for h, u in enumerate(halves)]
+    elif qtype == "q6_k":    # bits 4-5 of element e: bits 2(e % 16), +1 of its block's h0 (e < 16) or h1
+        h01 = _repeat(ks[row, T.ramp(ks_bit_word(qtype, 2 * P, 0), 1, 4)], 4, 2)
+        halves = [u | _pair_q6_k_high_bits(h01, element(h), h) for h, u in enumerate(halves)]
+    return [T.reinterpret("int8x32", u) for u in halves]
+
+
+def _pair_q6_k_high_bits(h01, element, half):
+    """uint8x32: the 2 high bits of each lane's element at bits 4-5, from h01 (uint32x8: h0, h1 of block 2P, then
+    of 2P + 1, in both 128-bit halves) as quant_matmul_int8._q6_k_high_bits finds them: a byte shuffle, then a
+    shift (the even elements of A lie at bits 0-1 or 4-5 of their bytes, the odd ones of B at 2-3 or 6-7) and two
+    masks."""
+    picked = T.reinterpret("uint32x8", _shuffle_bytes(
+        h01, lambda l: l // 16 * 8 + element(l) // 16 * 4 + element(l) % 16 // 4))
+    left, right = (4, 0) if half == 0 else (2, 2)
+    even_bytes, odd_bytes = T.Broadcast(T.uint32(0x00300030), 8), T.Broadcast(T.uint32(0x30003000), 8)
+    return T.reinterpret("uint8x32", (T.shift_left(picked, T.Broadcast(T.uint32(left), 8)) & even_bytes)
+                         | (T.shift_right(picked, T.Broadcast(T.uint32(right), 8)) & odd_bytes))
+
+
+def _pair_sub_scales(qtype, ks8, row, sb, p):
+    """int16x16: the sub-scale of each 16-bit lane of _pair_quants' A and B (the same for both) for pair p of
+    super-block sb: lanes 0-7 are block 2p's, 8-15 block 2p + 1's; q6_K's 16-element halves: int16 lane j of
+    a block's half-vector covers its elements < 16 where j % 8 < 4."""
+    first = _sub_scale_byte(qtype, sb, 0, 0)
+    if qtype != "q6_k":      # 8 unsigned sub-scales (0-63), zero-extended into each lane's low byte
+        table = T.reinterpret("uint8x32", _repeat(T.reinterpret("uint32x2", ks8[row, T.ramp(first, 1, 8)]), 2, 4))
+        return T.reinterpret("int16x16", _shuffle_bytes(table, lambda l: l % 2 * 128 + (1 - l % 2) * (2 * p + l // 16)))
+    # 16 signed sub-scales into each lane's high byte, then an arithmetic shift sign-extends them
+    table = T.reinterpret("uint8x32", _repeat(T.reinterpret("uint32x4", ks8[row, T.ramp(first, 1, 16)]), 4, 2))
+    high = _shuffle_bytes(table, lambda l: (1 - l % 2) * 128 + l % 2 * (2 * (2 * p + l // 16) + l % 16 // 8))
+    return T.shift_right(T.reinterpret("int16x16", high), T.Broadcast(T.int16(8), 16))
+
+
 @T.macro
-def quantize_activation_superblock(x, src, valid, xq, xd, xo, t, sb, qtype, F):
+def quantize_activation_superblock(x, src, valid, xq, xd, xo, t, sb, qtype, F, pairs=False):
     """Super-block sb of row `src` of x as int8 into row t of xq, each block in the lanes' element order
-    (quant_matmul_int8), with one scale d = max|x| / 127 over its 256 values (ggml's quantize_row_q8_K) into
-    xd[sb, t]; the quants' sums times d into xo[f, block, t], per block (F = 1) or per half (F = 2). Rows not
-    `valid` (a GEMM tile's padding) come out zero."""
+    (quant_matmul_int8), or with `pairs` in the GEMV's pair order (_pair_quants), with one scale d = max|x| / 127
+    over its 256 values (ggml's quantize_row_q8_K) into xd[sb, t]; the quants' sums times d into xo[f, block, t],
+    per block (F = 1) or per half (F = 2). Rows not `valid` (a GEMM tile's padding) come out zero."""
     lanes8 = T.decl_buffer((8,), "float32", scope="global")
     sums8 = T.decl_buffer((2, 8), "float32", scope="global")
     amax = T.decl_buffer((1,), "float32", scope="global")
@@ -87,7 +157,14 @@ def quantize_activation_superblock(x, src, valid, xq, xd, xo, t, sb, qtype, F):
     inv = T.decl_buffer((1,), "float32", scope="global")
     inv[0] = T.Select(amax[0] > T.float32(0), T.float32(1) / d[0], T.float32(0))
     for b in range(BLOCKS):
-        xq[t, T.ramp((sb * BLOCKS + b) * BLOCK, 1, BLOCK)] = _quantized_block(x, src, sb * BLOCKS + b, qtype, inv[0])
+        if pairs:
+            xq[t, T.ramp(_pair_offset(sb * BLOCKS + b, 0), 1, BLOCK // 2)] = T.Shuffle(
+                [_quantized_block(x, src, sb * BLOCKS + b, qtype, inv[0])], list(range(BLOCK // 2)))
+            xq[t, T.ramp(_pair_offset(sb * BLOCKS + b, 1), 1, BLOCK // 2)] = T.Shuffle(
+                [_quantized_block(x, src, sb * BLOCKS + b, qtype, inv[0])], list(range(BLOCK // 2, BLOCK)))
+        else:
+            xq[t, T.ramp((sb * BLOCKS + b) * BLOCK, 1, BLOCK)] = _quantized_block(x, src, sb * BLOCKS + b, qtype,
+                                                                                  inv[0])
         sums8[0, T.ramp(0, 1, 8)] = _half_sum8(x, src, sb * BLOCKS + b, qtype, inv[0], 0)
         sums8[1, T.ramp(0, 1, 8)] = _half_sum8(x, src, sb * BLOCKS + b, qtype, inv[0], 1)
         if F == 2:
@@ -297,7 +374,7 @@ def make_gemv_q8k(qtype: str, N: int, K: int, prefetch_bytes: int = PREFETCH_BYT
         xo = T.decl_buffer((F, NB, 1), "float32")
         xo_blocks = T.decl_buffer((F, NB), "float32", data=xo.data)
         for sb in range(NS):
-            quantize_activation_superblock(x, 0, True, xq, xd, xo, 0, sb, qtype, F)
+            quantize_activation_superblock(x, 0, True, xq, xd, xo, 0, sb, qtype, F, True)
         for c in T.parallel(CHUNKS):
             acc = T.decl_buffer((8,), "float32", scope="global")
             off = T.decl_buffer((8,), "float32", scope="global")
@@ -336,7 +413,7 @@ def make_moe_gemv_q8k(qtype: str, E: int, N: int, K: int, k: int, per_slot: bool
             xd_r = T.decl_buffer((NS, 1), "float32", data=xd.data, elem_offset=r * NS)
             xo_r = T.decl_buffer((F, NB, 1), "float32", data=xo.data, elem_offset=r * F * NB)
             for sb in range(NS):
-                quantize_activation_superblock(x, r, True, xq_r, xd_r, xo_r, 0, sb, qtype, F)
+                quantize_activation_superblock(x, r, True, xq_r, xd_r, xo_r, 0, sb, qtype, F, True)
         for c in T.parallel(n * k * CHUNKS):
             t = T.meta_var(c // (k * CHUNKS))
             j = T.meta_var(c // CHUNKS % k)
@@ -384,12 +461,15 @@ class _GemvRowsQ8K:
                     prefetch(ks_flat, ahead * W + line * (W - 1))
                 for h in T.unroll(2):
                     dot[h, T.ramp(0, 1, 8)] = T.Broadcast(T.int32(0), 8)
-                for b in T.unroll(BLOCKS):
-                    dot[b % 2, T.ramp(0, 1, 8)] = dot[b % 2, T.ramp(0, 1, 8)] + _scaled_dot(
-                        _unsigned_quants(qtype, qs, ks, row, sb * BLOCKS + b, True),
-                        xq[0, T.ramp((sb * BLOCKS + b) * BLOCK, 1, BLOCK)],
-                        _lane_sub_scales(qtype, T.Cast("int16", ks8[row, _sub_scale_byte(qtype, sb, b, 0)]),
-                                         T.Cast("int16", ks8[row, _sub_scale_byte(qtype, sb, b, 1)])))
+                for p in T.unroll(BLOCKS // 2):     # the pair's lanes 0-15 into dot[0], 16-31 into dot[1]
+                    dot[0, T.ramp(0, 1, 8)] = dot[0, T.ramp(0, 1, 8)] + _scaled_dot(
+                        _pair_quants(qtype, qs, ks, row, sb * BLOCKS // 2 + p)[0],
+                        xq[0, T.ramp(_pair_offset(sb * BLOCKS + 2 * p, 0), 1, BLOCK)],
+                        _pair_sub_scales(qtype, ks8, row, sb, p))
+                    dot[1, T.ramp(0, 1, 8)] = dot[1, T.ramp(0, 1, 8)] + _scaled_dot(
+                        _pair_quants(qtype, qs, ks, row, sb * BLOCKS // 2 + p)[1],
+                        xq[0, T.ramp(_pair_offset(sb * BLOCKS + 2 * p, 1), 1, BLOCK)],
+                        _pair_sub_scales(qtype, ks8, row, sb, p))
                 acc[T.ramp(0, 1, 8)] = acc[T.ramp(0, 1, 8)] + T.Cast(
                     "float32x8", dot[0, T.ramp(0, 1, 8)] + dot[1, T.ramp(0, 1, 8)]) * T.Broadcast(
                         ks_super_scale(qtype, ks, row, sb * W) * xd[sb, 0], 8)
