@@ -8,6 +8,7 @@ process on the same threads (read_bandwidth.py, in a process of its own). GB/s c
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
@@ -65,6 +66,7 @@ def main(argv=None) -> int:
     p.add_argument("--working-set", type=float, default=1.2e9, help="bytes of weight copies cycled through")
     p.add_argument("--calls", type=int, default=60)
     args = p.parse_args(argv)
+    os.environ["TVM_NUM_THREADS"] = str(args.threads)     # before the pool starts (read_bandwidth.py says why)
     tvm.get_global_func("runtime.config_threadpool")(1, args.threads)
     read = float(subprocess.run([sys.executable, str(Path(__file__).with_name("read_bandwidth.py")),
                                  str(args.threads)], capture_output=True, text=True, check=True).stdout) / 1e9
