@@ -41,22 +41,21 @@ def profile(model, tokens: int, function: str, sync=None, steps: int = 1) -> tup
         return 0
 
     forward = backend.forward
-    wall = {}
-
-    skip = [1 if function == "decode" and steps > 1 else 0]
+    walls: list[float] = []
+    skipped = [function != "decode" or steps == 1]      # the untimed first decode step, once taken
 
     def timed_forward(name, *args, **kwargs):
-        if name != function or len(wall.get("calls", ())) == steps:
+        if name != function or len(walls) == steps:
             return forward(name, *args, **kwargs)
-        if skip[0]:
-            skip[0] -= 1
+        if not skipped[0]:
+            skipped[0] = True
             return forward(name, *args, **kwargs)
         vm.set_instrument(instrument)
         t = time.perf_counter()
         try:
             return forward(name, *args, **kwargs)
         finally:
-            wall.setdefault("calls", []).append(time.perf_counter() - t)
+            walls.append(time.perf_counter() - t)
             vm.set_instrument(None)
 
     ids = np.random.default_rng(0).integers(100, 20000, tokens).tolist()
@@ -71,7 +70,7 @@ def profile(model, tokens: int, function: str, sync=None, steps: int = 1) -> tup
             for _ in range(steps + (steps > 1)):
                 token = int(np.argmax(s.decode(token)))
     backend.forward = forward
-    return dict(totals), sum(wall["calls"])
+    return dict(totals), sum(walls)
 
 
 def main() -> None:

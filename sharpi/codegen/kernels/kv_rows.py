@@ -42,7 +42,7 @@ def view_spec(fmt: KVFormat, pages, which: int, scales: bool) -> dict:
 class SlotRows:
     """The views of one kernel's pool, and element reads through the codecs."""
 
-    def __init__(self, fmt: KVFormat, kq, ks, vq, vs, pool_bytes=None):
+    def __init__(self, fmt: KVFormat, kq, ks, vq, vs, pool_bytes):
         self.fmt = fmt
         self.quants, self.scales = (kq, vq), (ks, vs)
         self.pool_bytes = pool_bytes

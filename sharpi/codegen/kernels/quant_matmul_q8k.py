@@ -157,14 +157,14 @@ def quantize_activation_superblock(x, src, valid, xq, xd, xo, t, sb, qtype, F, p
     inv = T.decl_buffer((1,), "float32", scope="global")
     inv[0] = T.Select(amax[0] > T.float32(0), T.float32(1) / d[0], T.float32(0))
     for b in range(BLOCKS):
+        quants = T.meta_var(_quantized_block(x, src, sb * BLOCKS + b, qtype, inv[0]))
         if pairs:
             xq[t, T.ramp(_pair_offset(sb * BLOCKS + b, 0), 1, BLOCK // 2)] = T.Shuffle(
-                [_quantized_block(x, src, sb * BLOCKS + b, qtype, inv[0])], list(range(BLOCK // 2)))
+                [quants], list(range(BLOCK // 2)))
             xq[t, T.ramp(_pair_offset(sb * BLOCKS + b, 1), 1, BLOCK // 2)] = T.Shuffle(
-                [_quantized_block(x, src, sb * BLOCKS + b, qtype, inv[0])], list(range(BLOCK // 2, BLOCK)))
+                [quants], list(range(BLOCK // 2, BLOCK)))
         else:
-            xq[t, T.ramp((sb * BLOCKS + b) * BLOCK, 1, BLOCK)] = _quantized_block(x, src, sb * BLOCKS + b, qtype,
-                                                                                  inv[0])
+            xq[t, T.ramp((sb * BLOCKS + b) * BLOCK, 1, BLOCK)] = quants
         sums8[0, T.ramp(0, 1, 8)] = _half_sum8(x, src, sb * BLOCKS + b, qtype, inv[0], 0)
         sums8[1, T.ramp(0, 1, 8)] = _half_sum8(x, src, sb * BLOCKS + b, qtype, inv[0], 1)
         if F == 2:
@@ -462,14 +462,12 @@ class _GemvRowsQ8K:
                 for h in T.unroll(2):
                     dot[h, T.ramp(0, 1, 8)] = T.Broadcast(T.int32(0), 8)
                 for p in T.unroll(BLOCKS // 2):     # the pair's lanes 0-15 into dot[0], 16-31 into dot[1]
+                    quants = T.meta_var(_pair_quants(qtype, qs, ks, row, sb * BLOCKS // 2 + p))
+                    scales = T.meta_var(_pair_sub_scales(qtype, ks8, row, sb, p))
                     dot[0, T.ramp(0, 1, 8)] = dot[0, T.ramp(0, 1, 8)] + _scaled_dot(
-                        _pair_quants(qtype, qs, ks, row, sb * BLOCKS // 2 + p)[0],
-                        xq[0, T.ramp(_pair_offset(sb * BLOCKS + 2 * p, 0), 1, BLOCK)],
-                        _pair_sub_scales(qtype, ks8, row, sb, p))
+                        quants[0], xq[0, T.ramp(_pair_offset(sb * BLOCKS + 2 * p, 0), 1, BLOCK)], scales)
                     dot[1, T.ramp(0, 1, 8)] = dot[1, T.ramp(0, 1, 8)] + _scaled_dot(
-                        _pair_quants(qtype, qs, ks, row, sb * BLOCKS // 2 + p)[1],
-                        xq[0, T.ramp(_pair_offset(sb * BLOCKS + 2 * p, 1), 1, BLOCK)],
-                        _pair_sub_scales(qtype, ks8, row, sb, p))
+                        quants[1], xq[0, T.ramp(_pair_offset(sb * BLOCKS + 2 * p, 1), 1, BLOCK)], scales)
                 acc[T.ramp(0, 1, 8)] = acc[T.ramp(0, 1, 8)] + T.Cast(
                     "float32x8", dot[0, T.ramp(0, 1, 8)] + dot[1, T.ramp(0, 1, 8)]) * T.Broadcast(
                         ks_super_scale(qtype, ks, row, sb * W) * xd[sb, 0], 8)
