@@ -77,3 +77,29 @@ def test_unscheduled_functions_are_what_it_replaces():
     lowered = _lower(_ffn_and_norm_module(96), make_target(None), fast=False, scheduled=False)
     prims = [f for _, f in lowered.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
     assert prims and not any("T.parallel" in f.script() for f in prims)
+
+
+@pytest.mark.parametrize("tokens", [1, 21])
+def test_scheduled_weighted_sum_of_experts_matches_numpy(tokens):
+    """A mixture's output, sum_j weights[t, j] * y[t, j, :] (blocks.py): one block summing over the middle axis,
+    scheduled with a parallel row loop (unless one row) and the reduction outside the width loop; as numpy's."""
+    slots, dim = 8, 96
+    n = tvm.tirx.Var("n", "int64")
+    bb = relax.BlockBuilder()
+    y = relax.Var("y", relax.TensorType((n, slots, dim), "float32"))
+    w = relax.Var("w", relax.TensorType((n, slots), "float32"))
+    with bb.function("main", [y, w]):
+        with bb.dataflow():
+            out = bb.emit_output(bb.emit(R.sum(R.multiply(y, R.expand_dims(w, [-1])), axis=[1])))
+        bb.emit_func_output(out)
+    target = make_target(None)
+    lowered = _lower(bb.get(), target, fast=True, scheduled=True)
+    (prim,) = [f for _, f in lowered.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
+    assert "T.parallel" in prim.script() and "T.vectorized" in prim.script()     # the rule applied
+    assert "sblock_alloc_buffer" not in prim.script()                          # no [n, k, dim] intermediate
+    rng = np.random.default_rng(1)
+    ys = rng.standard_normal((tokens, slots, dim)).astype(np.float32)
+    ws = rng.random((tokens, slots)).astype(np.float32)
+    vm = relax.VirtualMachine(build_executable(lowered, target), tvm.cpu())
+    got = vm["main"](tvm.runtime.tensor(ys), tvm.runtime.tensor(ws)).numpy()
+    np.testing.assert_allclose(got, np.einsum("tjd,tj->td", ys.astype(np.float64), ws), rtol=1e-5, atol=1e-6)

@@ -382,3 +382,23 @@ def test_moe_q8k_gemm_groups_the_tokens_by_expert(qtype, per_slot, rng, monkeypa
     got = _run_q8k(lambda q_, n_, k_: make_moe_gemm_q8k(q_, experts, n, k_, slots, per_slot), q, parts,
                    experts * n, k, x, ids=ids, out_shape=(tokens, slots, n))
     _check_moe_rows(got, x, ids, q, parts, n, per_slot, block=256)
+
+
+@_AMX
+@pytest.mark.parametrize("per_slot", [False, True], ids=["shared-input", "per-slot-input"])
+@pytest.mark.parametrize("qtype", ["q4_k", "q5_k", "q6_k"])
+def test_moe_amx_gemm_groups_the_tokens_by_expert(qtype, per_slot, rng, monkeypatch):
+    """The AMX prompt MoE GEMM on the compact K-quant layout (quants and `ks`, the f32 scale planes NaN):
+    activations per 32 as the dense AMX GEMM's; 40 rows an expert (16-row groups, the last short) unpacked two
+    groups at a time, an expert with two tiles, one with none, cut tiles, clamped ids."""
+    from sharpi.codegen.kernels.quant_matmul_amx import make_moe_gemm_amx
+    monkeypatch.setattr(quant_matmul_amx, "ROW_BLOCK_BYTES", 2 * 16 * 768)
+    experts, n, k, slots, tokens = 4, 40, 768, 2, 37
+    q, parts = _weight(qtype, experts * n, k, rng)
+    ids = _moe_ids(rng, tokens, slots, experts)
+    ids[:quant_matmul_amx.TILE + 3, 0] = 0                     # expert 0's run: more than one 16-token tile
+    x = rng.standard_normal((tokens, slots, k) if per_slot else (tokens, k)).astype(np.float32)
+    x[1, ..., 32:64] = 0                                      # a zero block
+    got = _run_q8k(lambda q_, n_, k_: make_moe_gemm_amx(q_, experts, n, k_, slots, per_slot), q, parts,
+                   experts * n, k, x, ids=ids, out_shape=(tokens, slots, n))
+    _check_moe_rows(got, x, ids, q, parts, n, per_slot)

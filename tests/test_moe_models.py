@@ -102,7 +102,8 @@ def _k_quant_experts(layers: int, experts: int, dim: int, ffn: int, rng) -> dict
 @pytest.mark.parametrize("mcpu", [None, "x86-64-v3"])
 def test_k_quant_experts_are_stored_near_the_gguf_size(mcpu, tmp_path, rng):
     """A qwen3moe with K-quant experts: on any CPU with integer dots the experts are stored as (qs, ks), about the
-    GGUF's bytes (quant_layout: at most 1.03x), and multiplied by quant_matmul_q8k's kernels; with AVX2 alone
+    GGUF's bytes (quant_layout: at most 1.03x), and multiplied by quant_matmul_q8k's kernels (a prompt's by
+    quant_matmul_amx's where the CPU has AMX); with AVX2 alone
     (x86-64-v3) every K-quant is, elsewhere the dense ones keep `s`. The logits stay within the int8 tolerance of
     the reference through prefill and decode."""
     from sharpi.testing.conformance import tolerance_for
@@ -119,7 +120,8 @@ def test_k_quant_experts_are_stored_near_the_gguf_size(mcpu, tmp_path, rng):
         assert f"{name}:ks" in params and f"{name}:s" not in params, name
         stored = sum(int(np.prod(params[f"{name}:{part}"].shape)) * 4 for part in ("qs", "ks"))
         assert stored <= 1.03 * blocks.nbytes, (name, stored / blocks.nbytes)
-    assert any(k.startswith("moe_gemm_q8k") for k in model.manifest.kernels)
+    prompt_kernel = "moe_gemm_amx" if model.manifest.target.get("int8_isa") == "amx" else "moe_gemm_q8k"
+    assert any(k.startswith(prompt_kernel) for k in model.manifest.kernels)
     assert any(k.startswith("moe_gemv_q8k") for k in model.manifest.kernels)
     want = log_softmax(NumpyReference(path).forward(IDS))[29:40]
     with model.session() as s:

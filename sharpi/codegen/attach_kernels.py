@@ -27,7 +27,7 @@ from .kernels.paged_attention import (make_kv_append, make_kv_append_batch, make
 from ..common.quant_layout import KERNEL_PARTS, QUANTIZED, SUB_SCALES
 from .kernels.quant_matmul_int8 import (INT8_DOT_TYPES, make_gemm_int8, make_gemv_int8, make_moe_gemm_int8,
                                         make_moe_gemv_int8)
-from .kernels.quant_matmul_amx import make_gemm_amx
+from .kernels.quant_matmul_amx import make_gemm_amx, make_moe_gemm_amx
 from .kernels.quant_matmul_q8k import (Q8K_TYPES, make_gemm_q8k, make_gemv_q8k, make_moe_gemm_q8k,
                                        make_moe_gemv_q8k)
 from .kernels.quant_matmul_vnni512 import make_gemm_vnni512, vnni512_fits
@@ -254,9 +254,10 @@ class KernelAttacher(relax.PyExprMutator):
 
     def _moe_matmul(self, args, ty):
         """The gathered matmul of the chosen experts, fused with the experts' dequantize as a matmul is: with
-        integer dots where the CPU has them for the type (a K-quant stored as (qs, ks) through quant_matmul_q8k's
-        kernels, which every x86 target does for experts), a prompt's tokens grouped by expert through a GEMM, a
-        decode step's each through the GEMV of its experts' rows; float32 otherwise; the GPU kernels on a GPU."""
+        integer dots where the CPU has them for the type (a K-quant stored as (qs, ks), as every x86 target stores
+        experts, through quant_matmul_q8k's kernels, or a prompt's through quant_matmul_amx's tiles where the CPU
+        has them), a prompt's tokens grouped by expert through a GEMM, a decode step's each through the GEMV of
+        its experts' rows; float32 otherwise; the GPU kernels on a GPU."""
         x, ids, experts = args
         source = self._dequantize_source(experts)
         if source is None:
@@ -271,7 +272,9 @@ class KernelAttacher(relax.PyExprMutator):
                              lambda: gpu_moe.make_gpu_moe_matmul(qtype, *shape, tokens, self.scale_prefixes))
             return relax.call_tir(gv, [x, ids, *self._gpu_parts(qtype, parts, rows, k_in)], ty)
         sub_scales = self._reads_sub_scales(qtype, parts)
-        if sub_scales and tokens is None:
+        if sub_scales and tokens is None and self.int8_isa == "amx":
+            gv = self.kernel(("moe_gemm_amx", qtype, *shape), lambda: make_moe_gemm_amx(qtype, *shape))
+        elif sub_scales and tokens is None:
             gv = self.kernel(("moe_gemm_q8k", qtype, *shape), lambda: make_moe_gemm_q8k(qtype, *shape))
         elif sub_scales:
             gv = self.kernel(("moe_gemv_q8k", qtype, *shape, tokens), lambda: make_moe_gemv_q8k(qtype, *shape, tokens))

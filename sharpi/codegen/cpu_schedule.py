@@ -40,7 +40,7 @@ def _is_hand_written(func: tirx.PrimFunc) -> bool:
 
 def _schedule_one(func: tirx.PrimFunc, target) -> tirx.PrimFunc | None:
     """The function scheduled, or None when neither rule fits (it then compiles as written)."""
-    for rule in (_schedule_elementwise, _schedule_row_reduction):
+    for rule in (_schedule_elementwise, _schedule_row_reduction, _schedule_inner_reduction):
         try:
             sch = rule(func, target)
         except Exception:   # a rule that does not fit this function's structure; the next one may
@@ -89,6 +89,26 @@ def _schedule_row_reduction(func: tirx.PrimFunc, target):
     for block in blocks[:-1]:
         if block.is_injective():
             _vectorize_inner(sch, sch.get_loops(block.block_rv)[-1])
+    return sch
+
+
+def _schedule_inner_reduction(func: tirx.PrimFunc, target):
+    """One block summing over a middle axis into [rows, width] (a mixture's weighted sum of its k experts'
+    outputs): parallel over rows, the reduction loop moved outside the width loop, which then gets 8 lanes (left
+    as written it was a scalar pass per product and one per sum over a whole [n, k, width] intermediate)."""
+    sch, blocks = _inlined(func)
+    if sch is None or len(blocks) != 1 or blocks[0].is_injective():
+        return None
+    block = blocks[0].block_rv
+    loops = sch.get_loops(block)
+    kinds = blocks[0].dom_kind()
+    if len(loops) != 3 or kinds != "SSR":
+        return None
+    row, width, reduce = loops
+    sch.reorder(reduce, width)
+    _parallel_unless_one(sch, row)
+    init = sch.decompose_reduction(block, reduce)
+    _vectorize_inner(sch, sch.get_loops(init)[-1])
     return sch
 
 

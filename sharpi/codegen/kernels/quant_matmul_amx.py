@@ -26,15 +26,18 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from ...common.quant_layout import BLOCK, LAYOUTS
+from ...common.quant_layout import BLOCK, FLOAT_PLANES, K_QUANTS, KS_WORDS, LAYOUTS, SUPER_BLOCK
 from .common import ceil_div, token_count
-from .quant_matmul import cpu_quants
+from .moe import group_by_expert, grouped_input_row, grouped_rows
+from .quant_matmul import cpu_quants, ks_offset_byte, ks_sub_scale_byte, ks_super_min, ks_super_scale
 from .quant_matmul_int8 import (AMX_GROUPS, INT8_DOT_TYPES, TASKS, _unsigned_quants, _wide_offset,
                                 quantize_activation_block, tile_offset)
 
 TILE = 16                   # tokens of a B tile, weight rows of an A tile, and both sides of the int32 result
 ROW_BLOCK_BYTES = 512 << 10  # unpacked weights a task holds while every token tile passes over them (in L2)
 _WORDS = BLOCK // 4          # int32 groups of 4 bytes a block
+_BLOCKS = SUPER_BLOCK // BLOCK   # blocks a K-quant super-block
+_EVEN, _ODD = list(range(0, 2 * _BLOCKS, 2)), list(range(1, 2 * _BLOCKS, 2))   # q6_k's halves' sub-scales
 
 
 def _tile_config(halves: int) -> list[int]:
@@ -63,13 +66,14 @@ def _amx(name, *args):
     return T.evaluate(T.call_llvm_intrin("void", f"llvm.x86.{name}", *args))
 
 
-def _unsigned_block(qtype, qs, s, row, b):
+def _unsigned_block(qtype, qs, s, row, b, from_ks=False):
     """int32x8: block b of `row` as unsigned bytes, its groups in AMX_GROUPS' order (q8_0 offset by 128, as in
-    the 512-bit kernels: its offset term is _wide_offset's)."""
+    the 512-bit kernels: its offset term is _wide_offset's); a K-quant's bit fields from `ks` (passed as s) where
+    from_ks."""
     if qtype == "q8_0":
         u = qs[row, T.ramp(b * BLOCK, 1, BLOCK)] ^ T.Broadcast(T.int8(-128), BLOCK)
     else:
-        u = _unsigned_quants(qtype, qs, s, row, b)
+        u = _unsigned_quants(qtype, qs, s, row, b, from_ks)
     return T.Shuffle([T.reinterpret("int32x8", u)], AMX_GROUPS)
 
 
@@ -108,6 +112,25 @@ def _drain(results, slot, acc_low, acc_high, s, xd, xo, offset, row0, N, b, t0, 
     for h in T.unroll(halves):
         _drain_rows(results, slot, h, acc_low, 0, s, xd, xo, offset, row0, N, b, t0, halves)
         _drain_rows(results, slot, h, acc_high, TILE // 2, s, xd, xo, offset, row0, N, b, t0, halves)
+
+
+@T.macro
+def _tile_by_group(w, xq, mine, acc_low, acc_high, s, xd, xo, offset, row0, N, g, tt, NB, K, halves):
+    """Token tile tt times the unpacked rows of group g (scale row row0 on), every block, into acc_low and
+    acc_high: two blocks in flight, the tile unit multiplying one while the other drains."""
+    for m in T.unroll(TILE // 2):
+        acc_low[m, T.ramp(0, 1, TILE)] = T.Broadcast(T.float32(0), TILE)
+        acc_high[m, T.ramp(0, 1, TILE)] = T.Broadcast(T.float32(0), TILE)
+    t0 = T.meta_var(tt * TILE)
+    _multiply(w, xq, mine, g, 0, tt, NB, K, halves, 0)
+    for bp in range((NB + 1) // 2):
+        if 2 * bp + 1 < NB:
+            _multiply(w, xq, mine, g, 2 * bp + 1, tt, NB, K, halves, 1)
+        _drain(mine, 0, acc_low, acc_high, s, xd, xo, offset, row0, N, 2 * bp, t0, halves)
+        if 2 * bp + 1 < NB:
+            if 2 * bp + 2 < NB:
+                _multiply(w, xq, mine, g, 2 * bp + 2, tt, NB, K, halves, 0)
+            _drain(mine, 1, acc_low, acc_high, s, xd, xo, offset, row0, N, 2 * bp + 1, t0, halves)
 
 
 def make_gemm_amx(qtype: str, N: int, K: int):
@@ -164,19 +187,7 @@ def make_gemm_amx(qtype: str, N: int, K: int):
                 for tt in range(tiles):
                     for g in range(block_groups):
                         row0 = T.meta_var(first + g * TILE)
-                        for m in T.unroll(TILE // 2):
-                            acc_low[m, T.ramp(0, 1, TILE)] = T.Broadcast(T.float32(0), TILE)
-                            acc_high[m, T.ramp(0, 1, TILE)] = T.Broadcast(T.float32(0), TILE)
-                        t0 = T.meta_var(tt * TILE)
-                        _multiply(w, xq, mine, g, 0, tt, NB, K, halves, 0)
-                        for bp in range((NB + 1) // 2):
-                            if 2 * bp + 1 < NB:
-                                _multiply(w, xq, mine, g, 2 * bp + 1, tt, NB, K, halves, 1)
-                            _drain(mine, 0, acc_low, acc_high, s, xd, xo, offset, row0, N, 2 * bp, t0, halves)
-                            if 2 * bp + 1 < NB:
-                                if 2 * bp + 2 < NB:
-                                    _multiply(w, xq, mine, g, 2 * bp + 2, tt, NB, K, halves, 0)
-                                _drain(mine, 1, acc_low, acc_high, s, xd, xo, offset, row0, N, 2 * bp + 1, t0,
+                        _tile_by_group(w, xq, mine, acc_low, acc_high, s, xd, xo, offset, row0, N, g, tt, NB, K,
                                        halves)
                         for m in range(TILE // 2):
                             for t in range(TILE):
@@ -188,3 +199,137 @@ def make_gemm_amx(qtype: str, N: int, K: int):
             _amx("tilerelease")
 
     return quant_gemm_amx
+
+
+@T.macro
+def _block_scales(qtype, ks, ks8, sl, r, row, sb):
+    """Super-block sb's 8 blocks' scale fields of `row` into sl[:, r] as `s` would hold them (quant_layout):
+    d_super times the integer sub-scales (q6_k: each half's), and -dmin times the mins; 8 lanes at a time."""
+    first = T.meta_var(sb * KS_WORDS[qtype])
+    d_super = T.meta_var(T.Broadcast(ks_super_scale(qtype, ks, row, first), _BLOCKS))
+    if qtype == "q6_k":
+        signed = T.meta_var(ks8[row, T.ramp(ks_sub_scale_byte(qtype, first, 0, 0), 1, 2 * _BLOCKS)])
+        sl[0, r, T.ramp(sb * _BLOCKS, 1, _BLOCKS)] = T.Cast("float32x8", T.Shuffle([signed], _EVEN)) * d_super
+        sl[1, r, T.ramp(sb * _BLOCKS, 1, _BLOCKS)] = T.Cast("float32x8", T.Shuffle([signed], _ODD)) * d_super
+    else:    # sub-scales and mins are 0-63: positive as int8
+        sl[0, r, T.ramp(sb * _BLOCKS, 1, _BLOCKS)] = T.Cast("float32x8", ks8[
+            row, T.ramp(ks_sub_scale_byte(qtype, first, 0, 0), 1, _BLOCKS)]) * d_super
+        sl[1, r, T.ramp(sb * _BLOCKS, 1, _BLOCKS)] = T.Cast("float32x8", ks8[
+            row, T.ramp(ks_offset_byte(qtype, first, 0, 0), 1, _BLOCKS)]) * T.Broadcast(
+                -ks_super_min(ks, row, first), _BLOCKS)
+
+
+@T.macro
+def _copy_tile_column(xt, xtd, xto, src, valid, xq, xd, xo, p, b, NB, F):
+    """Token src's quantized block b (B-tile layout, scale and sums) to position p's place (zeros where not valid:
+    a tile's padding)."""
+    for j in T.unroll(_WORDS):
+        xq[((p // TILE) * NB + b) * _WORDS * TILE + j * TILE + p % TILE] = T.Select(
+            valid, xt[((src // TILE) * NB + b) * _WORDS * TILE + j * TILE + src % TILE], 0)
+    xd[b, p] = T.Select(valid, xtd[b, src], T.float32(0))
+    for f in T.unroll(F):
+        xo[f, b, p] = T.Select(valid, xto[f, b, src], T.float32(0))
+
+
+def make_moe_gemm_amx(qtype: str, E: int, N: int, K: int, k: int, per_slot: bool):
+    """PrimFunc (x [n, K] (or [n, k, K] where per_slot), ids [n, k] int32, qs, ks of the experts' [E * N, K],
+    y [n, k, N]), n symbolic: ops.MOE_MATMUL for a prompt on AMX, make_gemm_amx on each expert's tokens.
+
+    The experts are K-quants stored as (qs, ks) (a mixture's compact layout). The (token, slot) pairs are sorted by
+    expert (moe.group_by_expert, runs padded to whole tiles of 16) and quantized in that order into B tiles. A task
+    is one block of an expert's rows (ROW_BLOCK_BYTES unpacked, in L2): it unpacks them to unsigned bytes and their
+    per-32 scales (d_super times the sub-scale, as `s` would hold them: exact in f32) once, and that expert's
+    token tiles pass over them as make_gemm_amx's tiles pass over a dense matrix's rows. (Tasks that cut across
+    the experts, a few rows of each, read every tile once per few rows: the tiles of a prompt, ~9 MB at K = 2048,
+    then stream from memory dozens of times a call.) The integer products are make_gemm_amx's (activations per
+    32, ggml's q8_0 rule), not the AVX2 kernel's per-256 ones."""
+    assert qtype in K_QUANTS and K % SUPER_BLOCK == 0, (qtype, K)
+    NB, NS = K // BLOCK, K // SUPER_BLOCK
+    qs_shape, qs_dtype = cpu_quants(qtype, E * N, K)
+    KS = NS * KS_WORDS[qtype]
+    PLANES = FLOAT_PLANES[qtype]      # a K-quant's two: its scale and its minimum (q6_k: its halves' scales)
+    assert PLANES == 2, qtype
+    halves = 2 if qtype == "q6_k" else 1
+    offset = _wide_offset(qtype)
+    F = max(1, len(offset[0]))
+    BLOCK_GROUPS = max(1, min(ceil_div(N, TILE), ROW_BLOCK_BYTES // (TILE * K)))
+    BLOCK_ROWS = BLOCK_GROUPS * TILE
+    ROW_BLOCKS = ceil_div(N, BLOCK_ROWS)         # tasks an expert
+    CONFIG = _tile_config(halves)
+    R = k if per_slot else 1
+    n = token_count(None)
+    P = grouped_rows(n, k, E, TILE)
+    tiles = (P + TILE - 1) // TILE
+    token_tiles = (n + TILE - 1) // TILE
+
+    @T.prim_func
+    def moe_gemm_amx(var_x: T.handle, var_ids: T.handle, qs: T.Buffer(qs_shape, qs_dtype),
+                     ks: T.Buffer((E * N, KS), "uint32"), var_y: T.handle):
+        T.func_attr({"tirx.noalias": True, "op_pattern": 8})
+        x_data = T.match_buffer(var_x, (n, R, K) if per_slot else (n, K), "float32")
+        ids = T.match_buffer(var_ids, (n, k), "int32")
+        y_data = T.match_buffer(var_y, (n, k, N), "float32")
+        x = T.decl_buffer((n * R, K), "float32", data=x_data.data)
+        y = T.decl_buffer((n * k, N), "float32", data=y_data.data)
+        bounds = T.decl_buffer((E + 1,), "int32")
+        pair = T.decl_buffer((P,), "int32")
+        fill = T.decl_buffer((E,), "int32")
+        xq = T.decl_buffer((tiles * NB * _WORDS * TILE,), "int32")    # B tiles: [tile, block, group, token]
+        xd = T.decl_buffer((NB, tiles * TILE), "float32")
+        xo = T.decl_buffer((F, NB, tiles * TILE), "float32")
+        results = T.decl_buffer((E * ROW_BLOCKS * 2 * halves * TILE * TILE,), "int32")   # each task's tiles
+        ks8 = T.decl_buffer((E * N, KS * 4), "int8", data=ks.data)
+        group_by_expert(ids, n, k, E, TILE, bounds, pair, fill)
+        if per_slot:
+            for p in T.parallel(P):
+                for b in range(NB):
+                    quantize_activation_block(x, grouped_input_row(pair, p, k, R), pair[p] >= 0, xq, xd, xo, p, b,
+                                              qtype, F, "tiles")
+        else:    # each token quantized once, then copied to its k places
+            xt = T.decl_buffer((token_tiles * NB * _WORDS * TILE,), "int32")
+            xtd = T.decl_buffer((NB, token_tiles * TILE), "float32")
+            xto = T.decl_buffer((F, NB, token_tiles * TILE), "float32")
+            for t in T.parallel(n):
+                for b in range(NB):
+                    quantize_activation_block(x, t, True, xt, xtd, xto, t, b, qtype, F, "tiles")
+            for p in T.parallel(P):
+                for b in range(NB):
+                    _copy_tile_column(xt, xtd, xto, grouped_input_row(pair, p, k, R), pair[p] >= 0, xq, xd, xo, p,
+                                      b, NB, F)
+        for c in T.parallel(E * ROW_BLOCKS):
+            # block-major: the parallel loop hands each thread a contiguous run of tasks, which then holds the
+            # same row blocks of every expert rather than every row block of some (whose loads differ)
+            e = T.meta_var(c % E)
+            first = T.meta_var(c // E * BLOCK_ROWS)                       # the block's first row in the expert
+            if bounds[e + 1] > bounds[e]:
+                cfg = T.decl_buffer((8,), "int64", scope="global")
+                mine = T.decl_buffer((2, halves, TILE, TILE), "int32", data=results.data,
+                                     elem_offset=c * 2 * halves * TILE * TILE)
+                acc_low = T.decl_buffer((TILE // 2, TILE), "float32", scope="global")
+                acc_high = T.decl_buffer((TILE // 2, TILE), "float32", scope="global")
+                w = T.decl_buffer((BLOCK_ROWS, NB * _WORDS), "int32")        # A tiles: unpacked rows
+                sl = T.decl_buffer((PLANES, BLOCK_ROWS, NB), "float32")      # their scales, as `s` holds them
+                for i in T.unroll(8):
+                    cfg[i] = _pick(CONFIG, i)
+                _amx("ldtilecfg", T.address_of(cfg[0]))
+                block_groups = T.meta_var(T.min(BLOCK_GROUPS, (N - first + TILE - 1) // TILE))
+                for r in range(block_groups * TILE):
+                    row = T.meta_var(e * N + T.min(first + r, N - 1))
+                    for b in range(NB):
+                        w[r, T.ramp(b * _WORDS, 1, _WORDS)] = _unsigned_block(qtype, qs, ks, row, b, True)
+                    for sb in range(NS):
+                        _block_scales(qtype, ks, ks8, sl, r, row, sb)
+                for tt in range(bounds[e] // TILE, bounds[e + 1] // TILE):
+                    for g in range(block_groups):
+                        _tile_by_group(w, xq, mine, acc_low, acc_high, sl, xd, xo, offset, g * TILE, BLOCK_ROWS, g,
+                                       tt, NB, K, halves)
+                        for m in range(TILE // 2):
+                            for t in range(TILE):
+                                if pair[tt * TILE + t] >= 0:
+                                    if first + g * TILE + m < N:
+                                        y[pair[tt * TILE + t], first + g * TILE + m] = acc_low[m, t]
+                                    if first + g * TILE + TILE // 2 + m < N:
+                                        y[pair[tt * TILE + t], first + g * TILE + TILE // 2 + m] = acc_high[m, t]
+                _amx("tilerelease")
+
+    return moe_gemm_amx
