@@ -208,6 +208,22 @@ def test_amx_gemm_in_row_blocks(qtype, rng, monkeypatch):
 
 
 @_AMX
+@pytest.mark.parametrize("qtype", ["q4_k", "q5_k", "q6_k"])
+def test_amx_gemm_reads_the_compact_k_quant_layout(qtype, rng, monkeypatch):
+    """The AMX GEMM on a K-quant stored as (qs, ks) (the f32 scale planes never read): each task rebuilds its rows'
+    per-32 scales from the integer sub-scales; rows in blocks of two 16-row groups, the last short, a cut tile."""
+    n, k = 16 * 5 + 3, 768
+    q, parts = _weight(qtype, n, k, rng)
+    monkeypatch.setattr(quant_matmul_amx, "TASKS", 2)
+    monkeypatch.setattr(quant_matmul_amx, "ROW_BLOCK_BYTES", 2 * 16 * k)
+    x = rng.standard_normal((quant_matmul_amx.TILE + 9, k)).astype(np.float32)
+    x[2, 256:288] = 0                                 # a zero block
+    got = _run_q8k(lambda q_, n_, k_: make_gemm_amx(q_, n_, k_, sub_scales=True), q, parts, n, k, x)
+    want = _expected(q, parts, x)
+    assert (np.abs(got - want).max(-1) <= 2e-5 * np.abs(want).max(-1)).all()
+
+
+@_AMX
 def test_the_amx_gemm_runs_on_tiles():
     """The AMX GEMM configures the tiles, multiplies with tdpbusd and releases them; its per-task scratch is the
     unpacked weights alone (the accumulators stay in registers)."""

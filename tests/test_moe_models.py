@@ -103,8 +103,8 @@ def _k_quant_experts(layers: int, experts: int, dim: int, ffn: int, rng) -> dict
 def test_k_quant_experts_are_stored_near_the_gguf_size(mcpu, tmp_path, rng):
     """A qwen3moe with K-quant experts: on any CPU with integer dots the experts are stored as (qs, ks), about the
     GGUF's bytes (quant_layout: at most 1.03x), and multiplied by quant_matmul_q8k's kernels (a prompt's by
-    quant_matmul_amx's where the CPU has AMX); with AVX2 alone
-    (x86-64-v3) every K-quant is, elsewhere the dense ones keep `s`. The logits stay within the int8 tolerance of
+    quant_matmul_amx's where the CPU has AMX); with AVX2 alone (x86-64-v3) or AMX every K-quant is, with AVX-512
+    VNNI alone the dense ones keep `s`. The logits stay within the int8 tolerance of
     the reference through prefill and decode."""
     from sharpi.testing.conformance import tolerance_for
     experts, dim, ffn = 8, 256, 256

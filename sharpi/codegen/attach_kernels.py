@@ -206,7 +206,10 @@ class KernelAttacher(relax.PyExprMutator):
                              lambda: make_gpu_matmul(qtype, n_out, k_in, tokens, self.scale_prefixes))
             return relax.call_tir(gv, [call.args[0], *self._gpu_parts(qtype, parts, n_out, k_in)], call.ty)
         sub_scales = self._reads_sub_scales(qtype, parts)
-        if sub_scales:
+        if sub_scales and tokens != 1 and self.int8_isa == "amx":
+            gv = self.kernel(("gemm_amx", qtype, n_out, k_in, "ks"),
+                             lambda: make_gemm_amx(qtype, n_out, k_in, sub_scales=True))
+        elif sub_scales:
             make = make_gemv_q8k if tokens == 1 else make_gemm_q8k
             gv = self.kernel((f"{'gemv' if tokens == 1 else 'gemm'}_q8k", qtype, n_out, k_in),
                              lambda: make(qtype, n_out, k_in))

@@ -133,15 +133,17 @@ def _tile_by_group(w, xq, mine, acc_low, acc_high, s, xd, xo, offset, row0, N, g
             _drain(mine, 1, acc_low, acc_high, s, xd, xo, offset, row0, N, 2 * bp + 1, t0, halves)
 
 
-def make_gemm_amx(qtype: str, N: int, K: int):
+def make_gemm_amx(qtype: str, N: int, K: int, sub_scales: bool = False):
     """PrimFunc (x [n, K] f32, *weight parts, y [n, N] f32), n symbolic: quant_matmul_int8.make_gemm_int8's
     arithmetic on AMX tiles. Tasks take runs of whole 16-row groups; a task unpacks ROW_BLOCK rows at a time,
     then for each tile of 16 tokens and each group of 16 rows runs a tdpbusd per block (two for q6_k) and drains
-    it into the group's float accumulators."""
+    it into the group's float accumulators. sub_scales: the weight is a K-quant stored as (qs, ks), whose per-32
+    scales the task rebuilds as it unpacks (_unpack_row)."""
     assert qtype in INT8_DOT_TYPES and K % BLOCK == 0, (qtype, K)
-    NB = K // BLOCK
+    assert not sub_scales or qtype in K_QUANTS, qtype
+    NB, NS = K // BLOCK, K // SUPER_BLOCK
     qs_shape, qs_dtype = cpu_quants(qtype, N, K)
-    S = LAYOUTS[qtype][1][2](N, K)[0]
+    scales_shape = (N, NS * KS_WORDS[qtype]) if sub_scales else (LAYOUTS[qtype][1][2](N, K)[0], N, NB)
     halves = 2 if qtype == "q6_k" else 1
     offset = _wide_offset(qtype)
     F = max(1, len(offset[0]))
@@ -149,13 +151,15 @@ def make_gemm_amx(qtype: str, N: int, K: int):
     CHUNKS = min(TASKS, GROUPS)
     GROUPS_PER_TASK = ceil_div(GROUPS, CHUNKS)
     BLOCK_GROUPS = max(1, min(GROUPS_PER_TASK, ROW_BLOCK_BYTES // (TILE * K)))
+    BLOCK_ROWS = BLOCK_GROUPS * TILE
+    LOCAL = BLOCK_ROWS if sub_scales else 1       # rows of rebuilt scales a task holds
     CONFIG = _tile_config(halves)
     n = token_count(None)
     tiles = (n + TILE - 1) // TILE
 
     @T.prim_func
-    def quant_gemm_amx(var_x: T.handle, qs: T.Buffer(qs_shape, qs_dtype), s: T.Buffer((S, N, NB), "float32"),
-                       var_y: T.handle):
+    def quant_gemm_amx(var_x: T.handle, qs: T.Buffer(qs_shape, qs_dtype),
+                       s: T.Buffer(scales_shape, "uint32" if sub_scales else "float32"), var_y: T.handle):
         T.func_attr({"tirx.noalias": True, "op_pattern": 8})
         x = T.match_buffer(var_x, (n, K), "float32")
         y = T.match_buffer(var_y, (n, N), "float32")
@@ -163,6 +167,7 @@ def make_gemm_amx(qtype: str, N: int, K: int):
         xd = T.decl_buffer((NB, tiles * TILE), "float32")
         xo = T.decl_buffer((F, NB, tiles * TILE), "float32")
         results = T.decl_buffer((CHUNKS * 2 * halves * TILE * TILE,), "int32")   # each task's result tiles
+        ks8 = T.decl_buffer((N, scales_shape[-1] * 4), "int8", data=s.data)
         for t in T.parallel(tiles * TILE):
             for b in range(NB):
                 quantize_activation_block(x, T.min(t, n - 1), t < n, xq, xd, xo, t, b, qtype, F, "tiles")
@@ -172,7 +177,8 @@ def make_gemm_amx(qtype: str, N: int, K: int):
                                  elem_offset=c * 2 * halves * TILE * TILE)
             acc_low = T.decl_buffer((TILE // 2, TILE), "float32", scope="global")
             acc_high = T.decl_buffer((TILE // 2, TILE), "float32", scope="global")
-            w = T.decl_buffer((BLOCK_GROUPS * TILE, NB * _WORDS), "int32")   # A tiles: unpacked rows
+            w = T.decl_buffer((BLOCK_ROWS, NB * _WORDS), "int32")   # A tiles: unpacked rows
+            sl = T.decl_buffer((2, LOCAL, NB), "float32")
             for i in T.unroll(8):
                 cfg[i] = _pick(CONFIG, i)
             _amx("ldtilecfg", T.address_of(cfg[0]))
@@ -181,14 +187,16 @@ def make_gemm_amx(qtype: str, N: int, K: int):
                 first = T.meta_var((c * GROUPS_PER_TASK + gb * BLOCK_GROUPS) * TILE)   # the block's first row
                 block_groups = T.meta_var(T.min(BLOCK_GROUPS, groups - gb * BLOCK_GROUPS))
                 for r in range(block_groups * TILE):
-                    for b in range(NB):
-                        w[r, T.ramp(b * _WORDS, 1, _WORDS)] = _unsigned_block(qtype, qs, s, T.min(first + r, N - 1),
-                                                                              b)
+                    _unpack_row(qtype, qs, s, ks8, w, sl, r, T.min(first + r, N - 1), NB, NS, sub_scales)
                 for tt in range(tiles):
                     for g in range(block_groups):
+                        if sub_scales:
+                            _tile_by_group(w, xq, mine, acc_low, acc_high, sl, xd, xo, offset, g * TILE, BLOCK_ROWS,
+                                           g, tt, NB, K, halves)
+                        else:
+                            _tile_by_group(w, xq, mine, acc_low, acc_high, s, xd, xo, offset, first + g * TILE, N,
+                                           g, tt, NB, K, halves)
                         row0 = T.meta_var(first + g * TILE)
-                        _tile_by_group(w, xq, mine, acc_low, acc_high, s, xd, xo, offset, row0, N, g, tt, NB, K,
-                                       halves)
                         for m in range(TILE // 2):
                             for t in range(TILE):
                                 if tt * TILE + t < n:
@@ -217,6 +225,17 @@ def _block_scales(qtype, ks, ks8, sl, r, row, sb):
         sl[1, r, T.ramp(sb * _BLOCKS, 1, _BLOCKS)] = T.Cast("float32x8", ks8[
             row, T.ramp(ks_offset_byte(qtype, first, 0, 0), 1, _BLOCKS)]) * T.Broadcast(
                 -ks_super_min(ks, row, first), _BLOCKS)
+
+
+@T.macro
+def _unpack_row(qtype, qs, s, ks8, w, sl, r, row, NB, NS, sub_scales):
+    """Weight row `row` as unsigned bytes into w[r] (A tiles' rows); from a K-quant's (qs, ks) (s is then ks),
+    its per-32 scale fields rebuilt into sl[:, r] as well."""
+    for b in range(NB):
+        w[r, T.ramp(b * _WORDS, 1, _WORDS)] = _unsigned_block(qtype, qs, s, row, b, sub_scales)
+    if sub_scales:
+        for sb in range(NS):
+            _block_scales(qtype, s, ks8, sl, r, row, sb)
 
 
 @T.macro
@@ -314,11 +333,7 @@ def make_moe_gemm_amx(qtype: str, E: int, N: int, K: int, k: int, per_slot: bool
                 _amx("ldtilecfg", T.address_of(cfg[0]))
                 block_groups = T.meta_var(T.min(BLOCK_GROUPS, (N - first + TILE - 1) // TILE))
                 for r in range(block_groups * TILE):
-                    row = T.meta_var(e * N + T.min(first + r, N - 1))
-                    for b in range(NB):
-                        w[r, T.ramp(b * _WORDS, 1, _WORDS)] = _unsigned_block(qtype, qs, ks, row, b, True)
-                    for sb in range(NS):
-                        _block_scales(qtype, ks, ks8, sl, r, row, sb)
+                    _unpack_row(qtype, qs, ks, ks8, w, sl, r, e * N + T.min(first + r, N - 1), NB, NS, True)
                 for tt in range(bounds[e] // TILE, bounds[e + 1] // TILE):
                     for g in range(block_groups):
                         _tile_by_group(w, xq, mine, acc_low, acc_high, sl, xd, xo, offset, g * TILE, BLOCK_ROWS, g,

@@ -14,7 +14,8 @@ per super-block through the activation sums (times the activation scale) of each
 
 with u the unsigned quants and, for q4_K and q5_K, m_b = min_b and coefficient = -dmin; for q6_K, m_b the 16-part
 sub-scales and coefficient = -32 d_super. The quants are unpacked as quant_matmul_int8 unpacks them (its lane
-order); only the AVX2 instruction set takes these kernels (AVX-VNNI and AVX-512 hosts have faster dots).
+order). Every K-quant's matmuls are these on AVX2 hosts; on AMX hosts the decode GEMVs (whose speed is the
+bytes they stream: `ks` is ~0.75x `s`), the prompt's going through AMX tiles; elsewhere a mixture's experts'.
 
 The prefill GEMM unpacks a group of GROUP_ROWS rows' quants once into scratch, a span of K (SPAN_BYTES) at a time,
 and every tile of tokens passes over it; per token the kernel then does one load, `vpmaddubsw`, `vpmaddwd` and

@@ -153,11 +153,12 @@ class LLVMTarget:
         return entry
 
     def sub_scales_for(self, options: CompileOptions) -> str:
-        """AVX2's K-quant matmuls all read `ks` (quant_matmul_q8k); with AVX-VNNI, AVX-512 or AMX the dense ones
-        read `s` (their kernels are faster there) and a mixture's experts `ks`: ~1.05x the GGUF's bytes instead of
-        ~1.3x, which is what lets a 30B-A3B fit in 24 GB, at a decode speed within a few percent."""
+        """Which K-quants read `ks` (~1.03x the GGUF's bytes where `s` is ~1.3x): on AVX2 and AMX all of them
+        (quant_matmul_q8k's kernels; a prompt's through quant_matmul_amx on AMX, whose tiles rebuild the per-32
+        scales as they unpack); with AVX-VNNI or AVX-512 alone the dense ones read `s` (their 512-bit prompt GEMM
+        is faster than the AVX2 q8k one) and a mixture's experts `ks`, which is what lets a 30B-A3B fit in 24 GB."""
         isa = int8_dot_isa(make_target(options.mcpu)) if options.matmuls == "int8" else None
-        return "all" if isa == "avx2" else "experts" if isa is not None else "none"
+        return "all" if isa in ("avx2", "amx") else "experts" if isa is not None else "none"
 
     def build(self, mod, cfg: ModelConfig, options: CompileOptions, staging: Path, progress, contract: str):
         target = make_target(options.mcpu)
