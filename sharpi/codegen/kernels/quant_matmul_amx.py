@@ -1,5 +1,6 @@
 """The prefill GEMM of quant_matmul_int8 on AMX tiles (Intel Sapphire Rapids and later, where the operating system
-grants the tile state: sharpi.common.cpu.amx_granted; the decode GEMV stays AVX-512 VNNI's).
+grants the tile state: sharpi.common.cpu.amx_granted; the decode GEMV stays AVX-512 VNNI's, or for a K-quant
+quant_matmul_q8k's).
 
 One `tdpbusd` multiplies a tile of 16 weight rows by a tile of 16 tokens over one 32-block: 8192 multiply-adds of
 unsigned weight bytes and int8 activations into a 16 x 16 int32 tile, where the 512-bit GEMM's vpdpbusd does 64.
@@ -13,6 +14,10 @@ The weights stay in sharpi's layouts: a task unpacks a block of rows once to uns
 kernels do: nibbles, fifth and sixth bits; q8_0 offset by 128) into a scratch buffer that every token tile then
 reads as A tiles; the activations are quantized as everywhere (ggml's q8_0 rule) straight into B tiles' layout.
 The integer products are exactly those of the other int8 kernels; only the order of the float sums differs.
+A K-quant stored as (qs, ks) (quant_layout's compact form) is unpacked the same way, and each row's per-32 scales
+are rebuilt beside it from the integer sub-scales (exact in f32, so the products equal the `s` form's):
+make_gemm_amx(sub_scales=True), and make_moe_gemm_amx, which runs these tiles over each expert's rows for the
+tokens that chose it.
 
 The tile configuration is per thread, so every parallel task loads it and releases the tiles at its end.
 
