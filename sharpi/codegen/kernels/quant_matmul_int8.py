@@ -114,6 +114,12 @@ def _q6_k_high_bits(h01):
     odd_elements = T.ramp(0, 1, 8) >= T.Broadcast(4, 8)
     left = T.Cast("uint32x8", T.Select(odd_elements, T.Broadcast(2, 8), T.Broadcast(4, 8)))
     right = T.Cast("uint32x8", T.Select(odd_elements, T.Broadcast(2, 8), T.Broadcast(0, 8)))
+    return q6_k_fields_to_bits_4_5(picked, left, right)
+
+
+def q6_k_fields_to_bits_4_5(picked, left, right):
+    """uint8x32: the 2-bit fields of `picked` (uint32x8) moved to bits 4-5 of their bytes: the even bytes' by a
+    left shift of `left`, the odd bytes' by a right shift of `right` (uint32x8 each), then masked and joined."""
     even_bytes, odd_bytes = T.Broadcast(T.uint32(0x00300030), 8), T.Broadcast(T.uint32(0x30003000), 8)
     return T.reinterpret("uint8x32", (T.shift_left(picked, left) & even_bytes)
                          | (T.shift_right(picked, right) & odd_bytes))

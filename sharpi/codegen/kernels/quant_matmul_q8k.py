@@ -33,7 +33,8 @@ from .moe import group_by_expert, grouped_input_row, grouped_rows
 from .quant_matmul import (cpu_quants, ks_bit_word, ks_offset_byte, ks_sub_scale_byte, ks_super_min,
                            ks_super_scale)
 from .quant_matmul_int8 import (GEMM_TILE, PREFETCH_BYTES, TASKS, _abs_max8, _activation_sums, _bit_lanes, _byte_vector,
-                                _half_sum8, _intrin, _quantized_block, _unsigned_quants, lane_element)
+                                _half_sum8, _intrin, _quantized_block, _unsigned_quants, lane_element,
+                                q6_k_fields_to_bits_4_5)
 
 Q8K_TYPES = K_QUANTS
 BLOCKS = SUPER_BLOCK // BLOCK   # blocks of 32 a super-block
@@ -118,9 +119,7 @@ def _pair_q6_k_high_bits(h01, element, half):
     picked = T.reinterpret("uint32x8", _shuffle_bytes(
         h01, lambda l: l // 16 * 8 + element(l) // 16 * 4 + element(l) % 16 // 4))
     left, right = (4, 0) if half == 0 else (2, 2)
-    even_bytes, odd_bytes = T.Broadcast(T.uint32(0x00300030), 8), T.Broadcast(T.uint32(0x30003000), 8)
-    return T.reinterpret("uint8x32", (T.shift_left(picked, T.Broadcast(T.uint32(left), 8)) & even_bytes)
-                         | (T.shift_right(picked, T.Broadcast(T.uint32(right), 8)) & odd_bytes))
+    return q6_k_fields_to_bits_4_5(picked, T.Broadcast(T.uint32(left), 8), T.Broadcast(T.uint32(right), 8))
 
 
 def _pair_sub_scales(qtype, ks8, row, sb, p):
