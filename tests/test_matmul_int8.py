@@ -404,7 +404,7 @@ def test_moe_q8k_gemm_groups_the_tokens_by_expert(qtype, per_slot, rng, monkeypa
 @pytest.mark.parametrize("per_slot", [False, True], ids=["shared-input", "per-slot-input"])
 @pytest.mark.parametrize("qtype", ["q4_k", "q5_k", "q6_k"])
 def test_moe_amx_gemm_groups_the_tokens_by_expert(qtype, per_slot, rng, monkeypatch):
-    """The AMX prompt MoE GEMM on the compact K-quant layout (quants and `ks`, the f32 scale planes NaN):
+    """The AMX prompt MoE GEMM on the compact K-quant layout (the quants and `ks` only, no `s` plane passed):
     activations per 32 as the dense AMX GEMM's; 40 rows an expert (16-row groups, the last short) unpacked two
     groups at a time, an expert with two tiles, one with none, cut tiles, clamped ids."""
     from sharpi.codegen.kernels.quant_matmul_amx import make_moe_gemm_amx

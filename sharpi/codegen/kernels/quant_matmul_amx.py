@@ -157,7 +157,8 @@ def make_gemm_amx(qtype: str, N: int, K: int, sub_scales: bool = False):
     GROUPS_PER_TASK = ceil_div(GROUPS, CHUNKS)
     BLOCK_GROUPS = max(1, min(GROUPS_PER_TASK, ROW_BLOCK_BYTES // (TILE * K)))
     BLOCK_ROWS = BLOCK_GROUPS * TILE
-    LOCAL = BLOCK_ROWS if sub_scales else 1       # rows of rebuilt scales a task holds
+    # the rebuilt scales of a task's rows (unused without sub_scales)
+    LOCAL_SCALES = (FLOAT_PLANES[qtype], BLOCK_ROWS, NB) if sub_scales else (1,)
     CONFIG = _tile_config(halves)
     n = token_count(None)
     tiles = (n + TILE - 1) // TILE
@@ -172,7 +173,6 @@ def make_gemm_amx(qtype: str, N: int, K: int, sub_scales: bool = False):
         xd = T.decl_buffer((NB, tiles * TILE), "float32")
         xo = T.decl_buffer((F, NB, tiles * TILE), "float32")
         results = T.decl_buffer((CHUNKS * 2 * halves * TILE * TILE,), "int32")   # each task's result tiles
-        ks8 = T.decl_buffer((N, scales_shape[-1] * 4), "int8", data=s.data)
         for t in T.parallel(tiles * TILE):
             for b in range(NB):
                 quantize_activation_block(x, T.min(t, n - 1), t < n, xq, xd, xo, t, b, qtype, F, "tiles")
@@ -183,7 +183,7 @@ def make_gemm_amx(qtype: str, N: int, K: int, sub_scales: bool = False):
             acc_low = T.decl_buffer((TILE // 2, TILE), "float32", scope="global")
             acc_high = T.decl_buffer((TILE // 2, TILE), "float32", scope="global")
             w = T.decl_buffer((BLOCK_ROWS, NB * _WORDS), "int32")   # A tiles: unpacked rows
-            sl = T.decl_buffer((2, LOCAL, NB), "float32")
+            sl = T.decl_buffer(LOCAL_SCALES, "float32")
             for i in T.unroll(8):
                 cfg[i] = _pick(CONFIG, i)
             _amx("ldtilecfg", T.address_of(cfg[0]))
@@ -192,7 +192,7 @@ def make_gemm_amx(qtype: str, N: int, K: int, sub_scales: bool = False):
                 first = T.meta_var((c * GROUPS_PER_TASK + gb * BLOCK_GROUPS) * TILE)   # the block's first row
                 block_groups = T.meta_var(T.min(BLOCK_GROUPS, groups - gb * BLOCK_GROUPS))
                 for r in range(block_groups * TILE):
-                    _unpack_row(qtype, qs, s, ks8, w, sl, r, T.min(first + r, N - 1), NB, NS, sub_scales)
+                    _unpack_row(qtype, qs, s, w, sl, r, T.min(first + r, N - 1), NB, NS, sub_scales)
                 for tt in range(tiles):
                     for g in range(block_groups):
                         if sub_scales:
@@ -215,9 +215,10 @@ def make_gemm_amx(qtype: str, N: int, K: int, sub_scales: bool = False):
 
 
 @T.macro
-def _block_scales(qtype, ks, ks8, sl, r, row, sb):
+def _block_scales(qtype, ks, sl, r, row, sb):
     """Super-block sb's 8 blocks' scale fields of `row` into sl[:, r] as `s` would hold them (quant_layout):
     d_super times the integer sub-scales (q6_k: each half's), and -dmin times the mins; 8 lanes at a time."""
+    ks8 = T.decl_buffer((ks.shape[0], ks.shape[1] * 4), "int8", data=ks.data)   # its bytes
     first = T.meta_var(sb * KS_WORDS[qtype])
     d_super = T.meta_var(T.Broadcast(ks_super_scale(qtype, ks, row, first), _BLOCKS))
     if qtype == "q6_k":
@@ -233,14 +234,14 @@ def _block_scales(qtype, ks, ks8, sl, r, row, sb):
 
 
 @T.macro
-def _unpack_row(qtype, qs, s, ks8, w, sl, r, row, NB, NS, sub_scales):
+def _unpack_row(qtype, qs, s, w, sl, r, row, NB, NS, sub_scales):
     """Weight row `row` as unsigned bytes into w[r] (A tiles' rows); from a K-quant's (qs, ks) (s is then ks),
     its per-32 scale fields rebuilt into sl[:, r] as well."""
     for b in range(NB):
         w[r, T.ramp(b * _WORDS, 1, _WORDS)] = _unsigned_block(qtype, qs, s, row, b, sub_scales)
     if sub_scales:
         for sb in range(NS):
-            _block_scales(qtype, s, ks8, sl, r, row, sb)
+            _block_scales(qtype, s, sl, r, row, sb)
 
 
 @T.macro
@@ -302,7 +303,6 @@ def make_moe_gemm_amx(qtype: str, E: int, N: int, K: int, k: int, per_slot: bool
         xd = T.decl_buffer((NB, tiles * TILE), "float32")
         xo = T.decl_buffer((F, NB, tiles * TILE), "float32")
         results = T.decl_buffer((E * ROW_BLOCKS * 2 * halves * TILE * TILE,), "int32")   # each task's tiles
-        ks8 = T.decl_buffer((E * N, KS * 4), "int8", data=ks.data)
         group_by_expert(ids, n, k, E, TILE, bounds, pair, fill)
         if per_slot:
             for p in T.parallel(P):
@@ -338,7 +338,7 @@ def make_moe_gemm_amx(qtype: str, E: int, N: int, K: int, k: int, per_slot: bool
                 _amx("ldtilecfg", T.address_of(cfg[0]))
                 block_groups = T.meta_var(T.min(BLOCK_GROUPS, (N - first + TILE - 1) // TILE))
                 for r in range(block_groups * TILE):
-                    _unpack_row(qtype, qs, ks, ks8, w, sl, r, e * N + T.min(first + r, N - 1), NB, NS, True)
+                    _unpack_row(qtype, qs, ks, w, sl, r, e * N + T.min(first + r, N - 1), NB, NS, True)
                 for tt in range(bounds[e] // TILE, bounds[e + 1] // TILE):
                     for g in range(block_groups):
                         _tile_by_group(w, xq, mine, acc_low, acc_high, sl, xd, xo, offset, g * TILE, BLOCK_ROWS, g,
