@@ -27,11 +27,11 @@ from tvm import ir, relax, tirx
 SHAPE_FUNC = "shape_func"     # VMShapeLower's name hint for its generated PrimFuncs
 
 
-def relax_build_pipeline(target: tvm.target.Target) -> tvm.transform.Pass:
+def relax_build_pipeline(target: tvm.target.Target, base: tvm.transform.Pass | None = None) -> tvm.transform.Pass:
     """The Relax pipeline tvm.compile would run for `target` (relax.build's choice: the target's own default
-    pipeline for a GPU, the generic one otherwise), then CanonicalShapeFuncs; for tvm.compile(relax_pipeline=...)."""
-    base = None
-    if "gpu" in target.keys:
+    pipeline for a GPU, the generic one otherwise) or `base`, then CanonicalShapeFuncs; for
+    tvm.compile(relax_pipeline=...)."""
+    if base is None and "gpu" in target.keys:
         try:
             base = relax.get_default_pipeline(target)
         except (ValueError, AttributeError):

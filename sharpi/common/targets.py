@@ -32,6 +32,8 @@ class TargetSpec:
 
 
 _CPU_FEATURE = schema.text(32, r"[a-z0-9_.]+")
+# the functions that take the weights their NAME_transform_params returns (codegen.vm_overhead)
+_LIFTED = schema.array(schema.one_of("decode", "decode_batch"), 2, unique=True)
 TARGETS = {spec.name: spec for spec in (
     TargetSpec(
         name="llvm", about="this CPU, or --mcpu", device="cpu", runtime="tvm-vm", tvm_device="cpu",
@@ -39,14 +41,17 @@ TARGETS = {spec.name: spec for spec in (
         manifest_entry=schema.record({"kind": schema.one_of("llvm"), "mcpu": schema.text(64, r"[A-Za-z0-9_.+-]+"),
                                       "cpu_features": schema.array(_CPU_FEATURE, 64, unique=True),
                                       "matmuls": schema.one_of("float", "int8"),
-                                      "int8_isa": schema.one_of("avx2", "avx-vnni", "avx512-vnni", "amx")},
-                                     optional_keys=("int8_isa",))),
+                                      "int8_isa": schema.one_of("avx2", "avx-vnni", "avx512-vnni", "amx"),
+                                      "lifted_params": _LIFTED},
+                                     optional_keys=("int8_isa", "lifted_params"))),
     TargetSpec(
         name="cuda", about="NVIDIA GPUs; needs nvcc", device="gpu", runtime="tvm-vm", tvm_device="cuda",
         options=("arch", "cuda_graph"),
         manifest_entry=schema.record({"kind": schema.one_of("cuda"), "arch": schema.text(8, r"sm_[0-9]{2,3}a?"),
                                       "images": schema.array(schema.text(32, r"[a-z]+:[0-9]+"), 64),
-                                      "cuda_graph": schema.boolean})),
+                                      "cuda_graph": schema.boolean,
+                                      "lifted_params": _LIFTED},
+                                     optional_keys=("lifted_params",))),
     TargetSpec(
         name="vulkan", about="WGSL run through wgpu", device="gpu", runtime="wgpu-plan", tvm_device=None,
         options=(),

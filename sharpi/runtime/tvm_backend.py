@@ -42,11 +42,19 @@ class TVMBackend:
         self._vm = load_vm(directory, manifest, self.device)       # checks the kernel contract first
         self.weights = load_weights(directory, manifest, self.device)
         self.functions = {name: self._vm[name] for name in manifest.functions}
+        self._weight_args = self._lifted_weights(manifest)
         self.pool = None
         self.states = None              # a hybrid model's recurrent-state pool
         self._pool_view = None
         self._decode_buffers = None
         self._fixed_decode_inputs = not self.on_host   # --cuda-graph replays decode from fixed input buffers
+
+    def _lifted_weights(self, manifest: Manifest) -> dict:
+        """function -> the weights it takes as parameters of its own, for the functions whose weight-only work
+        the compiler lifted into `NAME_transform_params` (the cuda target's "lifted_params"), run here once."""
+        # its one parameter is the tuple of the function's weight parameters: here the one weight tuple
+        return {name: tuple(self._vm[f"{name}_transform_params"]([self.weights]))
+                for name in manifest.target.get("lifted_params") or ()}
 
     # -- the KV page pool -------------------------------------------------------------------------------------
     def allocate_pool(self, shape: tuple, dtype: str = "float32") -> int:
@@ -137,7 +145,8 @@ class TVMBackend:
             inputs = [tvm.runtime.tensor(a, dev) for a in inputs]
         ids, positions, page_table, kv_lens, *slots = inputs
         states = (self.states, *slots) if slots else ()
-        out = self.functions[function](ids, positions, self.pool, page_table, kv_lens, *states, self.weights,
+        weights = self._weight_args.get(function, (self.weights,))
+        out = self.functions[function](ids, positions, self.pool, page_table, kv_lens, *states, *weights,
                                        *[tvm.runtime.tensor(e, dev) for e in extra])
         if function == "prefill_snapkv":
             return out[0].numpy(), out[1]

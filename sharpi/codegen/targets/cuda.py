@@ -14,6 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import tvm
+from tvm import relax
 
 from ...common.compile_options import CompileOptions, resolved_kv_types
 from ...common.config import ModelConfig
@@ -25,6 +26,7 @@ from ...common.tvm_cuda import load_tvm_cuda_runtime
 from ..artifact import with_contract
 from ..attach_kernels import attach_kernels
 from ..reproducible import relax_build_pipeline
+from ..vm_overhead import LIFTED_FUNCTIONS, STATIC_FUNCTIONS, kills_except, lift_weight_work
 from ..tvm_seams import cuda_compiler
 from .base import kernel_names
 
@@ -137,9 +139,27 @@ DECODE_SPLITS = 32
 def lower(mod: tvm.IRModule, cfg: ModelConfig, cuda_graph: bool = False,
           kv_types: tuple[str, str] | None = None) -> tvm.IRModule:
     mod = attach_kernels(mod, cfg, gpu=True, kv_types=kv_types, scale_prefixes=True, decode_splits=DECODE_SPLITS)
+    mod = lift_weight_work(mod)
     if cuda_graph:
         mod = mark_decode_inputs_static(mod)
     return mod
+
+
+def cuda_pipeline(target: tvm.target.Target) -> tvm.transform.Pass:
+    """TVM's CUDA pipeline with KillAfterLastUse left out of STATIC_FUNCTIONS."""
+    from tvm.relax.backend.cuda import pipeline as cuda_passes
+
+    finalize = [kills_except(STATIC_FUNCTIONS) if p.info.name == "KillAfterLastUse" else p
+                for p in cuda_passes.finalize_passes(target)]
+    passes = (cuda_passes.library_dispatch_passes(target) + cuda_passes.legalize_passes(target)
+              + cuda_passes.dataflow_lower_passes(target) + finalize)
+
+    @tvm.transform.module_pass(opt_level=0, name="sharpi.CUDAPipeline")
+    def _pipeline(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        with target:
+            return tvm.transform.Sequential(passes)(mod)
+
+    return _pipeline
 
 
 def mark_decode_inputs_static(mod: tvm.IRModule) -> tvm.IRModule:
@@ -170,7 +190,8 @@ def build(mod: tvm.IRModule, target: tvm.target.Target, library_path: Path, cuda
     with cuda_compiler(compile_fatbin):
         with target, tvm.transform.PassContext(opt_level=3, config={"relax.backend.use_cuda_graph": cuda_graph}):
             # TVM's GPU pipeline plus the fix for its run-to-run different shape functions (codegen.reproducible)
-            executable = tvm.compile(mod, target=target, relax_pipeline=relax_build_pipeline(target))
+            executable = tvm.compile(mod, target=target,
+                                     relax_pipeline=relax_build_pipeline(target, cuda_pipeline(target)))
         executable.export_library(str(library_path))
 
 
@@ -188,7 +209,8 @@ class CUDATarget:
         return "none"
 
     def describe(self, options: CompileOptions) -> dict:
-        return {"kind": self.spec.name, "arch": options.arch, "images": [], "cuda_graph": options.cuda_graph}
+        return {"kind": self.spec.name, "arch": options.arch, "images": [], "cuda_graph": options.cuda_graph,
+                "lifted_params": list(LIFTED_FUNCTIONS)}
 
     def build(self, mod, cfg: ModelConfig, options: CompileOptions, staging: Path, progress, contract: str):
         target = make_target(options.arch)

@@ -22,6 +22,7 @@ from ..artifact import with_contract
 from ..attach_kernels import attach_kernels
 from ..cpu_schedule import fast_math_legalizations, schedule_generic
 from ..reproducible import relax_build_pipeline
+from ..vm_overhead import LIFTED_FUNCTIONS, lift_weight_work
 from .base import kernel_names
 
 # CPU features an artifact may need, by the name /proc/cpuinfo uses; LLVM's names map onto these.
@@ -107,7 +108,7 @@ def lower(mod: tvm.IRModule, cfg: ModelConfig, target: tvm.target.Target, int8_i
     dots (int8_dot_isa); None: the float kernels. kv_types: the KV cache's (keys', values') types (None: the
     pool's element type for both)."""
     with target:
-        mod = attach_kernels(mod, cfg, int8_isa=int8_isa, kv_types=kv_types)
+        mod = lift_weight_work(attach_kernels(mod, cfg, int8_isa=int8_isa, kv_types=kv_types))
         mod = relax.transform.LegalizeOps(fast_math_legalizations())(mod)
         mod = relax.transform.AnnotateTIROpPattern()(mod)
         mod = relax.transform.FuseOps()(mod)
@@ -147,7 +148,8 @@ class LLVMTarget:
     def describe(self, options: CompileOptions) -> dict:
         target = make_target(options.mcpu)
         entry = {"kind": self.spec.name, "mcpu": cpu_name(target),
-                 "cpu_features": required_cpu_features(target), "matmuls": options.matmuls}
+                 "cpu_features": required_cpu_features(target), "matmuls": options.matmuls,
+                 "lifted_params": list(LIFTED_FUNCTIONS)}
         if options.matmuls == "int8":
             entry["int8_isa"] = int8_dot_isa(target)
         return entry
