@@ -47,6 +47,13 @@ def smollm2_vulkan_artifact(smollm2_gguf, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def smollm2_cuda_artifact(smollm2_gguf, tmp_path_factory):
+    """SmolLM2 compiled for cuda (sm_80; nvcc, no GPU), once per session (test_cuda_build.py, test_step_count.py)."""
+    import sharpi
+    return sharpi.compile(str(smollm2_gguf), target="cuda", output=tmp_path_factory.mktemp("cuda") / "smollm2")
+
+
+@pytest.fixture(scope="session")
 def smollm2(smollm2_artifact):
     import sharpi
     return sharpi.load(smollm2_artifact)

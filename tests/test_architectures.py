@@ -97,3 +97,26 @@ def test_missing_tensor_is_a_clear_error(arch, missing, tmp_path):
     path = write_tiny_llama(tmp_path / "bad.gguf", arch=arch)        # no biases, no q/k norms
     with pytest.raises(sharpi.SharpiError, match=missing):
         sharpi.compile(str(path), output=tmp_path / "out")
+
+
+VULKAN_ARCHS = {**ARCHS, "gemma3": dict(arch="gemma3", qk_norm=True, post_norms=True, sliding_window=WINDOW,
+                                            head_dim=16)}
+
+
+@pytest.mark.parametrize("name", sorted(VULKAN_ARCHS))
+def test_vulkan_decode_matches_reference(name, tmp_path):
+    """A GPU's decode step runs fused GEMVs (codegen.decode_fusion: the norm, q, k and v with their biases and
+    RoPE in one kernel; the norm, gate and up with the GLU in another) where its prompt runs the ops one by one:
+    both through the Vulkan pipeline against the reference, for each architecture's variant of the pattern (a
+    bias, NEOX pairs, q/k norms that keep the RoPE out of the kernel, GeGLU, the window)."""
+    from vulkan_device import on_vulkan
+    path = write_tiny_llama(tmp_path / f"{name}.gguf", layers=2, dim=64, heads=4, kv_heads=2, **VULKAN_ARCHS[name])
+    model = on_vulkan(lambda: sharpi.load(sharpi.compile(str(path), target="vulkan", output=tmp_path / "vk")))
+    assert any(k.startswith("gpu_gemv_split") for k in model.manifest.kernels)
+    assert any(k.startswith("gpu_gemv_glu") for k in model.manifest.kernels)
+    ids = [int(i) for i in np.random.default_rng(0).integers(0, model.config.vocab_size, 40)]
+    expected = NumpyReference(path).forward(ids)
+    with model.session() as s:
+        _close(s.prefill(ids[:24]), expected[23])
+        for i in range(24, 32):                         # past the window and a page boundary
+            _close(s.decode(ids[i]), expected[i])

@@ -27,11 +27,6 @@ def _cuda_device() -> bool:
     return bool(tvm.cuda(0).exist)
 
 
-@pytest.fixture(scope="session")
-def smollm2_cuda_artifact(smollm2_gguf, tmp_path_factory):
-    return sharpi.compile(str(smollm2_gguf), target="cuda", output=tmp_path_factory.mktemp("cuda") / "smollm2")
-
-
 def test_smollm2_cuda_artifact_holds_sass_and_ptx(smollm2_cuda_artifact):
     from sharpi.common.manifest import Manifest
     m = Manifest.read(smollm2_cuda_artifact)

@@ -45,6 +45,8 @@ from .kernels.gpu.kv_rotate import make_gpu_kv_rotate
 from .kernels.gpu import moe as gpu_moe
 from .kernels.gpu import snapkv as gpu_snapkv
 from .kernels.gpu.quant_matmul import GPU_LAYOUTS, make_gpu_matmul
+from .kernels.gpu.fused_gemv import make_gpu_fused_gemv
+from .decode_fusion import DecodeFusion, FusionPlan
 
 
 def _static_int(dim) -> int | None:
@@ -64,12 +66,51 @@ class KernelAttacher(relax.PyExprMutator):
         self.mod_, self.cfg, self.gpu, self.int8_isa = mod, cfg, gpu, int8_isa
         self.kv_types, self.scale_prefixes, self.decode_splits = kv_types, scale_prefixes, decode_splits
         self.kernels: dict[tuple, tvm.ir.GlobalVar] = {}
+        self.fusion: DecodeFusion | None = None
+        self.absorbed: set = set()
 
     def run(self) -> tvm.IRModule:
         for gv, func in self.mod_.functions_items():
             if isinstance(func, relax.Function):
+                # a GPU's one-token step: its matmuls with the norms, RoPE and GLU around them as fused GEMVs
+                self.fusion = DecodeFusion(func, self.scale_prefixes) if self.gpu and gv.name_hint == "decode" else None
+                self.absorbed = set()
                 self.builder_.update_func(gv, self.visit_expr(func))
         return self.builder_.get()
+
+    def visit_var_binding_(self, binding) -> None:
+        if binding.var in self.absorbed:        # computed by a fused GEMV already
+            return
+        plan = self.fusion.plan(binding.var) if self.fusion is not None else None
+        if plan is None:
+            super().visit_var_binding_(binding)
+            return
+        self._fused_gemv(plan)
+
+    def _fused_gemv(self, plan: FusionPlan) -> None:
+        """Emit the plan's fused GEMV and stand its outputs in for the bindings it replaces."""
+        spec, bb = plan.spec, self.builder_
+        gv = self.kernel((spec.name(),), lambda: make_gpu_fused_gemv(spec))
+        args = [self.visit_expr(plan.x), self._weight_item(plan.g)]
+        if plan.pos is not None:
+            args.append(self.visit_expr(plan.pos))
+        for use, m in zip(plan.uses, spec.matrices):
+            args += self._gpu_parts(m.qtype, [self._weight_item(p) for p in use.parts], m.rows, spec.k_in)
+            if use.bias is not None:
+                args.append(self._weight_item(use.bias))
+        out_ty = [relax.TensorType(m.out_shape(), "float32") for m in spec.matrices]
+        fused = bb.emit(relax.call_tir(gv, args, out_ty if spec.epilogue == "split" else out_ty[0]))
+        outputs = [bb.emit(relax.TupleGetItem(fused, i)) for i in range(len(out_ty))] if spec.epilogue == "split" \
+            else [fused]
+        for var, out in zip(plan.outputs, outputs):
+            self.set_var_remap(var, out)
+        self.absorbed |= plan.absorbed
+
+    def _weight_item(self, var):
+        """A weight (an item of the weight tuple) read from the tuple here: the original graph may bind it only
+        after the norm the fused call stands in for (a second read of an item costs nothing; DCE drops unused)."""
+        value = self.fusion.values[var]
+        return self.builder_.emit(relax.TupleGetItem(self.visit_expr(value.tuple_value), value.index))
 
     def _kv(self, pool) -> KVFormat:
         """The pool's format: the KV kernels take it (a packed pool's uint8 elements do not say its types)."""

@@ -33,14 +33,14 @@ def rope_turns(head_dim: int, theta: float) -> list[int]:
     return [round(f * 2.0 ** 32) % 2 ** 32 for f in fractions]
 
 
-def _lookup(values: list[int], i, lo: int = 0, hi: int | None = None):
+def lookup_u32(values: list[int], i, lo: int = 0, hi: int | None = None):
     """values[i] for a symbolic i as a balanced tree of selects over constants (WGSL codegen has no constant
     arrays): about log2(len) comparisons deep, no memory traffic."""
     hi = len(values) if hi is None else hi
     if hi - lo == 1:
         return T.uint32(values[lo])
     mid = (lo + hi) // 2
-    return T.if_then_else(i < mid, _lookup(values, i, lo, mid), _lookup(values, i, mid, hi))
+    return T.if_then_else(i < mid, lookup_u32(values, i, lo, mid), lookup_u32(values, i, mid, hi))
 
 
 def make_gpu_rope(heads: int, head_dim: int, theta: float, layout: str = "norm",
@@ -68,7 +68,7 @@ def make_gpu_rope(heads: int, head_dim: int, theta: float, layout: str = "norm",
                 i = T.meta_var(e % half)
                 if e < n * heads * half:
                     # the angle in turns, reduced mod 1 by the wrap-around of u32 multiplication
-                    phase = T.meta_var(T.reinterpret("int32", T.Cast("uint32", pos[t]) * _lookup(turns, i)))
+                    phase = T.meta_var(T.reinterpret("int32", T.Cast("uint32", pos[t]) * lookup_u32(turns, i)))
                     cs[0] = T.Cast("float32", phase) * T.float32(rad_per_unit)
                     cs[1] = T.sin(cs[0])
                     cs[0] = T.cos(cs[0])
