@@ -100,9 +100,10 @@ class VulkanPlanRunner:
         All its kernels go into one command encoder and one submit.
 
         With reuse, the call's buffers, bind groups and launch arguments are recorded once per input signature
-        (shapes of the numpy inputs, identity of the device ones) and replayed: new numpy inputs are written
-        into the recorded input buffers, so a decode step costs a few small writes and the dispatches alone.
-        The output buffer is then reused by the next call with the same signature: read it before that."""
+        (shapes of the numpy inputs, identity of the device ones; a tuple of device tensors, the weights, by its
+        own identity) and replayed: new numpy inputs are written into the recorded input buffers, so a decode
+        step costs a few small writes and the dispatches alone. The output buffer is then reused by the next call
+        with the same signature: read it before that."""
         if not reuse:
             tensors = [self._as_device(x) for x in inputs]
             dispatches, output = self._record(self.plan.functions[function], tensors)
@@ -114,18 +115,23 @@ class VulkanPlanRunner:
                 tensors = [self._as_device(x) for x in inputs]
                 dispatches, output = self._record(self.plan.functions[function], tensors)
                 recording = self._bind(dispatches, tensors, output)
+                recording.given = inputs
             else:
-                self._write_inputs(recording.inputs, inputs)
+                self._write_inputs(recording.inputs, inputs, recording.given)
             self._recordings[key] = recording                # most recently used last
             while len(self._recordings) > MAX_RECORDINGS:
                 self._recordings.pop(next(iter(self._recordings)))
         self.device.queue.submit([self._encode(recording.bound)])
         return recording.output
 
-    def _write_inputs(self, tensors, inputs) -> None:
-        for t, x in zip(tensors, inputs):
+    def _write_inputs(self, tensors, inputs, recorded) -> None:
+        """This call's numpy inputs written into the recording's buffers; an input that is the very object the
+        recording was made with (a device tensor, the weights' tuple) needs nothing."""
+        for t, x, old in zip(tensors, inputs, recorded):
+            if x is old and (isinstance(x, DeviceTensor) or _device_tuple(x)):
+                continue
             if isinstance(x, (list, tuple)):
-                self._write_inputs(t, x)
+                self._write_inputs(t, x, old)
             elif not isinstance(x, DeviceTensor):
                 self.device.queue.write_buffer(t.buffer, t.offset, np.ascontiguousarray(x))
 
@@ -239,8 +245,11 @@ class VulkanPlanRunner:
     def _encode(self, bound):
         encoder = self.device.create_command_encoder()
         compute = encoder.begin_compute_pass()
+        current = None
         for pipeline, bind_group, grid in bound:
-            compute.set_pipeline(pipeline)
+            if pipeline is not current:         # a pass keeps its pipeline between dispatches
+                compute.set_pipeline(pipeline)
+                current = pipeline
             compute.set_bind_group(0, bind_group)
             compute.dispatch_workgroups(*grid)
         compute.end()
@@ -254,13 +263,22 @@ class _Recording:
     bound: list
     uniforms: object
     output: object
+    given: tuple = ()       # the inputs as the recorded call was given them (keeps their identities taken)
+
+
+def _device_tuple(x) -> bool:
+    return isinstance(x, tuple) and all(isinstance(t, DeviceTensor) for t in x)
 
 
 def _signature(inputs) -> tuple:
-    """What a recorded call depends on: numpy inputs by shape and dtype, device tensors by identity."""
+    """What a recorded call depends on: numpy inputs by shape and dtype, device tensors by identity, a tuple of
+    device tensors (the weights: immutable, so its identity says its contents; the recording holds it, so its id
+    is not reused) by identity; any other list or tuple by its items."""
     out = []
     for x in inputs:
-        if isinstance(x, (list, tuple)):
+        if _device_tuple(x):
+            out.append(("tuple", id(x)))
+        elif isinstance(x, (list, tuple)):
             out.append(_signature(x))
         elif isinstance(x, DeviceTensor):
             out.append(("device", id(x.buffer), x.offset, x.shape))

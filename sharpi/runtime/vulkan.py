@@ -31,7 +31,8 @@ class VulkanBackend:
         info = self.runner.adapter.info
         self.description = f"Vulkan: {info['device']} ({info['adapter_type']})"
         self.functions = set(manifest.functions) & set(self.runner.plan.functions)
-        self.weights = self._upload_weights(directory, manifest)
+        self.weights = tuple(self._upload_weights(directory, manifest))     # a tuple: the plan runner's recordings
+                                                                            # know it by identity
         self.pool: DeviceTensor | None = None
         self.states: DeviceTensor | None = None       # a hybrid model's recurrent-state pool
 
