@@ -107,7 +107,7 @@ def test_kv_cache_types_build_for_cuda(kv_k, kv_v, kernel_part, tmp_path):
     assert m.kv_dtype == {"bf16": "bfloat16"}.get(kv_k, kv_k)
     from sharpi.codegen.targets.cuda import DECODE_SPLITS
     kernels = {f"{name}_{kernel_part}" for name in ("paged_attention", f"paged_attention_split_{DECODE_SPLITS}",
-                                                    "paged_attention_batch",
+                                                    f"paged_attention_batch_split_{DECODE_SPLITS}",
                                                     "kv_append", "kv_append_batch", "kv_compact", "snapkv_row_stats",
                                                     "snapkv_score")}
     assert kernels <= set(m.kernels), m.kernels

@@ -102,11 +102,12 @@ def test_batched_append_and_attention(vk, rng):
         emulate_append(fmt, pool, tables[b, LAYER], h, ks[b][h:], vs[b][h:])
     np.testing.assert_array_equal(stored.view(np.uint8), pool)
     q = rng.standard_normal((3, HEADS, D)).astype(np.float32)
-    out = vk.run(_name("attend_batch", fmt), q, stored, tables, lens)
-    for b, h in enumerate(held):
-        k_seen, v_seen = (_layer_values(fmt, pool, tables[b, LAYER], h + 1, w) for w in (0, 1))
-        np.testing.assert_allclose(out[b:b + 1], _attention_reference(q[b:b + 1], k_seen, v_seen, h), rtol=1e-4,
-                                   atol=2e-5)
+    for function in ("attend_batch", "attend_batch_split"):     # one workgroup a (sequence, head), and CUDA's split
+        out = vk.run(_name(function, fmt), q, stored, tables, lens)
+        for b, h in enumerate(held):
+            k_seen, v_seen = (_layer_values(fmt, pool, tables[b, LAYER], h + 1, w) for w in (0, 1))
+            np.testing.assert_allclose(out[b:b + 1], _attention_reference(q[b:b + 1], k_seen, v_seen, h),
+                                       rtol=1e-4, atol=2e-5, err_msg=function)
 
 
 def test_attention_reads_the_stored_pages(vk, rng):

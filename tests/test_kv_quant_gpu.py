@@ -10,7 +10,8 @@ from tvm import relax, tirx
 from tvm.script import tirx as T
 
 from sharpi.codegen.kernels.common import GPU_KERNEL_ATTRS
-from sharpi.codegen.kernels.gpu.attention import make_gpu_kv_append, make_gpu_paged_attention
+from sharpi.codegen.kernels.gpu.attention import (make_gpu_attention_combine, make_gpu_kv_append,
+                                                  make_gpu_paged_attention)
 from sharpi.codegen.kernels.gpu.kv_rows import GpuRows, float_to_half, half_to_float
 from sharpi.codegen.kernels.gpu.snapkv import make_gpu_kv_compact, make_gpu_snapkv_row_stats, make_gpu_snapkv_score
 from sharpi.common.kv_format import KVFormat, encode_rows
@@ -22,6 +23,7 @@ from vulkan_device import plan_runner
 
 HEADS, KV_HEADS, D, LAYERS, LAYER, MAX_PAGES, POOL_PAGES = 4, 2, 96, 2, 1, 4, 12
 SCALE = D ** -0.5
+SPLITS = 4          # decode_batch's split attention: sequences of 6 to 34 slots leave some splits without any
 READ_FORMATS = [("q8_0", "q4_0"), ("q4_0", "q8_0")]                    # every kernel, both codecs on both sides
 STORE_FORMATS = READ_FORMATS + [("float16", "q8_0"), ("bfloat16", "float32")]   # float parts of a packed row
 
@@ -98,6 +100,14 @@ def add_pool_kernels(bb, fmt: KVFormat, n, reads: bool, compact: bool) -> None:
         args = [var("q", (n, HEADS, D)), relax.Var("pool", pool_ty), *tables(per_sequence)]
         with bb.function(_name(kind, fmt), args):
             bb.emit_func_output(bb.emit(relax.call_tir(gv, [*args, _layer()], _tensor((n, HEADS, D)))))
+        if batched:         # CUDA's decode_batch: SPLITS workgroups a (sequence, head), then their combination
+            split = _add_kernel(bb, make_gpu_paged_attention(HEADS, KV_HEADS, D, PAGE, SCALE, kv_dtype=fmt,
+                                                             batched=True, splits=SPLITS), _name("split_batch", fmt))
+            combine = _add_kernel(bb, make_gpu_attention_combine(HEADS, D, SPLITS), _name("combine_batch", fmt))
+            args = [var("q", (n, HEADS, D)), relax.Var("pool", pool_ty), *tables(per_sequence)]
+            with bb.function(_name("attend_batch_split", fmt), args):
+                partial = bb.emit(relax.call_tir(split, [*args, _layer()], _tensor((n, HEADS, SPLITS, D + 2))))
+                bb.emit_func_output(bb.emit(relax.call_tir(combine, [partial], _tensor((n, HEADS, D)))))
     if reads:
         shape = (HEADS, KV_HEADS, D, PAGE, MAX_PAGES, SCALE)
         stats_gv = _add_kernel(bb, make_gpu_snapkv_row_stats(*shape, kv_dtype=fmt), _name("row_stats", fmt))
@@ -236,7 +246,8 @@ def test_attention_reads_the_dequantized_cache(vk, pair, rng):
 
 @pytest.mark.parametrize("pair", READ_FORMATS, ids=_ids)
 def test_batched_append_and_attention(vk, pair, rng):
-    """decode_batch's kernels: token b stored (bit-exact) at sequence b's slot and attending over its sequence."""
+    """decode_batch's kernels: token b stored (bit-exact) at sequence b's slot and attending over its sequence, in
+    one workgroup a (sequence, head) and split (CUDA's flash-decoding across sequences and splits)."""
     fmt = _fmt(pair)
     held = [5, 16, 33]
     tables = np.stack([_table(np.random.default_rng(b)) for b in range(3)])
@@ -254,11 +265,12 @@ def test_batched_append_and_attention(vk, pair, rng):
         pool = _placed(pool, tables[b, LAYER], encode_rows(fmt, ks[b][h:], vs[b][h:]), start=h)
     np.testing.assert_array_equal(stored.view(np.uint8), pool)
     q = rng.standard_normal((3, HEADS, D)).astype(np.float32)
-    out = vk.run(_name("attend_batch", fmt), q, stored, tables, lens)
-    for b, h in enumerate(held):
-        k_seen, v_seen = _decoded(fmt, ks[b], vs[b])
-        np.testing.assert_allclose(out[b:b + 1], _attention_reference(q[b:b + 1], k_seen, v_seen, h), rtol=1e-4,
-                                   atol=2e-5)
+    for function in ("attend_batch", "attend_batch_split"):     # the split: ragged lengths, splits with no slot
+        out = vk.run(_name(function, fmt), q, stored, tables, lens)
+        for b, h in enumerate(held):
+            k_seen, v_seen = _decoded(fmt, ks[b], vs[b])
+            np.testing.assert_allclose(out[b:b + 1], _attention_reference(q[b:b + 1], k_seen, v_seen, h),
+                                       rtol=1e-4, atol=2e-5, err_msg=function)
 
 
 @pytest.mark.parametrize("pair", READ_FORMATS, ids=_ids)

@@ -441,8 +441,9 @@ class KernelAttacher(relax.PyExprMutator):
         scale = _prim_constant(scale)
         kv = self._kv(pool)
         shape = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, ops.PAGE_SIZE, scale)
-        if self.gpu and self.decode_splits and tokens == 1 and not batched:
-            return self._split_decode_attention(shape, kv, window, [q, pool, page_table, kv_lens, layer], ty)
+        if self.gpu and self.decode_splits and (tokens == 1 or batched):
+            return self._split_decode_attention(shape, kv, window, [q, pool, page_table, kv_lens, layer], ty,
+                                                batched)
         if self.gpu:
             def make():
                 return gpu_attention.make_gpu_paged_attention(*shape, tokens, kv_dtype=kv, window=window,
@@ -457,17 +458,21 @@ class KernelAttacher(relax.PyExprMutator):
                           f"w{window}" if window else None), make)
         return self._kv_call(gv, kv, [q, pool, page_table, kv_lens, layer], 1, ty, in_place=False)
 
-    def _split_decode_attention(self, shape, kv, window: int, args: list, ty):
-        """One token's attention by decode_splits workgroups a query head, then their combination
-        (kernels.gpu.attention's flash-decoding pair)."""
+    def _split_decode_attention(self, shape, kv, window: int, args: list, ty, batched: bool):
+        """A one-token step's attention (one sequence's decode, or decode_batch's token of each sequence) by
+        decode_splits workgroups a query head, then their combination (kernels.gpu.attention's flash-decoding
+        pair)."""
         splits, cfg = self.decode_splits, self.cfg
-        gv = self.kernel(("paged_attention_split", splits, _kv_key(kv), f"w{window}" if window else None),
-                         lambda: gpu_attention.make_gpu_paged_attention(*shape, 1, kv_dtype=kv, window=window,
-                                                                        splits=splits))
-        partial_ty = relax.TensorType((1, cfg.n_heads, splits, cfg.head_dim + 2), "float32")
+        tokens = None if batched else 1
+        gv = self.kernel(("paged_attention" + ("_batch" if batched else "") + "_split", splits, _kv_key(kv),
+                          f"w{window}" if window else None),
+                         lambda: gpu_attention.make_gpu_paged_attention(*shape, tokens, kv_dtype=kv, window=window,
+                                                                        batched=batched, splits=splits))
+        partial_ty = relax.TensorType((ty.shape[0], cfg.n_heads, splits, cfg.head_dim + 2), "float32")
         partial = self.builder_.emit(self._kv_call(gv, kv, args, 1, partial_ty, in_place=False))
-        combine = self.kernel(("attention_combine", splits),
-                              lambda: gpu_attention.make_gpu_attention_combine(cfg.n_heads, cfg.head_dim, splits, 1))
+        combine = self.kernel(("attention_combine", splits, tokens),
+                              lambda: gpu_attention.make_gpu_attention_combine(cfg.n_heads, cfg.head_dim, splits,
+                                                                               tokens))
         return relax.call_tir(combine, [partial], ty)
 
     def _snapkv_score(self, args, ty):
@@ -551,7 +556,8 @@ def attach_kernels(mod: tvm.IRModule, cfg: ModelConfig, gpu: bool = False, int8_
     (keys', values') types, which a packed pool's uint8 elements do not say (None: the pool's element type).
     `scale_prefixes`: the GPU weight kernels take scale field f as a view of planes 0..f at offset 0, not of plane
     f at its offset (kernels.gpu.quant_matmul.scale_fields says why CUDA needs it). `decode_splits` > 0: a
-    single sequence's one-token attention by that many workgroups a query head and a combining kernel."""
+    one-token step's attention (decode's, and decode_batch's of each sequence) by that many workgroups a query
+    head and a combining kernel."""
     if gpu:
         _check_gpu_support(mod)
     mod = KernelAttacher(mod, cfg, gpu, int8_isa, kv_types, scale_prefixes, decode_splits).run()

@@ -130,9 +130,9 @@ def fatbin_entries(blob: bytes) -> list[tuple[str, int]]:
     return entries
 
 
-# Workgroups per query head of a one-token decode's attention: its heads alone (9 for SmolLM2) leave most of a big
-# GPU's multiprocessors (132 on an H200) idle while each walks thousands of slots; a split without slots costs next
-# to nothing. Vulkan's decode (lavapipe, a CPU) keeps one workgroup a head.
+# Workgroups per query head of a one-token step's attention (decode, and each sequence of decode_batch): its heads
+# alone (9 for SmolLM2) leave most of a big GPU's multiprocessors (132 on an H200) idle while each walks thousands
+# of slots; a split without slots costs next to nothing. Vulkan's (lavapipe, a CPU) keeps one workgroup a head.
 DECODE_SPLITS = 32
 
 
