@@ -5,10 +5,11 @@ timed apart from it).
     python benchmarks/vulkan_host.py ARTIFACT [ARTIFACT ...] [--prompt-tokens 64] [--steps 32] [--json FILE]
 
 For each artifact (a vulkan one), in a process of its own: prefill a prompt, then --steps greedy decode steps.
-Each step is timed three ways: `host`, from the call until its commands are submitted (the plan runner's work:
-the recording's lookup, the input writes, encoding every dispatch); `step`, the whole call with the logits read
-back; and the wgpu calls the step makes, counted by a proxy in front of the runner's device (its methods and
-those of the encoders, passes and queue they hand out). Prints medians and writes JSON.
+Each step is timed two ways: `host`, from the call until its commands are submitted (the session's bookkeeping
+and the plan runner's work: the recording's lookup, the input writes, encoding every dispatch), and `step`, the
+whole call with the logits read back; the wgpu calls of a replayed step are counted by a proxy in front of the
+runner's device (its methods and those of the encoders, passes and queue they hand out). Prints medians and
+writes JSON.
 """
 from __future__ import annotations
 
@@ -24,17 +25,18 @@ import numpy as np
 
 
 class _Probe:
-    """A wgpu object whose method calls are counted (and the time of the last submit kept); the queue, and the
-    encoders and compute passes its calls return, are probed too."""
+    """A wgpu object whose method calls are counted (and the time of the last submit kept); with `deep`, the queue
+    and the encoders and compute passes its calls return are probed too. The deep probe's own Python costs about
+    as much as a call, so steps are timed under a shallow one (the submit's time only) and counted under a deep one."""
     WRAPPED = ("create_command_encoder", "begin_compute_pass")
 
-    def __init__(self, target, log: dict):
-        self._target, self._log = target, log
+    def __init__(self, target, log: dict, deep: bool):
+        self._target, self._log, self._deep = target, log, deep
 
     def __getattr__(self, name):
         value = getattr(self._target, name)
         if name == "queue":
-            return _Probe(value, self._log)
+            return _Probe(value, self._log, self._deep)
         if not callable(value):
             return value
 
@@ -43,7 +45,7 @@ class _Probe:
             if name == "submit":
                 self._log["submitted"] = time.perf_counter()
             out = value(*args, **kwargs)
-            return _Probe(out, self._log) if name in self.WRAPPED else out
+            return _Probe(out, self._log, True) if self._deep and name in self.WRAPPED else out
 
         return call
 
@@ -55,23 +57,26 @@ def measure(artifact: str, prompt_tokens: int, steps: int) -> dict:
     runner = model.engine.backend.runner
     log = {"calls": Counter(), "submitted": None}
     ids = np.random.default_rng(0).integers(100, 2000, prompt_tokens).tolist()
-    host, whole, calls = [], [], []
+    device = runner.device
+    host, whole = [], []
     with model.session(snapkv_budget=0) as s:
         token = int(np.argmax(s.prefill(ids)))
-        device, runner.device = runner.device, _Probe(runner.device, log)
-        for _ in range(steps):
+        runner.device = _Probe(device, log, deep=True)
+        for _ in range(2):                      # the second step replays the first one's recording
             log["calls"].clear()
+            token = int(np.argmax(s.decode(token)))
+        calls = dict(log["calls"])
+        runner.device = _Probe(device, log, deep=False)
+        for _ in range(steps):
             start = time.perf_counter()
             logits = s.decode(token)
             end = time.perf_counter()
             host.append(log["submitted"] - start)
             whole.append(end - start)
-            calls.append(dict(log["calls"]))
             token = int(np.argmax(logits))
         runner.device = device
-    last = calls[-1]
     return {"artifact": artifact, "device": model.engine.backend.description,
-            "dispatches": last.get("dispatch_workgroups", 0), "wgpu_calls": sum(last.values()), "calls": last,
+            "dispatches": calls.get("dispatch_workgroups", 0), "wgpu_calls": sum(calls.values()), "calls": calls,
             "host_ms": 1e3 * statistics.median(host), "step_ms": 1e3 * statistics.median(whole)}
 
 
