@@ -99,8 +99,9 @@ def test_missing_tensor_is_a_clear_error(arch, missing, tmp_path):
         sharpi.compile(str(path), output=tmp_path / "out")
 
 
-VULKAN_ARCHS = {**ARCHS, "gemma3": dict(arch="gemma3", qk_norm=True, post_norms=True, sliding_window=WINDOW,
-                                            head_dim=16)}
+# SmolLM2 (tests/test_vulkan_model.py) is the NORM layout without biases; a window changes only the attention
+VULKAN_ARCHS = {"qwen2": ARCHS["qwen2"], "qwen3": ARCHS["qwen3"],
+                "gemma3": dict(arch="gemma3", qk_norm=True, post_norms=True, sliding_window=WINDOW, head_dim=16)}
 
 
 @pytest.mark.parametrize("name", sorted(VULKAN_ARCHS))
@@ -108,7 +109,7 @@ def test_vulkan_decode_matches_reference(name, tmp_path):
     """A GPU's decode step runs fused GEMVs (codegen.decode_fusion: the norm, q, k and v with their biases and
     RoPE in one kernel; the norm, gate and up with the GLU in another) where its prompt runs the ops one by one:
     both through the Vulkan pipeline against the reference, for each architecture's variant of the pattern (a
-    bias, NEOX pairs, q/k norms that keep the RoPE out of the kernel, GeGLU, the window)."""
+    bias, NEOX pairs, q/k norms that keep the RoPE out of the kernel, GeGLU, post-norms)."""
     from vulkan_device import on_vulkan
     path = write_tiny_llama(tmp_path / f"{name}.gguf", layers=2, dim=64, heads=4, kv_heads=2, **VULKAN_ARCHS[name])
     model = on_vulkan(lambda: sharpi.load(sharpi.compile(str(path), target="vulkan", output=tmp_path / "vk")))
