@@ -2,7 +2,8 @@
 
 Fusions happen here: matmul(x, permute_dims(dequantize(w))) becomes one quantized-matmul kernel and
 take(dequantize(w), ids) one embedding kernel, so quantized weights are never expanded in memory.
-Kernels are instantiated once per distinct shape; token count 1 (decode) gets specialized kernels.
+Kernels are instantiated once per distinct shape; token count 1 (decode) gets specialized kernels. On a GPU, the
+decode step's norms, projections, RoPE and GLU go further, into fused GEMVs (decode_fusion finds them).
 
 Two kernel sets share this pass: the CPU's (kernels/*.py, hand-scheduled loop nests) and the GPU's
 (kernels/gpu/*.py: the matmul and embedding as TE computes that dlight schedules; attention, RoPE and SnapKV
