@@ -7,6 +7,7 @@ from tvm import relax
 import test_kquants
 from sharpi.codegen.kernels.gpu.fused_gemv import FusedGemv, Matrix, Rope, make_gpu_fused_gemv
 from sharpi.common.quant_layout import dequantize_layout
+from sharpi.testing.reference import gelu_tanh, rms_norm, rope_adjacent, rope_neox, silu
 from test_gpu_kernels import _gpu_parts
 from test_kernels import _weight
 from vulkan_device import plan_runner
@@ -14,23 +15,13 @@ from vulkan_device import plan_runner
 POS = 37
 
 
+ROPES = {"norm": rope_adjacent, "neox": rope_neox}
+ACTIVATIONS = {"silu": silu, "gelu_tanh": gelu_tanh}
+
+
 def _rope(y, rope: Rope):
-    """RoPE of each head of y [1, rows] at POS, in float64 (llama.cpp's NORM or NEOX pairs)."""
-    d, half = rope.head_dim, rope.head_dim // 2
-    y = y.reshape(-1, d).astype(np.float64)
-    out = y.copy()
-    for i in range(half):
-        angle = POS * rope.theta ** (-2 * i / d)
-        a, b = (2 * i, 2 * i + 1) if rope.layout == "norm" else (i, i + half)
-        out[:, a] = y[:, a] * np.cos(angle) - y[:, b] * np.sin(angle)
-        out[:, b] = y[:, a] * np.sin(angle) + y[:, b] * np.cos(angle)
-    return out.reshape(1, -1)
-
-
-def _activation(name, a):
-    if name == "silu":
-        return a / (1 + np.exp(-a))
-    return 0.5 * a * (1 + np.tanh(np.sqrt(2 / np.pi) * (a + 0.044715 * a ** 3)))
+    """The numpy reference's RoPE of each head of y [1, rows] at POS."""
+    return ROPES[rope.layout](y.reshape(1, -1, rope.head_dim), [POS], rope.theta).reshape(1, -1)
 
 
 def _inputs_and_expected(spec: FusedGemv, rng):
@@ -39,7 +30,7 @@ def _inputs_and_expected(spec: FusedGemv, rng):
     x = rng.standard_normal((1, K)).astype(np.float32)
     g = (1 + 0.1 * rng.standard_normal(K)).astype(np.float32)
     args = [x] + ([g] if spec.norm_eps is not None else []) + ([np.array([POS], np.int32)] if spec.rope else [])
-    h = x / np.sqrt((x.astype(np.float64) ** 2).mean() + spec.norm_eps) * g if spec.norm_eps is not None else x
+    h = rms_norm(x, g, spec.norm_eps) if spec.norm_eps is not None else x
     ys = []
     for m in spec.matrices:
         make = test_kquants._weight if m.qtype in ("q4_k", "q5_k", "q6_k") else _weight
@@ -50,7 +41,7 @@ def _inputs_and_expected(spec: FusedGemv, rng):
     if spec.rope:
         ys[:spec.rope.matrices] = [_rope(y, spec.rope) for y in ys[:spec.rope.matrices]]
     if spec.epilogue == "glu":
-        return args, [_activation(spec.activation, ys[0]) * ys[1]]
+        return args, [ACTIVATIONS[spec.activation](ys[0]) * ys[1]]
     return args, [y.reshape(m.out_shape()) for y, m in zip(ys, spec.matrices)]
 
 

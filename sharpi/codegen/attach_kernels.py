@@ -22,7 +22,7 @@ from ..common import ops
 from ..common.config import ModelConfig
 from ..common.errors import CompileError
 from ..common.kv_format import KVFormat
-from ..ir_passes.named_ops import extern_name
+from ..ir_passes.named_ops import extern_name, prim_constant
 from .kernels.paged_attention import (make_kv_append, make_kv_append_batch, make_paged_attention,
                                       make_paged_attention_batch)
 from ..common.quant_layout import KERNEL_PARTS, QUANTIZED, SUB_SCALES
@@ -52,11 +52,6 @@ from .decode_fusion import DecodeFusion, FusionPlan
 
 def _static_int(dim) -> int | None:
     return int(dim) if isinstance(dim, tvm.tirx.IntImm) else None
-
-
-def _prim_constant(prim_value):
-    value = prim_value.value
-    return value.value if hasattr(value, "value") else value
 
 
 @relax.expr_functor.mutator
@@ -287,7 +282,7 @@ class KernelAttacher(relax.PyExprMutator):
     def _moe_route(self, args, ty):
         logits, k, normalize = args
         experts, tokens = int(logits.ty.shape[1]), _static_int(logits.ty.shape[0])
-        k, normalize = int(_prim_constant(k)), bool(_prim_constant(normalize))
+        k, normalize = int(prim_constant(k)), bool(prim_constant(normalize))
         if self.gpu:
             gv = self.kernel(("gpu_moe_route", experts, k, int(normalize), tokens),
                              lambda: _with_root_block(gpu_moe.make_gpu_moe_route(experts, k, normalize, tokens)))
@@ -397,7 +392,7 @@ class KernelAttacher(relax.PyExprMutator):
         x, pos, theta = args
         _, heads, head_dim = (d for d in ty.shape)
         tokens = _static_int(ty.shape[0])
-        theta = _prim_constant(theta)
+        theta = prim_constant(theta)
         make = gpu_elementwise.make_gpu_rope if self.gpu else make_rope
         gv = self.kernel(("rope", layout, int(heads), int(head_dim), tokens, f"{theta:g}".replace(".", "p")),
                          lambda: make(int(heads), int(head_dim), theta, layout, tokens))
@@ -437,9 +432,9 @@ class KernelAttacher(relax.PyExprMutator):
     def _attention(self, args, ty, batched: bool = False):
         q, pool, page_table, kv_lens, layer, scale, window = args
         tokens = _static_int(ty.shape[0])
-        window = int(_prim_constant(window))
+        window = int(prim_constant(window))
         cfg = self.cfg
-        scale = _prim_constant(scale)
+        scale = prim_constant(scale)
         kv = self._kv(pool)
         shape = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, ops.PAGE_SIZE, scale)
         if self.gpu and self.decode_splits and (tokens == 1 or batched):
@@ -480,7 +475,7 @@ class KernelAttacher(relax.PyExprMutator):
         q, pool, page_table, kv_lens, layer, window, scale = args
         cfg = self.cfg
         max_pages = int(page_table.ty.shape[1])
-        scale = _prim_constant(scale)
+        scale = prim_constant(scale)
         shape = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, ops.PAGE_SIZE, max_pages, scale)
         kv = self._kv(pool)
         if self.gpu:

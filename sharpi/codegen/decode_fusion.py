@@ -16,7 +16,7 @@ import tvm
 from tvm import relax
 
 from ..common import ops
-from ..ir_passes.named_ops import extern_name
+from ..ir_passes.named_ops import extern_name, prim_constant
 from .kernels.gpu.fused_gemv import ACTIVATIONS, FusedGemv, Matrix, Rope, supported
 from .kernels.gpu.quant_matmul import GPU_LAYOUTS
 
@@ -167,8 +167,7 @@ class DecodeFusion:
             name = extern_name(value) or ""
             if name.startswith(ops.ROPE) and value.args[1].fields[0] == last:
                 _, pos, theta = value.args[1].fields
-                theta = theta.value.value if hasattr(theta.value, "value") else theta.value
-                rope = (name[len(ops.ROPE):], float(theta), int(value.ty.shape[2]), pos)
+                rope = (name[len(ops.ROPE):], float(prim_constant(theta)), int(value.ty.shape[2]), pos)
                 last = nxt
                 absorbed.add(nxt)
         return MatrixUse(qtype, parts, bias, last, rotated=rope is not None), rope

@@ -12,3 +12,9 @@ def extern_name(expr) -> str | None:
         if isinstance(func, relax.ExternFunc):
             return str(func.global_symbol)
     return None
+
+
+def prim_constant(prim_value):
+    """The Python value of a named op's constant argument (a relax.PrimValue of an IntImm or FloatImm)."""
+    value = prim_value.value
+    return value.value if hasattr(value, "value") else value

@@ -45,6 +45,7 @@ class VulkanPlanRunner:
         self._pipelines = {name: self._pipeline(k) for name, k in self.plan.kernels.items()}
         self._realigned: dict = {}
         self._recordings: dict = {}
+        self._device_tuples: dict = {}        # id -> a tuple known to hold device tensors only (held: ids stay)
 
     @property
     def adapter_name(self) -> str:
@@ -109,7 +110,7 @@ class VulkanPlanRunner:
             dispatches, output = self._record(self.plan.functions[function], tensors)
             recording = self._bind(dispatches, tensors, output)
         else:
-            key = (function, _signature(inputs))
+            key = (function, _signature(inputs, self._is_device_tuple))
             recording = self._recordings.pop(key, None)
             if recording is None:
                 tensors = [self._as_device(x) for x in inputs]
@@ -128,12 +129,26 @@ class VulkanPlanRunner:
         """This call's numpy inputs written into the recording's buffers; an input that is the very object the
         recording was made with (a device tensor, the weights' tuple) needs nothing."""
         for t, x, old in zip(tensors, inputs, recorded):
-            if x is old and (isinstance(x, DeviceTensor) or _device_tuple(x)):
+            if x is old and (isinstance(x, DeviceTensor) or self._is_device_tuple(x)):
                 continue
             if isinstance(x, (list, tuple)):
                 self._write_inputs(t, x, old)
             elif not isinstance(x, DeviceTensor):
                 self.device.queue.write_buffer(t.buffer, t.offset, np.ascontiguousarray(x))
+
+    def _is_device_tuple(self, x) -> bool:
+        """Whether x is a tuple of device tensors (the weights), known by identity after its first check: a
+        tuple's items never change, so a decode step does not walk its hundreds of tensors again."""
+        if not isinstance(x, tuple):
+            return False
+        if self._device_tuples.get(id(x)) is x:
+            return True
+        if not all(isinstance(t, DeviceTensor) for t in x):
+            return False
+        self._device_tuples[id(x)] = x
+        while len(self._device_tuples) > MAX_RECORDINGS:       # a recording's inputs hold theirs anyway
+            self._device_tuples.pop(next(iter(self._device_tuples)))
+        return True
 
     def _as_device(self, x):
         if isinstance(x, (list, tuple)):
@@ -266,20 +281,16 @@ class _Recording:
     given: tuple = ()       # the inputs as the recorded call was given them (keeps their identities taken)
 
 
-def _device_tuple(x) -> bool:
-    return isinstance(x, tuple) and all(isinstance(t, DeviceTensor) for t in x)
-
-
-def _signature(inputs) -> tuple:
+def _signature(inputs, is_device_tuple) -> tuple:
     """What a recorded call depends on: numpy inputs by shape and dtype, device tensors by identity, a tuple of
     device tensors (the weights: immutable, so its identity says its contents; the recording holds it, so its id
     is not reused) by identity; any other list or tuple by its items."""
     out = []
     for x in inputs:
-        if _device_tuple(x):
+        if is_device_tuple(x):
             out.append(("tuple", id(x)))
         elif isinstance(x, (list, tuple)):
-            out.append(_signature(x))
+            out.append(_signature(x, is_device_tuple))
         elif isinstance(x, DeviceTensor):
             out.append(("device", id(x.buffer), x.offset, x.shape))
         else:

@@ -32,11 +32,10 @@ from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
 from ....common.errors import CompileError
-from ....common.quant_layout import BLOCK, LAYOUTS, QUANTIZED
+from ....common.quant_layout import BLOCK
 from ..common import GPU_KERNEL_ATTRS
-from ..quant_matmul import dense_value, dequant
 from .elementwise import lookup_u32, rope_turns
-from .quant_matmul import GPU_LAYOUTS
+from .quant_matmul import GPU_LAYOUTS, gpu_weight_parts
 
 LANES = 32
 GROUPS = 8
@@ -130,34 +129,19 @@ ACTIVATIONS = {"silu": _silu, "gelu_tanh": _gelu_tanh}
 
 
 class _Weights:
-    """One matrix's parameters and its element (row, k) as a TIR expression."""
+    """One matrix's parameters (gpu_weight_parts', named w{index}_...) and its element (row, k) as a TIR
+    expression."""
 
     def __init__(self, index: int, m: Matrix, k_in: int, prefixes: bool):
-        self.m = m
-        blocks = k_in // BLOCK
-        if m.qtype in QUANTIZED:
-            (_, qs_dtype, qs_shape), (_, _, s_shape) = LAYOUTS[m.qtype][0], LAYOUTS[m.qtype][1]
-            self.qs = _arg(f"w{index}_qs", qs_shape(m.rows, k_in), qs_dtype)
-            fields = s_shape(m.rows, k_in)[0]
-            self.fields = [_arg(f"w{index}_s{f}", ((f + 1,) if prefixes else ()) + (m.rows, blocks), "float32")
-                           for f in range(fields)]
-            self.read_scale = ((lambda f, row, b: self.fields[f][f, row, b]) if prefixes else
-                               (lambda f, row, b: self.fields[f][row, b]))
-        else:
-            self.dense = [_arg(f"w{index}_{name}", shape(m.rows, k_in), dtype)
-                          for name, dtype, shape in LAYOUTS[m.qtype]]
+        _, self.value = gpu_weight_parts(m.qtype, m.rows, k_in, prefixes,
+                                         declare=lambda name, shape, dtype: _arg(f"w{index}_{name}", shape, dtype))
         self.bias = _arg(f"w{index}_bias", (m.rows,), "float32") if m.bias else None
-
-    def value(self, row, k):
-        if self.m.qtype in QUANTIZED:
-            return dequant(self.m.qtype, self.qs, self.read_scale, row, k // BLOCK, k % BLOCK)
-        return dense_value(self.m.qtype, self.dense[0], row, k)
 
 
 def _arg(name: str, shape, dtype: str):
     """A buffer parameter named `name` (the Vulkan plan matches WGSL bindings to parameters by name)."""
-    return IRBuilder.name(name, T.match_buffer(T.arg("var_" + name, T.handle()), tuple(TS.int64(d) for d in shape),
-                                               dtype))
+    shape = tuple(TS.int64(d) if isinstance(d, int) else d for d in shape)
+    return IRBuilder.name(name, T.match_buffer(T.arg("var_" + name, T.handle()), shape, dtype))
 
 
 def _store(buf, value, *index):

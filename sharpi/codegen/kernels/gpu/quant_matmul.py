@@ -14,8 +14,14 @@ from ..quant_matmul import dense_value, dequant
 GPU_LAYOUTS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k", "f32", "f16")
 
 
-def scale_fields(qtype: str, rows: int, cols: int, prefixes: bool = False):
+def placeholder(name: str, shape: tuple, dtype: str):
+    """A TE placeholder: the default way the GPU weight kernels declare a weight part."""
+    return te.placeholder(shape, dtype, name=name)
+
+
+def scale_fields(qtype: str, rows: int, cols: int, prefixes: bool = False, declare=placeholder):
     """The scale fields of a quantized weight as a GPU kernel's parameters, and read(f, row, block) -> f32.
+    `declare(name, shape, dtype)` makes each parameter (a TE placeholder, or an IR builder's buffer).
 
     Each field is a buffer of its own: dlight's rules need every read region to be one element per block
     iterator, which two fields read from one buffer are not. `prefixes` False: field f is [rows, cols/32], the
@@ -27,8 +33,7 @@ def scale_fields(qtype: str, rows: int, cols: int, prefixes: bool = False):
     (_, _, s_shape) = LAYOUTS[qtype][1]
     count = s_shape(rows, cols)[0]
     plane = (i64(rows), i64(cols // BLOCK))
-    fields = [te.placeholder(((i64(f + 1),) if prefixes else ()) + plane, "float32", name=f"scale{f}")
-              for f in range(count)]
+    fields = [declare(f"scale{f}", ((i64(f + 1),) if prefixes else ()) + plane, "float32") for f in range(count)]
     if prefixes:
         return fields, lambda f, row, b: fields[f][i64(f), row, b]
     return fields, lambda f, row, b: fields[f][row, b]
@@ -39,20 +44,20 @@ def i64(v):
     return tirx.IntImm("int64", v) if isinstance(v, int) else v
 
 
-def gpu_weight_parts(qtype: str, rows: int, cols: int, scale_prefixes: bool = False):
-    """The weight parts as the GPU weight kernels (matmul, embedding) take them (placeholders; the scale fields as
-    scale_fields declares them), and value(row, col) -> the f32 weight expression."""
+def gpu_weight_parts(qtype: str, rows: int, cols: int, scale_prefixes: bool = False, declare=placeholder):
+    """The weight parts as the GPU weight kernels (matmul, embedding, the fused GEMV) take them (each made by
+    `declare(name, shape, dtype)`; the scale fields as scale_fields declares them), and value(row, col) -> the f32
+    weight expression."""
     if qtype in QUANTIZED:
         (_, qs_dtype, qs_shape) = LAYOUTS[qtype][0]
-        qs = te.placeholder(tuple(i64(d) for d in qs_shape(rows, cols)), qs_dtype, name="qs")
-        fields, read_scale = scale_fields(qtype, rows, cols, scale_prefixes)
+        qs = declare("qs", tuple(i64(d) for d in qs_shape(rows, cols)), qs_dtype)
+        fields, read_scale = scale_fields(qtype, rows, cols, scale_prefixes, declare)
 
         def value(row, col):
             return dequant(qtype, qs, read_scale, row, col // i64(BLOCK), col % i64(BLOCK))
 
         return [qs, *fields], value
-    parts = [te.placeholder(tuple(i64(d) for d in shape(rows, cols)), dtype, name=name)
-             for name, dtype, shape in LAYOUTS[qtype]]
+    parts = [declare(name, tuple(i64(d) for d in shape(rows, cols)), dtype) for name, dtype, shape in LAYOUTS[qtype]]
     return parts, lambda row, col: dense_value(qtype, parts[0], row, col)
 
 
