@@ -99,14 +99,15 @@ def test_kv_cache_types_build_for_cuda(kv_k, kv_v, kernel_part, tmp_path):
     """--kv-dtype bf16, and q4_0 keys with q8_0 values (both quantized readers and writers in one build), on the
     cuda target: nvcc builds the attention (prefill, split decode, batched), append, compaction and SnapKV kernels
     for the pool (a quantized one read and written as 32-bit words, the same TIR the Vulkan tests run on lavapipe with
-    every pairing of types); run only on a GPU machine, with the rest of the CUDA checks."""
+    every pairing of types); run only on a GPU machine, with the rest of the CUDA checks. The prompt's
+    attention is the tiled flash kernel."""
     from sharpi.common.manifest import Manifest
     path = write_tiny_llama(tmp_path / "tiny.gguf", head_dim=32)
     artifact = sharpi.compile(str(path), target="cuda", kv_dtype_k=kv_k, kv_dtype_v=kv_v, output=tmp_path / kv_k)
     m = Manifest.read(artifact)
     assert m.kv_dtype == {"bf16": "bfloat16"}.get(kv_k, kv_k)
     from sharpi.codegen.targets.cuda import DECODE_SPLITS
-    kernels = {f"{name}_{kernel_part}" for name in ("paged_attention", f"paged_attention_split_{DECODE_SPLITS}",
+    kernels = {f"{name}_{kernel_part}" for name in ("flash_attention", f"paged_attention_split_{DECODE_SPLITS}",
                                                     f"paged_attention_batch_split_{DECODE_SPLITS}",
                                                     "kv_append", "kv_append_batch", "kv_compact", "snapkv_row_stats",
                                                     "snapkv_score")}

@@ -8,8 +8,8 @@ import tvm
 from tvm import relax
 
 import sharpi
-from sharpi.codegen.kernels.gpu.attention import (make_gpu_attention_combine, make_gpu_kv_append,
-                                                  make_gpu_paged_attention)
+from sharpi.codegen.kernels.gpu.attention import (make_gpu_attention_combine, make_gpu_flash_attention,
+                                                  make_gpu_kv_append, make_gpu_paged_attention)
 from sharpi.codegen.kernels.gpu.elementwise import make_gpu_embedding, make_gpu_rope, rope_turns
 from sharpi.codegen.targets.vulkan import build_plan
 from sharpi.common.quant_layout import dequantize_layout
@@ -36,8 +36,9 @@ def _layer():
 
 def _attention_module(head_dim, pages, max_pages, window=0):
     """Relax functions append_{prefill,decode}(pool, k, v, page_table, kv_lens) -> pool (written in place) and
-    attend_{prefill,decode,split}(q, pool, page_table, kv_lens) -> out; prefill has a symbolic token count, split
-    is decode by SPLITS workgroups a head and the combining kernel."""
+    attend_{prefill,flash,decode,split}(q, pool, page_table, kv_lens) -> out; prefill and flash (the tiled
+    prompt kernel) have a symbolic token count, split is decode by SPLITS workgroups a head and the combining
+    kernel."""
     bb = relax.BlockBuilder()
     pool_ty = _tensor((pages, 2, KV_HEADS, PAGE, head_dim))
     scale = head_dim ** -0.5
@@ -62,6 +63,17 @@ def _attention_module(head_dim, pages, max_pages, window=0):
                 out = bb.emit_output(relax.call_tir(attend, [q, pool, table, lens, _layer()],
                                                     _tensor((n, HEADS, head_dim))))
             bb.emit_func_output(out)
+    flash = bb.add_func(make_gpu_flash_attention(HEADS, KV_HEADS, head_dim, PAGE, scale, window=window),
+                        "attention_flash")
+    n = tvm.tirx.Var("n", "int64")
+    q = relax.Var("q", _tensor((n, HEADS, head_dim)))
+    pool, table, lens = (relax.Var("pool", pool_ty), relax.Var("page_table", _tensor((LAYERS, max_pages), "int32")),
+                         relax.Var("kv_lens", _tensor((LAYERS,), "int32")))
+    with bb.function("attend_flash", [q, pool, table, lens]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.call_tir(flash, [q, pool, table, lens, _layer()],
+                                                _tensor((n, HEADS, head_dim))))
+        bb.emit_func_output(out)
     split = bb.add_func(make_gpu_paged_attention(HEADS, KV_HEADS, head_dim, PAGE, scale, 1, window=window,
                                                  splits=SPLITS), "attention_split")
     combine = bb.add_func(make_gpu_attention_combine(HEADS, head_dim, SPLITS, 1), "attention_combine")
@@ -126,7 +138,7 @@ def test_kv_append_and_paged_attention_on_vulkan(attention, rng):
         np.testing.assert_array_equal(appended, _scatter(pool, table, held, k_all[held:], v_all[held:]))
         pool = appended
         q = rng.standard_normal((new, HEADS, head_dim)).astype(np.float32)
-        for name in (function, "split") if function == "decode" else (function,):
+        for name in ("decode", "split") if function == "decode" else ("prefill", "flash"):
             out = runner.run(f"attend_{name}", q, pool, table, lens)
             np.testing.assert_allclose(out, _attention_reference(q, k_all, v_all, held), rtol=1e-4, atol=2e-5,
                                        err_msg=f"{name} held={held} new={new} head_dim={head_dim}")
@@ -148,14 +160,15 @@ def test_sliding_window_attention_on_vulkan(tmp_path, rng):
     from test_kernels import _attention_reference as windowed_reference
     head_dim, pages, max_pages, window = 64, 17, 13, 37
     runner = plan_runner(_attention_module(head_dim, pages, max_pages, window), tmp_path)
-    for function, held, new in (("prefill", 0, 45), ("prefill", 150, 20), ("decode", 130, 1), ("decode", 10, 1)):
+    for function, held, new in (("prefill", 0, 45), ("prefill", 150, 20), ("prefill", 3, 70), ("decode", 130, 1),
+                                ("decode", 10, 1)):
         table = _page_table(rng, max_pages, pages)
         lens = np.zeros(LAYERS, np.int32)
         lens[LAYER] = held
         k_all, v_all = rng.standard_normal((2, held + new, KV_HEADS, head_dim)).astype(np.float32)
         pool = _scatter(np.zeros((pages, 2, KV_HEADS, PAGE, head_dim), np.float32), table, 0, k_all, v_all)
         q = rng.standard_normal((new, HEADS, head_dim)).astype(np.float32)
-        for name in (function, "split") if function == "decode" else (function,):
+        for name in ("decode", "split") if function == "decode" else ("prefill", "flash"):
             out = runner.run(f"attend_{name}", q, pool, table, lens)
             np.testing.assert_allclose(out, windowed_reference(q, k_all, v_all, held, window), rtol=1e-4,
                                        atol=2e-5, err_msg=f"{name} held={held} new={new}")

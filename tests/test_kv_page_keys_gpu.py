@@ -111,7 +111,8 @@ def test_batched_append_and_attention(vk, rng):
 
 
 def test_attention_reads_the_stored_pages(vk, rng):
-    """Prefill from empty, prefill after held slots, decode: numpy's attention over the pages as stored."""
+    """Prefill from empty, prefill after held slots, decode, and the tiled prompt kernel on each: numpy's
+    attention over the pages as stored."""
     fmt = _fmt(READ_PAIR)
     for held, new in ((0, 23), (20, 17), (40, 1)):
         table = _table(rng)
@@ -120,10 +121,11 @@ def test_attention_reads_the_stored_pages(vk, rng):
                                          rng.integers(0, 256, fmt.pool_shape(POOL_PAGES), np.uint8))
         lens[LAYER] = held
         q = rng.standard_normal((new, HEADS, D)).astype(np.float32)
-        out = vk.run(_name("attend", fmt), q, pool, table, lens)
         k_seen, v_seen = (_layer_values(fmt, expected, table[LAYER], held + new, w) for w in (0, 1))
-        np.testing.assert_allclose(out, _attention_reference(q, k_seen, v_seen, held), rtol=1e-4, atol=2e-5,
-                                   err_msg=f"held={held} new={new}")
+        for kind in ("attend", "attend_flash"):
+            out = vk.run(_name(kind, fmt), q, pool, table, lens)
+            np.testing.assert_allclose(out, _attention_reference(q, k_seen, v_seen, held), rtol=1e-4, atol=2e-5,
+                                       err_msg=f"{kind} held={held} new={new}")
 
 
 def test_snapkv_scores_read_the_stored_pages(vk, rng):

@@ -10,8 +10,8 @@ from tvm import relax, tirx
 from tvm.script import tirx as T
 
 from sharpi.codegen.kernels.common import GPU_KERNEL_ATTRS
-from sharpi.codegen.kernels.gpu.attention import (make_gpu_attention_combine, make_gpu_kv_append,
-                                                  make_gpu_paged_attention)
+from sharpi.codegen.kernels.gpu.attention import (make_gpu_attention_combine, make_gpu_flash_attention,
+                                                  make_gpu_kv_append, make_gpu_paged_attention)
 from sharpi.codegen.kernels.gpu.kv_rows import GpuRows, float_to_half, half_to_float
 from sharpi.codegen.kernels.gpu.snapkv import make_gpu_kv_compact, make_gpu_snapkv_row_stats, make_gpu_snapkv_score
 from sharpi.common.kv_format import KVFormat, encode_rows
@@ -72,8 +72,9 @@ def _conversions():
 
 def add_pool_kernels(bb, fmt: KVFormat, n, reads: bool, compact: bool) -> None:
     """A format's kernels as Relax functions named kind_{fmt}: append_; with reads, also append_batch_, attend_
-    (prefill kernel: decode is the same kernel with n = 1), attend_batch_ and score_ (row stats, then the score);
-    with compact, compact_. The pools are the kernels' uint32 words (the runtime's view of its uint8 pool)."""
+    (prefill kernel: decode is the same kernel with n = 1), attend_flash_ (the tiled prompt kernel),
+    attend_batch_ and score_ (row stats, then the score); with compact, compact_. The pools are the kernels'
+    uint32 words (the runtime's view of its uint8 pool)."""
     rows = GpuRows(fmt)
     pool_ty = _tensor(rows.pool_shape(POOL_PAGES), rows.pool_dtype)
 
@@ -100,6 +101,12 @@ def add_pool_kernels(bb, fmt: KVFormat, n, reads: bool, compact: bool) -> None:
         args = [var("q", (n, HEADS, D)), relax.Var("pool", pool_ty), *tables(per_sequence)]
         with bb.function(_name(kind, fmt), args):
             bb.emit_func_output(bb.emit(relax.call_tir(gv, [*args, _layer()], _tensor((n, HEADS, D)))))
+        if not batched:
+            gv = _add_kernel(bb, make_gpu_flash_attention(HEADS, KV_HEADS, D, PAGE, SCALE, kv_dtype=fmt),
+                             _name("flash", fmt))
+            args = [var("q", (n, HEADS, D)), relax.Var("pool", pool_ty), *tables(())]
+            with bb.function(_name("attend_flash", fmt), args):
+                bb.emit_func_output(bb.emit(relax.call_tir(gv, [*args, _layer()], _tensor((n, HEADS, D)))))
         if batched:         # CUDA's decode_batch: SPLITS workgroups a (sequence, head), then their combination
             split = _add_kernel(bb, make_gpu_paged_attention(HEADS, KV_HEADS, D, PAGE, SCALE, kv_dtype=fmt,
                                                              batched=True, splits=SPLITS), _name("split_batch", fmt))
@@ -228,8 +235,9 @@ def test_append_stores_the_emulated_bytes(vk, pair, rng):
 # -- reads ------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("pair", READ_FORMATS, ids=_ids)
 def test_attention_reads_the_dequantized_cache(vk, pair, rng):
-    """Prefill from empty, prefill after held slots, decode (the same kernel with one token): numpy's attention
-    over the dequantized keys and values; the slots past the visible ones (random bytes) are never read."""
+    """Prefill from empty, prefill after held slots, decode (the same kernel with one token), and the tiled prompt
+    kernel on each: numpy's attention over the dequantized keys and values; the slots past the visible ones
+    (random bytes) are never read."""
     fmt = _fmt(pair)
     for held, new in ((0, 23), (20, 17), (40, 1)):
         table = _table(rng)
@@ -238,10 +246,11 @@ def test_attention_reads_the_dequantized_cache(vk, pair, rng):
         lens = np.array([50, 50], np.int32)
         lens[LAYER] = held
         q = rng.standard_normal((new, HEADS, D)).astype(np.float32)
-        out = vk.run(_name("attend", fmt), q, _words(pool), table, lens)
         k_seen, v_seen = _decoded(fmt, k, v)
-        np.testing.assert_allclose(out, _attention_reference(q, k_seen, v_seen, held), rtol=1e-4, atol=2e-5,
-                                   err_msg=f"held={held} new={new}")
+        for kind in ("attend", "attend_flash"):
+            out = vk.run(_name(kind, fmt), q, _words(pool), table, lens)
+            np.testing.assert_allclose(out, _attention_reference(q, k_seen, v_seen, held), rtol=1e-4, atol=2e-5,
+                                       err_msg=f"{kind} held={held} new={new}")
 
 
 @pytest.mark.parametrize("pair", READ_FORMATS, ids=_ids)

@@ -440,18 +440,18 @@ class KernelAttacher(relax.PyExprMutator):
         if self.gpu and self.decode_splits and (tokens == 1 or batched):
             return self._split_decode_attention(shape, kv, window, [q, pool, page_table, kv_lens, layer], ty,
                                                 batched)
-        if self.gpu:
-            def make():
-                return gpu_attention.make_gpu_paged_attention(*shape, tokens, kv_dtype=kv, window=window,
-                                                              batched=batched)
+        if self.gpu and not batched and tokens != 1:     # a prompt: query blocks share each K/V tile
+            kind, make = "flash_attention", lambda: gpu_attention.make_gpu_flash_attention(
+                *shape, tokens, kv_dtype=kv, window=window)
+        elif self.gpu:
+            kind, make = "paged_attention", lambda: gpu_attention.make_gpu_paged_attention(
+                *shape, tokens, kv_dtype=kv, window=window, batched=batched)
         elif batched:
-            def make():
-                return make_paged_attention_batch(*shape, kv_dtype=kv, window=window)
+            kind, make = "paged_attention", lambda: make_paged_attention_batch(*shape, kv_dtype=kv, window=window)
         else:
-            def make():
-                return make_paged_attention(*shape, tokens, kv_dtype=kv, window=window)
-        gv = self.kernel(("paged_attention_batch" if batched else "paged_attention", tokens, _kv_key(kv),
-                          f"w{window}" if window else None), make)
+            kind, make = "paged_attention", lambda: make_paged_attention(*shape, tokens, kv_dtype=kv, window=window)
+        gv = self.kernel((kind + ("_batch" if batched else ""), tokens, _kv_key(kv), f"w{window}" if window else None),
+                         make)
         return self._kv_call(gv, kv, [q, pool, page_table, kv_lens, layer], 1, ty, in_place=False)
 
     def _split_decode_attention(self, shape, kv, window: int, args: list, ty, batched: bool):

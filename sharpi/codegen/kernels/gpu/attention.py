@@ -19,6 +19,10 @@ paged_attention: out[t, h] = softmax(q[t, h] . K[s] * scale) V over the slots s 
     uniform control flow, as WGSL requires. Slots past the visible range get probability 0 and are never read.
     Split (CUDA's one-token decode): the tiles are shared among several workgroups a head, each writing its
     unnormalised output, max and sum, and attention_combine merges them (flash-decoding).
+flash_attention (a prompt's attention): one workgroup per (block of BQ consecutive tokens, query head), which
+    stages each tile of BK slots' keys, then values, in workgroup memory once for its BQ queries (where
+    paged_attention reads every visible slot once a query): invocation (i, j) scores query i against slot j of
+    the tile, keeps query i's running max and sum, and accumulates the dims j, j + BK, ... of its output.
 
 All three are hand-scheduled (explicit thread bindings) and marked "tirx.is_scheduled" so dlight leaves them be.
 Shape variables carry names: the Vulkan plan binds each kernel's scalar arguments by the name of the shape
@@ -277,3 +281,126 @@ def make_gpu_attention_combine(heads: int, head_dim: int, splits: int, tokens: i
                         out[t, h, c * TX + tx] = acc[c] / st[1]
 
     return _named(gpu_attention_combine, f"gpu_attention_combine_{heads}_{head_dim}_{splits}", tokens)
+
+
+def _flash_blocks(head_dim: int) -> tuple[int, int]:
+    """(BQ, BK): tokens a flash workgroup takes, slots a tile; BQ * BK invocations, and a tile of f32 keys or
+    values (BK x head_dim) with the tile's scores and weights within WebGPU's 16 KiB of workgroup memory."""
+    return 16, (16 if head_dim <= 128 else 8)
+
+
+def make_gpu_flash_attention(heads: int, kv_heads: int, head_dim: int, page_size: int, scale: float,
+                             tokens: int | None = None, kv_dtype="float32", window: int = 0) -> tirx.PrimFunc:
+    """PrimFunc (q [n, H, D], pool, page_table, kv_lens, layer, out [n, H, D]): make_gpu_paged_attention's
+    prompt attention (same signature and causal, windowed rule), tiled: the workgroup of tokens t0 .. t0 + BQ - 1
+    and query head h walks the tiles of BK slots that any of its queries sees, each tile's keys and then values
+    staged once in workgroup memory (decoded from the pool's type) and used by all BQ queries.
+
+    Slots outside what the block's queries see together (before the first query's window, after the last
+    query's own slot) are staged as zeros, so a slot a query does not see weighs exactly 0 against a finite
+    value (its pool bytes may be anything). A query's weights of a tile are 0 where it does not see the slot,
+    exp(score - running max) where it does; a tile that a windowed query sees none of leaves its state as it
+    was. Rows past the last token compute on the last token's query and write nothing."""
+    n = token_count(tokens)
+    rows = GpuRows.of(kv_dtype, kv_heads, page_size, head_dim)
+    pages, layers, max_pages = _pool_vars()
+    group = heads // kv_heads
+    BQ, BK = _flash_blocks(head_dim)
+    TX = BQ * BK
+    DPT = (head_dim + BK - 1) // BK          # output dims an invocation owns
+    LOADS = (BK * head_dim + TX - 1) // TX   # tile elements an invocation stages
+    table_shape, lens_shape, slot_of, page_of = _tables(False, n, layers, max_pages)
+
+    def first_seen(kv_lens, layer, t0):
+        """The first slot token t0 sees: 0, or with a window the first of its last `window`."""
+        if not window:
+            return T.int64(0)
+        return T.max(slot_of(kv_lens, layer, t0) + 1 - window, T.int64(0))
+
+    @T.macro
+    def stage(tile_sh, pool, page_sh, which, kvh, tile, lo, hi, tx):
+        """The tile's keys (which 0) or values (1) into tile_sh [BK, D]; slots outside [lo, hi) as zeros."""
+        for r in T.unroll(LOADS):
+            e = T.meta_var(r * TX + tx)
+            if e < BK * head_dim:
+                slot = T.meta_var(tile * BK + e // head_dim)
+                if T.And(slot >= lo, slot < hi):
+                    tile_sh[e // head_dim, e % head_dim] = rows.load(
+                        pool, which, T.Cast("int64", page_sh[e // head_dim]), kvh, slot % page_size, e % head_dim)
+                else:
+                    tile_sh[e // head_dim, e % head_dim] = T.float32(0)
+
+    @T.prim_func
+    def gpu_flash_attention(var_q: T.handle, var_pool: T.handle, var_pt: T.handle, var_lens: T.handle,
+                            layer: T.int64, var_out: T.handle):
+        T.func_attr(ATTRS)
+        q = T.match_buffer(var_q, (n, heads, head_dim), "float32")
+        pool = T.match_buffer(var_pool, rows.pool_shape(pages), rows.pool_dtype)
+        page_table = T.match_buffer(var_pt, table_shape, "int32")
+        kv_lens = T.match_buffer(var_lens, lens_shape, "int32")
+        out = T.match_buffer(var_out, (n, heads, head_dim), "float32")
+        for b in T.thread_binding((n + BQ - 1) // BQ * heads, thread="blockIdx.x"):
+            for tx in T.thread_binding(TX, thread="threadIdx.x"):
+                tile_sh = T.alloc_buffer((BK, head_dim), "float32", scope="shared")
+                score = T.alloc_buffer((BQ, BK), "float32", scope="shared")
+                prob = T.alloc_buffer((BQ, BK), "float32", scope="shared")
+                page_sh = T.alloc_buffer((BK,), "int32", scope="shared")
+                acc = T.alloc_buffer((DPT,), "float32", scope="local")
+                dot = T.alloc_buffer((1,), "float32", scope="local")
+                # running max, running sum, new max, correction of the previous tiles
+                st = T.alloc_buffer((4,), "float32", scope="local")
+                h = T.meta_var(b % heads)
+                kvh = T.meta_var(h // group)
+                t0 = T.meta_var(b // heads * BQ)
+                i = T.meta_var(tx // BK)
+                j = T.meta_var(tx % BK)
+                t = T.meta_var(T.min(t0 + i, n - 1))          # rows past the last token repeat it, unwritten
+                total = T.meta_var(slot_of(kv_lens, layer, t) + 1)          # the slots query i sees
+                # what the block sees together: from the first query's first visible slot to the last's own
+                lo = T.meta_var(first_seen(kv_lens, layer, t0))
+                hi = T.meta_var(slot_of(kv_lens, layer, T.min(t0 + BQ, n) - 1) + 1)
+                for c in T.unroll(DPT):
+                    acc[c] = T.float32(0)
+                st[0] = T.float32(NEG_INF)
+                st[1] = T.float32(0)
+                for tile in range(T.truncdiv(lo, BK), T.truncdiv(hi + BK - 1, BK)):
+                    if tx < BK:
+                        if T.And(tile * BK + tx >= lo, tile * BK + tx < hi):
+                            page_sh[tx] = page_of(page_table, layer, t, (tile * BK + tx) // page_size)
+                    T.tvm_storage_sync("shared")
+                    stage(tile_sh, pool, page_sh, 0, kvh, tile, lo, hi, tx)
+                    T.tvm_storage_sync("shared")
+                    # 1. query i's score of slot j
+                    dot[0] = T.float32(0)
+                    for d in range(head_dim):
+                        dot[0] = dot[0] + q[t, h, d] * tile_sh[j, d]
+                    score[i, j] = T.if_then_else(visible(tile * BK + j, total, window), dot[0] * T.float32(scale),
+                                                 T.float32(NEG_INF))
+                    T.tvm_storage_sync("shared")
+                    # 2. query i's new max (each of its invocations alike) and its weight of slot j
+                    st[2] = st[0]
+                    for jj in range(BK):
+                        st[2] = T.max(st[2], score[i, jj])
+                    st[3] = T.exp(st[0] - st[2])
+                    st[0] = st[2]
+                    prob[i, j] = T.if_then_else(visible(tile * BK + j, total, window),
+                                                T.exp(score[i, j] - st[0]), T.float32(0))
+                    stage(tile_sh, pool, page_sh, 1, kvh, tile, lo, hi, tx)   # the keys are read: values now
+                    T.tvm_storage_sync("shared")
+                    # 3. rescale, then add the tile's weighted values to the dims this invocation owns
+                    st[1] = st[1] * st[3]
+                    for c in T.unroll(DPT):
+                        acc[c] = acc[c] * st[3]
+                    for jj in range(BK):
+                        st[1] = st[1] + prob[i, jj]
+                        for c in T.unroll(DPT):
+                            if c * BK + j < head_dim:
+                                acc[c] = acc[c] + prob[i, jj] * tile_sh[jj, c * BK + j]
+                    # the next tile overwrites page_sh, tile_sh, score and prob
+                    T.tvm_storage_sync("shared")
+                if t0 + i < n:
+                    for c in T.unroll(DPT):
+                        if c * BK + j < head_dim:
+                            out[t0 + i, h, c * BK + j] = acc[c] / st[1]
+
+    return _named(gpu_flash_attention, f"gpu_flash_attention_{heads}_{kv_heads}_{head_dim}_{page_size}", tokens)
