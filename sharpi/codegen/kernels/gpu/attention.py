@@ -285,7 +285,8 @@ def make_gpu_attention_combine(heads: int, head_dim: int, splits: int, tokens: i
 
 def _flash_blocks(head_dim: int) -> tuple[int, int]:
     """(BQ, BK): tokens a flash workgroup takes, slots a tile; BQ * BK invocations, and a tile of f32 keys or
-    values (BK x head_dim) with the tile's scores and weights within WebGPU's 16 KiB of workgroup memory."""
+    values (BK x (head_dim + 1)) with the tile's scores and weights within WebGPU's 16 KiB of workgroup
+    memory."""
     return 16, (16 if head_dim <= 128 else 8)
 
 
@@ -319,7 +320,7 @@ def make_gpu_flash_attention(heads: int, kv_heads: int, head_dim: int, page_size
 
     @T.macro
     def stage(tile_sh, pool, page_sh, which, kvh, tile, lo, hi, tx):
-        """The tile's keys (which 0) or values (1) into tile_sh [BK, D]; slots outside [lo, hi) as zeros."""
+        """The tile's keys (which 0) or values (1) into tile_sh [BK, D + 1]; slots outside [lo, hi) as zeros."""
         for r in T.unroll(LOADS):
             e = T.meta_var(r * TX + tx)
             if e < BK * head_dim:
@@ -341,7 +342,9 @@ def make_gpu_flash_attention(heads: int, kv_heads: int, head_dim: int, page_size
         out = T.match_buffer(var_out, (n, heads, head_dim), "float32")
         for b in T.thread_binding((n + BQ - 1) // BQ * heads, thread="blockIdx.x"):
             for tx in T.thread_binding(TX, thread="threadIdx.x"):
-                tile_sh = T.alloc_buffer((BK, head_dim), "float32", scope="shared")
+                # a row of padding: the BK invocations of a query read one element of each slot's row at once,
+                # which an unpadded row length (a multiple of 32 words) would put in one bank of shared memory
+                tile_sh = T.alloc_buffer((BK, head_dim + 1), "float32", scope="shared")
                 score = T.alloc_buffer((BQ, BK), "float32", scope="shared")
                 prob = T.alloc_buffer((BQ, BK), "float32", scope="shared")
                 page_sh = T.alloc_buffer((BK,), "int32", scope="shared")
