@@ -190,3 +190,39 @@ def test_vulkan_artifact_equals_the_reference(arch, tmp_path):
         assert _err(s.prefill(IDS[:30]), expected[29]) < RTOL
         for i in range(30, 40):
             assert _err(s.decode(IDS[i]), expected[i]) < RTOL, i
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "F32", "Q4_K", "Q4_K/Q5_K"])
+def test_gate_and_up_experts_of_one_type_are_stacked(kind, tmp_path, rng):
+    """A layer's gate and up experts of one type become one ffn_gate_up_exps tensor [E * 2F, K] (one matmul reads
+    the chosen experts' rows of both): expert e's rows are gate_e's then up_e's, in every part of the layout (each
+    along its own row axis: a quantized type's scale planes lead with theirs). Of two types (Q4_K gate, Q5_K up, as
+    in the K-quant model above) they stay two tensors."""
+    from sharpi.common.quant_layout import dequantize_layout
+    from sharpi.frontend.gguf_file import GGUFFile
+    from sharpi.frontend.weights import WeightTable, load_weights
+    experts, dim, ffn = 4, 256, 64
+    gate_type, _, up_type = kind.partition("/")
+    raw = {}
+    if gate_type.endswith("_K"):
+        import test_kquants
+        for name, qtype in (("gate", gate_type), ("up", up_type or gate_type)):
+            qt, blocks = test_kquants._raw(qtype, experts * ffn, dim, rng)
+            raw[f"blk.0.ffn_{name}_exps.weight"] = (blocks.reshape(experts, ffn, -1), qt)
+    path = write_tiny_moe(tmp_path / "m.gguf", "qwen3moe", layers=1, dim=dim, expert_ffn=ffn, experts=experts,
+                          matrix_type=gate_type if not raw else "Q8_0", override_raw=raw)
+    gguf_file = GGUFFile(path)
+    gate, up = "blk.0.ffn_gate_exps.weight", "blk.0.ffn_up_exps.weight"
+    table = load_weights(gguf_file, [gate, up], [], False)
+    if up_type:
+        assert set(table.tensors) == {gate, up} and not table.stacked
+        return
+    assert list(table.tensors) == ["blk.0.ffn_gate_up_exps.weight"]
+    qtype, _ = table.tensors["blk.0.ffn_gate_up_exps.weight"]
+    stacked = dequantize_layout(qtype, table.repacked("blk.0.ffn_gate_up_exps.weight"))
+    apart = WeightTable()
+    for name in (gate, up):
+        apart.add_matrix(gguf_file, name)
+    g, u = (dequantize_layout(qtype, apart.repacked(name)).reshape(experts, ffn, dim) for name in (gate, up))
+    assert stacked.shape == (experts * 2 * ffn, dim)
+    np.testing.assert_array_equal(stacked.reshape(experts, 2 * ffn, dim), np.concatenate([g, u], axis=1))

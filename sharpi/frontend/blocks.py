@@ -17,7 +17,7 @@ from tvm.relax import op as R
 from ..common import ops
 from ..common.config import ModelConfig
 from ..common.kv_format import KVFormat, key_offset_for
-from .weights import WeightTable
+from .weights import GATE_UP_EXPS, WeightTable
 
 ACTIVATIONS = {"silu": R.nn.silu, "gelu_tanh": R.nn.gelu_tanh}
 
@@ -202,8 +202,13 @@ class GraphBlocks:
             [tensor_type((n, k), "int32"), tensor_type((n, k), "float32")]))
         ids, weights = bb.emit(relax.TupleGetItem(route, 0)), bb.emit(relax.TupleGetItem(route, 1))
         act = ACTIVATIONS[cfg.ffn_activation]
-        gate = self.expert_linear(h, ids, p + "ffn_gate_exps.weight", n)
-        up = self.expert_linear(h, ids, p + "ffn_up_exps.weight", n)
+        if p + GATE_UP_EXPS in self.weights.stacked:     # one matmul of both: [n, k, 2 F]
+            both = self.expert_linear(h, ids, p + GATE_UP_EXPS, n)
+            width = cfg.expert_ffn_dim
+            gate, up = (bb.emit(R.strided_slice(both, axes=[2], begin=[lo], end=[lo + width])) for lo in (0, width))
+        else:
+            gate = self.expert_linear(h, ids, p + "ffn_gate_exps.weight", n)
+            up = self.expert_linear(h, ids, p + "ffn_up_exps.weight", n)
         down = self.expert_linear(bb.emit(R.multiply(act(gate), up)), ids, p + "ffn_down_exps.weight", n)
         out = bb.emit(R.sum(R.multiply(down, R.expand_dims(weights, [-1])), axis=[1]))
         if cfg.shared_expert_ffn_dim:

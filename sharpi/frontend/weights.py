@@ -15,7 +15,7 @@ import numpy as np
 
 from ..common.errors import CompileError
 from ..common.progress import progress_bar
-from ..common.quant_layout import FLOAT_PLANES, K_QUANTS, SUB_SCALES, parts as layout_parts
+from ..common.quant_layout import FLOAT_PLANES, K_QUANTS, LAYOUTS, SUB_SCALES, parts as layout_parts
 from .gguf_file import GGUFFile, GGUFTensor
 from .quant import check_repackable, layout_of, repack
 
@@ -38,6 +38,8 @@ class WeightTable:
     non_finite: list[str] = field(default_factory=list)
     vectors: set[str] = field(default_factory=set)                         # tensors kept as f32 vectors
     experts: set[str] = field(default_factory=set)                         # a mixture's stacked [E, N, K]
+    # a tensor made of others' rows expert by expert (gate's and up's: one matmul reads both), by its sources
+    stacked: dict[str, tuple[str, ...]] = field(default_factory=dict)
     _last: tuple[str, dict] | None = field(default=None, repr=False)      # the tensor repacked last (see array())
 
     @property
@@ -54,6 +56,20 @@ class WeightTable:
         n, k = t.shape
         self._add(gguf, name, qtype, [(part, dtype, shape) for part, dtype, shape in layout_parts(qtype, n, k)])
         self.shapes[name] = tuple(t.shape)
+
+    def add_stacked_experts(self, gguf: GGUFFile, name: str, sources: tuple[str, ...]) -> None:
+        """`name`: the experts of `sources` (of one type, [E, N_i, K] each) as one [E, sum N_i, K], each expert's
+        rows of the first source, then of the next."""
+        tensors = [gguf.tensor(source) for source in sources]
+        experts, _, k = tensors[0].shape
+        n = experts * sum(t.shape[1] for t in tensors)
+        qtype = layout_of(as_matrix(tensors[0]))
+        for t in tensors:
+            check_repackable(as_matrix(t), qtype)
+        self._add(gguf, name, qtype, list(layout_parts(qtype, n, k)))
+        self.shapes[name] = (n, k)
+        self.experts.add(name)
+        self.stacked[name] = tuple(sources)
 
     def add_vector(self, gguf: GGUFFile, name: str) -> None:
         t = gguf.tensor(name)
@@ -82,16 +98,19 @@ class WeightTable:
         """The parts of one tensor in its layout (repacked from the GGUF now; matrices stay quantized, vectors
         become f32), checked against the specs the graph was built with; a non-finite tensor is recorded."""
         qtype, indices = self.tensors[name]
-        t = self.gguf.tensor(name)
-        if name in self.vectors:
+        if name in self.stacked:
+            repacked = self._stacked_parts(name, qtype)
+        elif name in self.vectors:
+            t = self.gguf.tensor(name)
             from gguf import GGMLQuantizationType
             from gguf.quants import dequantize
 
             data = np.asarray(dequantize(t.data, GGMLQuantizationType(t.type_id)), dtype=np.float32)
             repacked = {"w": np.ascontiguousarray(data.reshape(t.shape))}
         else:
-            repacked = repack(as_matrix(t))
-        self.gguf.release(name)
+            repacked = repack(as_matrix(self.gguf.tensor(name)))
+        for source in self.stacked.get(name, (name,)):
+            self.gguf.release(source)
         kept = {self.specs[i].name.rsplit(":", 1)[1] for i in indices}
         parts = {part: array for part, array in repacked.items() if part in kept}
         for (part, array), index in zip(parts.items(), indices, strict=True):
@@ -102,6 +121,21 @@ class WeightTable:
         if not all_finite(qtype, repacked) and name not in self.non_finite:     # `s` read, stored or not
             self.non_finite.append(name)
         return parts
+
+    def _stacked_parts(self, name: str, qtype: str) -> dict[str, np.ndarray]:
+        """The parts of a stacked tensor: each source's, joined expert by expert along each part's row axis
+        (the axis that grows with the rows: `s` is [planes, rows, blocks])."""
+        tensors = [self.gguf.tensor(source) for source in self.stacked[name]]
+        experts, k = tensors[0].shape[0], tensors[0].shape[2]
+        sources = [repack(as_matrix(t)) for t in tensors]
+        joined = {}
+        for part, _, shape in LAYOUTS[qtype]:
+            axis = next(a for a, (one, two) in enumerate(zip(shape(experts, k), shape(2 * experts, k))) if one != two)
+            blocks = [np.moveaxis(parts[part], axis, 0) for parts in sources]
+            by_expert = [b.reshape(experts, -1, *b.shape[1:]) for b in blocks]
+            rows = np.concatenate(by_expert, axis=1).reshape(-1, *blocks[0].shape[1:])
+            joined[part] = np.ascontiguousarray(np.moveaxis(rows, 0, axis))
+        return joined
 
     def stream(self, show_progress: bool = False) -> Iterator[tuple[str, np.ndarray]]:
         """(parameter name, array) in parameter order, one tensor repacked at a time."""
@@ -140,12 +174,28 @@ def all_finite(qtype: str, parts: dict[str, np.ndarray]) -> bool:
     return bool(np.isfinite(w).all())
 
 
+# A mixture's gate and up experts of one type are stored stacked, each expert's gate rows then its up rows (as
+# llama.cpp's fused ffn_gate_up_exps): one matmul reads the chosen experts' rows of both, where two calls each paid
+# a call's start and end (a decode GEMV's streams ramp up and its threads wait for the last task).
+GATE_EXPS, UP_EXPS, GATE_UP_EXPS = "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_gate_up_exps.weight"
+
+
+def _same_layout(gguf: GGUFFile, *names: str) -> bool:
+    return len({layout_of(as_matrix(gguf.tensor(name))) for name in names}) == 1
+
+
 def load_weights(gguf: GGUFFile, matrices: list[str], vectors: list[str], show_progress: bool) -> WeightTable:
     """The table of the named GGUF tensors (matrices stay quantized; vectors become f32); nothing is repacked
     yet."""
     table = WeightTable()
     for name in matrices:
-        table.add_matrix(gguf, name)
+        prefix = name.removesuffix(GATE_EXPS).removesuffix(UP_EXPS)
+        gate, up = prefix + GATE_EXPS, prefix + UP_EXPS
+        if gate in matrices and up in matrices and _same_layout(gguf, gate, up):
+            if name == gate:
+                table.add_stacked_experts(gguf, prefix + GATE_UP_EXPS, (gate, up))
+        else:
+            table.add_matrix(gguf, name)
     for name in vectors:
         table.add_vector(gguf, name)
     return table
