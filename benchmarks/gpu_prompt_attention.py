@@ -22,7 +22,7 @@ from sharpi.codegen.targets.vulkan import build_plan, write_plan
 from sharpi.common.ops import PAGE_SIZE
 from sharpi.runtime.vulkan import VulkanPlanRunner
 
-KERNELS = {"per-token": make_gpu_paged_attention, "flash": make_gpu_flash_attention}
+KERNELS = {"per_token": make_gpu_paged_attention, "flash": make_gpu_flash_attention}
 
 
 def attention_module(heads: int, kv_heads: int, head_dim: int, pages: int) -> tvm.IRModule:
@@ -31,12 +31,12 @@ def attention_module(heads: int, kv_heads: int, head_dim: int, pages: int) -> tv
     n = tvm.tirx.Var("n", "int64")
     layer = relax.prim_value(tvm.tirx.IntImm("int64", 0))
     for name, make in KERNELS.items():
-        gv = bb.add_func(make(heads, kv_heads, head_dim, PAGE_SIZE, head_dim ** -0.5), name.replace("-", "_"))
+        gv = bb.add_func(make(heads, kv_heads, head_dim, PAGE_SIZE, head_dim ** -0.5), name)
         params = [relax.Var("q", relax.TensorType((n, heads, head_dim), "float32")),
                   relax.Var("pool", relax.TensorType((pages, 2, kv_heads, PAGE_SIZE, head_dim), "float32")),
                   relax.Var("table", relax.TensorType((1, pages), "int32")),
                   relax.Var("lens", relax.TensorType((1,), "int32"))]
-        with bb.function(name.replace("-", "_"), params):
+        with bb.function(name, params):
             with bb.dataflow():
                 out = bb.emit_output(relax.call_tir(gv, [*params, layer],
                                                     relax.TensorType((n, heads, head_dim), "float32")))
@@ -55,14 +55,14 @@ def time_kernels(args, tokens: int) -> dict[str, float]:
     inputs = [rng.standard_normal((tokens, args.heads, args.head_dim)).astype(np.float32),
               rng.standard_normal((pages, 2, args.kv_heads, PAGE_SIZE, args.head_dim)).astype(np.float32),
               np.arange(pages, dtype=np.int32)[None], np.zeros(1, np.int32)]
-    outs = {name: runner.run(name.replace("-", "_"), *inputs) for name in KERNELS}
-    print(f"{tokens} tokens: largest |per-token - flash| {np.abs(outs['per-token'] - outs['flash']).max():.2e}",
+    outs = {name: runner.run(name, *inputs) for name in KERNELS}
+    print(f"{tokens} tokens: largest |per_token - flash| {np.abs(outs['per_token'] - outs['flash']).max():.2e}",
           file=sys.stderr)
     seconds = {name: [] for name in KERNELS}
     for _ in range(args.rounds):
         for name in KERNELS:
             start = time.perf_counter()
-            runner.run(name.replace("-", "_"), *inputs)
+            runner.run(name, *inputs)
             seconds[name].append(time.perf_counter() - start)
     return {name: float(np.median(times)) for name, times in seconds.items()}
 
@@ -99,8 +99,8 @@ def main() -> None:
     print("| tokens | per-token s | flash s | ratio |\n| ---: | ---: | ---: | ---: |")
     for tokens in (int(t) for t in args.tokens.split(",")):
         results[tokens] = times = time_kernels(args, tokens)
-        print(f"| {tokens} | {times['per-token']:.3f} | {times['flash']:.3f} | "
-              f"{times['per-token'] / times['flash']:.2f}x |", flush=True)
+        print(f"| {tokens} | {times['per_token']:.3f} | {times['flash']:.3f} | "
+              f"{times['per_token'] / times['flash']:.2f}x |", flush=True)
     if args.plot:
         plot(results, args.plot)
 
