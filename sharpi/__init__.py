@@ -28,7 +28,7 @@ def load(model, *, show_progress: bool = False, **options):
     """Load a model: a compiled artifact directory, or a GGUF file or known model name, which is compiled for this
     machine into the compile cache on first use (show_progress: say so and show the compile's progress on
     stderr) and loaded from there. options: threads, verify, pool_sequences or pool_tokens, adapter,
-    expect_sha256.
+    expect_sha256, lock_weights (runtime.model.Model).
 
     An artifact is code: its kernel library is loaded into this process. Load only artifacts you built or trust,
     and pin one you got from elsewhere with expect_sha256=artifact_sha256(...) of the copy you trust."""

@@ -7,6 +7,7 @@ engines take turns, one run each per round, so a slow spell of the machine lands
 """
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import subprocess
@@ -133,7 +134,8 @@ def _child() -> int:
             result = bench_llama_cpp(Path(spec["gguf"]), spec["tokens"], spec["gen"], spec["threads"],
                                      spec["repeats"], spec.get("cache"), spec.get("warmup", 0))
         else:
-            model = Model(spec["artifact"], threads=spec["threads"], pool_sequences=1)
+            model = Model(spec["artifact"], threads=spec["threads"], pool_sequences=1,
+                          lock_weights=spec.get("mlock", False))
             speculative = spec.get("speculative")
             if speculative and "draft" in speculative:
                 speculative = {**speculative, "draft": model.draft_model(speculative["draft"])}
@@ -171,7 +173,8 @@ def run_bench(args) -> None:
     manifest = tokenizer.manifest
     threads = resolve_threads(args.threads)
     snapkv = snapkv_keywords(args)
-    model = load_model(args)        # here only to check the flags against the artifact before any timing
+    # here only to check the flags against the artifact before any timing (each child locks its own weights)
+    model = load_model(argparse.Namespace(**{**vars(args), "mlock": False}))
     settings, budget = model.snapkv_settings(**snapkv_knobs(args))
     speculative = speculative_options(model, args)
     if "draft" in speculative:       # the child process loads it again, by its directory
@@ -185,8 +188,10 @@ def run_bench(args) -> None:
               f"{settings.pooling} pooling (kernel {settings.kernel}), {settings.granularity} keep sets")
     tokens = prompt_ids(tokenizer, args.prompt_tokens)
     common = {"tokens": tokens, "gen": args.gen_tokens, "threads": threads}
+    # --mlock is sharpi's alone: llama.cpp's CPU build repacks most weights into memory of its own at load, and
+    # locking its mapped GGUF besides would hold a large model twice
     specs = {"sharpi": {"engine": "sharpi", "artifact": str(Path(args.artifact).resolve()), "snapkv": snapkv,
-                        "speculative": speculative, **common}}
+                        "speculative": speculative, "mlock": args.mlock, **common}}
     if args.compare_llama_cpp:
         try:
             import llama_cpp  # noqa: F401

@@ -54,7 +54,7 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 
 
 def add_device_flags(parser) -> None:
-    """The flags of loading an artifact: threads, the Vulkan adapter, the pinned manifest sha256."""
+    """The flags of loading an artifact: threads, the Vulkan adapter, the pinned manifest sha256, mlock."""
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads for the kernels (default: SHARPI_NUM_THREADS or all available)")
     parser.add_argument("--expect-sha256", default=None, metavar="HEX",
@@ -64,6 +64,9 @@ def add_device_flags(parser) -> None:
     parser.add_argument("--adapter", default=None,
                         help="vulkan artifacts: part of the adapter's name (default: SHARPI_VULKAN_ADAPTER or the "
                              "highest-performance adapter; `sharpi adapters` lists them)")
+    parser.add_argument("--mlock", action="store_true",
+                        help="CPU artifacts: read the weights in at load and lock them in memory, so that none is "
+                             "dropped and read from disk again (as llama.cpp's --mlock; needs `ulimit -l` room)")
 
 
 MODEL_HELP = ("an artifact folder, a .gguf file or a known model name (a GGUF or a name is compiled for this "
@@ -74,7 +77,7 @@ def load_model(args):
     """The model args.artifact names (see artifact_path), loaded with the device flags."""
     import sharpi
     return sharpi.load(args.artifact, show_progress=True, threads=args.threads, adapter=args.adapter,
-                       expect_sha256=args.expect_sha256, **already_checked(args))
+                       expect_sha256=args.expect_sha256, lock_weights=args.mlock, **already_checked(args))
 
 
 def artifact_path(model: str) -> Path:

@@ -180,7 +180,7 @@ def _serve_on_ray(args, manifest: Manifest, name: str, api_key: str | None, para
     deployment = replace(deployment, cpus_per_replica=threads)
     options = on_ray.ReplicaOptions(
         str(Path(args.artifact).resolve()), threads=threads, pool_tokens=pool_tokens, adapter=args.adapter,
-        expect_sha256=args.expect_sha256, snapkv_knobs=snapkv_knobs(args), speculative=_speculative(args),
+        expect_sha256=args.expect_sha256, lock_weights=args.mlock, snapkv_knobs=snapkv_knobs(args), speculative=_speculative(args),
         serve=ServeSettings(parallel=parallel, max_queue=args.max_queue, prefill_budget=args.prefill_budget,
                             prefix_cache=not args.no_prefix_cache, prefill_share=_prefill_share(args)))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -238,7 +238,7 @@ def _load(state, args, parallel: int, pool_tokens: int | None) -> None:
         # a hybrid model's recurrent-state slots: one per sequence, and as many prefix-cache snapshots
         model = sharpi.load(args.artifact, threads=args.threads, adapter=args.adapter, pool_sequences=parallel,
                             state_snapshots=parallel, expect_sha256=args.expect_sha256, pool_tokens=pool_tokens,
-                            **already_checked(args))
+                            lock_weights=args.mlock, **already_checked(args))
         model.snapkv_settings(**state.snapkv_knobs)                           # bad SnapKV flags fail here
         engine = ServeEngine(model, ServeSettings(parallel=parallel, max_queue=args.max_queue,
                                                   prefill_budget=args.prefill_budget,

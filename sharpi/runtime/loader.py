@@ -1,13 +1,16 @@
 """Loading an artifact with the TVM runtime alone (never tvm.relax): checks, weights, the VM."""
 from __future__ import annotations
 
+import errno
+import mmap
 import os
+import warnings
 from pathlib import Path
 
 import numpy as np
 
 from ..common.cpu import AMX_FLAGS, usable_cpu_flags
-from ..common.errors import ArtifactError
+from ..common.errors import ArtifactError, SharpiWarning
 from ..common.manifest import (CONTRACT_FUNCTION, LIBRARY, MANIFEST_NAME, TOKENIZER, WEIGHTS, Manifest,
                                check_contract, verify_files, weights_size)
 
@@ -71,26 +74,90 @@ def key_offsets(directory: Path, manifest: Manifest, n_layers: int, shape: tuple
     return offsets
 
 
-def load_weights(directory: Path, manifest: Manifest, device) -> list:
+def load_weights(directory: Path, manifest: Manifest, device, lock: bool = False) -> list:
     """Weights as TVM tensors on `device`, in parameter order. On the CPU they are views of the mapped file, not
     copies: loading reads nothing until a kernel first touches a page, and resident memory is the weights once
     (page cache pages, which the kernel may drop and read again) where a copy held them twice while loading and
-    once for ever. A GPU gets a copy of each, from the file mapped while they are copied."""
+    once for ever; `lock` reads them all now and keeps them in memory (lock_in_memory). A GPU gets a copy of
+    each, from the file mapped while they are copied."""
     import tvm
 
     if device.dlpack_device_type() == tvm.cpu().dlpack_device_type():
-        return mapped_cpu_tensors(directory, manifest)
+        return mapped_cpu_tensors(directory, manifest, lock)
     return [tvm.runtime.tensor(array, device) for _, array in weight_arrays(directory, manifest)]
 
 
-def mapped_cpu_tensors(directory: Path, manifest: Manifest) -> list:
+def mapped_cpu_tensors(directory: Path, manifest: Manifest, lock: bool = False) -> list:
     """The weights as CPU tensors over one private mapping of the file (weight_arrays' mode "c"; nothing writes
     them). Each tensor keeps the mapping alive; a file replaced by a later compile is a new file, and this one
-    stays mapped. (An empty file's parameters are all empty: plain tensors.)"""
+    stays mapped. (An empty file's parameters are all empty: plain tensors.) `lock`: the mapping is locked in
+    memory first, a SharpiWarning saying why where the system refuses."""
     import tvm
 
-    return [tvm.runtime.from_dlpack(array) if array.nbytes else tvm.runtime.tensor(array)
-            for _, array in weight_arrays(directory, manifest, mode="c")]
+    arrays = list(weight_arrays(directory, manifest, mode="c"))
+    mapping = next((file_mapping(array) for _, array in arrays if array.nbytes), None)
+    if lock and mapping is not None:
+        refused = lock_in_memory(mapping)
+        if refused:
+            warnings.warn(f"The weights of {directory} could not be locked in memory ({refused}); they stay "
+                          f"mapped from the file, and pages the kernel drops are read again.", SharpiWarning,
+                          stacklevel=2)
+    return [tvm.runtime.from_dlpack(array) if array.nbytes else tvm.runtime.tensor(array) for _, array in arrays]
+
+
+def file_mapping(view: np.ndarray) -> np.ndarray:
+    """The whole mapped file a weight_arrays view was cut from (the first array up its chain of bases that
+    owns the mmap)."""
+    while isinstance(view.base, np.ndarray):
+        view = view.base
+    return view
+
+
+MLOCK_ONFAULT = 1           # mlock2's flag (linux/mman.h)
+MADV_POPULATE_READ = 22     # Linux 5.14 (linux/mman.h)
+
+
+def lock_in_memory(mapped: np.ndarray) -> str | None:
+    """Lock a file mapping's pages in memory and read them all in now, as llama.cpp's --mlock does: pages that
+    neither memory pressure nor a proactive reclaimer (a VM's DAMON pageout of memory idle for a minute) can
+    drop, so a mixture's rarely chosen experts are never read from disk mid-decode. mlock2(MLOCK_ONFAULT) and
+    then MADV_POPULATE_READ fault the pages in for reading: a private mapping keeps mapping the page cache's
+    pages, where plain mlock would write-fault (copy) every page of a writable one. None once locked, else why
+    not. (Python's mmap has neither call: libc through ctypes.)"""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name, use_errno=True) if name else None
+    if libc is None or not hasattr(libc, "mlock2") or not hasattr(libc, "madvise"):
+        return "this system has no mlock2"
+    available = available_memory()
+    if available is not None and mapped.nbytes > available:      # locked pages past it: the OOM killer
+        return (f"they take {mapped.nbytes / 2**30:.1f} GiB, more than the {available / 2**30:.1f} GiB of memory "
+                f"available")
+    address, size = ctypes.c_void_p(mapped.ctypes.data), ctypes.c_size_t(mapped.nbytes)
+    if libc.mlock2(address, size, MLOCK_ONFAULT) != 0:
+        error = ctypes.get_errno()
+        hint = "; raise `ulimit -l`" if error in (errno.ENOMEM, errno.EPERM, errno.EAGAIN) else ""
+        return f"mlock2: {os.strerror(error)}{hint}"
+    if libc.madvise(address, size, MADV_POPULATE_READ) != 0:      # older kernels: one read a page
+        step = mmap.PAGESIZE
+        for start in range(0, mapped.nbytes, 1 << 30):
+            int(mapped[start:start + (1 << 30):step].sum())
+    return None
+
+
+def available_memory() -> int | None:
+    """Linux's MemAvailable in bytes (what can be had without swapping: free memory and reclaimable caches,
+    this file's cached pages among them); None elsewhere."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def load_vm(directory: Path, manifest: Manifest, device):

@@ -45,7 +45,7 @@ class GenerationResult:
 class Model:
     def __init__(self, directory: str | Path, *, threads: int | None = None, verify: bool = True,
                  pool_sequences: int = 4, adapter: str | None = None, expect_sha256: str | None = None,
-                 pool_tokens: int | None = None, state_snapshots: int = 0):
+                 pool_tokens: int | None = None, state_snapshots: int = 0, lock_weights: bool = False):
         """Load an artifact. threads: CPU threads (llvm); adapter: part of the Vulkan adapter's name to use
         (default: the highest-performance one, or $SHARPI_VULKAN_ADAPTER). verify: check every file's sha256
         (and the manifest's digest) before loading; without it, the manifest is still checked in full.
@@ -55,10 +55,13 @@ class Model:
         is loaded. The KV page pool holds pool_sequences full-context sequences, or pool_tokens slots in every
         layer when given (what sequences of any lengths share: a server's pool); a hybrid model (Gated DeltaNet
         layers) runs at most pool_sequences sequences at once (its recurrent-state slots), and keeps up to
-        state_snapshots copies of a state besides (a server's prefix cache: runtime.prefix_cache)."""
+        state_snapshots copies of a state besides (a server's prefix cache: runtime.prefix_cache). lock_weights (CPU
+        artifacts): read the weights in at load and lock them in memory (llama.cpp's --mlock), so that no page
+        of them is dropped and read from disk again mid-generation; a SharpiWarning where the system refuses."""
         self.path = Path(directory)
-        if not isinstance(verify, bool):
-            raise ConfigError(f"verify must be True or False, got {verify!r}.")
+        for flag, value in (("verify", verify), ("lock_weights", lock_weights)):
+            if not isinstance(value, bool):
+                raise ConfigError(f"{flag} must be True or False, got {value!r}.")
         verify = verify or expect_sha256 is not None
         self.threads = resolve_threads(threads)
         pool_sequences = parse_positive_int(pool_sequences, "pool_sequences", highest=MAX_POOL_SEQUENCES)
@@ -67,7 +70,8 @@ class Model:
         state_snapshots = parse_positive_int(state_snapshots, "state_snapshots", allow_zero=True,
                                              highest=MAX_POOL_SEQUENCES)
         manifest = Manifest.read(self.path, verify_digest=verify, expect_sha256=expect_sha256)
-        backend = open_backend(self.path, manifest, threads=self.threads, verify=verify, adapter=adapter)
+        backend = open_backend(self.path, manifest, threads=self.threads, verify=verify, adapter=adapter,
+                               lock_weights=lock_weights)
         self.info = ModelInfo(self.path, manifest)
         self.config, self.tokenizer = self.info.config, self.info.tokenizer
         self.engine = Engine(backend, manifest, self.config, pool_sequences, pool_tokens, state_snapshots,
@@ -304,11 +308,12 @@ class _Generation:
                    "decode_tok_s": n_decode / max(t2 - t1, 1e-9) if n_decode else 0.0})
 
 
-def open_backend(path: Path, manifest: Manifest, *, threads: int, verify: bool, adapter: str | None) -> Backend:
+def open_backend(path: Path, manifest: Manifest, *, threads: int, verify: bool, adapter: str | None,
+                 lock_weights: bool = False) -> Backend:
     """The backend of the artifact's target's runtime (sharpi.common.targets): TVM's Relax VM, or the wgpu plan."""
     spec = target_spec(manifest.target["kind"])
     backend = RUNTIMES[spec.runtime]
-    return backend(path, manifest, threads=threads, verify=verify, adapter=adapter)
+    return backend(path, manifest, threads=threads, verify=verify, adapter=adapter, lock_weights=lock_weights)
 
 
 RUNTIMES = {"tvm-vm": TVMBackend, "wgpu-plan": VulkanBackend}

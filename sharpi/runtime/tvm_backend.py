@@ -24,7 +24,7 @@ class TVMBackend:
     CODE_FILE = LIBRARY
 
     def __init__(self, directory: Path, manifest: Manifest, *, threads: int, verify: bool = True,
-                 adapter: str | None = None):
+                 adapter: str | None = None, lock_weights: bool = False):
         import tvm
 
         spec = target_spec(manifest.target["kind"])
@@ -32,6 +32,9 @@ class TVMBackend:
             raise ConfigError(f"adapter applies to Vulkan artifacts only; {directory} targets {spec.name}.")
         check_artifact(directory, manifest, self.CODE_FILE, verify_hashes=verify)
         self.on_host = spec.tvm_device == "cpu"      # the pool is host memory: numpy views of it are zero-copy
+        if lock_weights and not self.on_host:
+            raise ConfigError(f"lock_weights (--mlock) applies to CPU artifacts; {directory}'s weights live in "
+                              f"the GPU's memory.")
         if self.on_host:
             configure_threads(threads)
             self.device = tvm.cpu()
@@ -40,7 +43,7 @@ class TVMBackend:
             self.device = _cuda_device(directory)
             self.description = f"CUDA: {self.device.device_name} (artifact for {manifest.target.get('arch')})"
         self._vm = load_vm(directory, manifest, self.device)       # checks the kernel contract first
-        self.weights = load_weights(directory, manifest, self.device)
+        self.weights = load_weights(directory, manifest, self.device, lock=lock_weights)
         self.functions = {name: self._vm[name] for name in manifest.functions}
         self._weight_args = self._lifted_weights(manifest)
         self.pool = None

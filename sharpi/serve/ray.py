@@ -62,6 +62,7 @@ class ReplicaOptions:
     pool_tokens: int | None = None
     adapter: str | None = None
     expect_sha256: str | None = None
+    lock_weights: bool = False
     serve: ServeSettings = ServeSettings()
     snapkv_knobs: dict = field(default_factory=dict)
     speculative: SpeculativeSettings = SpeculativeSettings()    # requests' default (the ingress applies it)
@@ -117,7 +118,7 @@ class EngineReplica:
         import sharpi
         model = sharpi.load(options.artifact, threads=options.threads, adapter=options.adapter,
                             expect_sha256=options.expect_sha256, pool_tokens=options.pool_tokens,
-                            pool_sequences=options.serve.parallel,
+                            lock_weights=options.lock_weights, pool_sequences=options.serve.parallel,
                             state_snapshots=options.serve.parallel)
         model.snapkv_settings(**options.snapkv_knobs)
         self.engine = ServeEngine(model, options.serve).start()
