@@ -119,7 +119,7 @@ def slot_bytes(manifest, cfg, llama_cache: str | None = None) -> int:
 
 def rows_for(name: str, prompts: list[int], gen: int, repeats: int, budget: int, matmuls: list[str],
              threads: int, bandwidth: float, kv_types: list[str], llama_caches: list[str],
-             warmup: int = 0) -> list[dict]:
+             warmup: int = 0, mlock: bool = False) -> list[dict]:
     label_of = Path(name).stem if name.endswith(".gguf") else name
     artifacts = {}
     arms = dict(kv_arms(entry) for entry in kv_types)
@@ -132,6 +132,9 @@ def rows_for(name: str, prompts: list[int], gen: int, repeats: int, budget: int,
             artifacts[variant, kv] = sharpi.compile(
                 name, target="llvm", matmuls=m, mcpu=mcpu or None, **types,
                 output=f"/tmp/sharpi-cpu-bench-{label_of}-{m}{'-' + mcpu if mcpu else ''}{suffix}")
+    # a compile just written is written back to disk for minutes after (18 GB for a 30B mixture), and both
+    # engines are slower meanwhile
+    os.sync()
     first = next(iter(artifacts.values()))
     tokenizer = artifact_info(first)
     manifest = tokenizer.manifest
@@ -155,7 +158,7 @@ def rows_for(name: str, prompts: list[int], gen: int, repeats: int, budget: int,
                 label += f", {'/'.join(t.replace('float', 'f') for t in dict.fromkeys(types))} KV"
             if mcpu:
                 label += f", --mcpu {mcpu}"
-            sharpi_spec = {"engine": "sharpi", "artifact": str(path), **common}
+            sharpi_spec = {"engine": "sharpi", "artifact": str(path), "mlock": mlock, **common}
             if "full" in arms[kv]:
                 specs[label] = {**sharpi_spec, "snapkv": {"snapkv_budget": 0}}
             if budget and n > budget and "snapkv" in arms[kv]:
@@ -248,6 +251,11 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=0,
                    help="untimed prefills in each engine's process first (a model too large for both engines' files "
                         "in the page cache is otherwise timed reading its weights from disk)")
+    p.add_argument("--mlock", action="store_true",
+                   help="sharpi's artifacts lock their weights in memory at load (sharpi's --mlock): where the "
+                        "OS drops idle pages (a VM's proactive reclaim), a mixture's rarely chosen experts are "
+                        "otherwise read from disk mid-decode. llama.cpp runs as it is: its CPU build repacks most "
+                        "weights into memory of its own at load, and its --mlock would hold them twice")
     args = p.parse_args(argv)
     threads = resolve_threads(args.threads)
     started, about = time.strftime("%Y-%m-%d %H:%M"), machine()
@@ -256,12 +264,13 @@ def main(argv=None) -> int:
         bandwidths.append(read_bandwidth(threads))    # again for each model: a shared machine's varies by the hour
         rows += rows_for(name, [int(n) for n in args.prompts.split(",")], args.gen, args.repeats, args.budget,
                          args.matmuls.split(","), threads, bandwidths[-1], args.kv.split(","),
-                         args.llama_caches.split(","), args.warmup)
+                         args.llama_caches.split(","), args.warmup, args.mlock)
     measured = ", ".join(f"{b / 1e9:.1f}" for b in bandwidths)
     text = (f"# sharpi vs llama.cpp on the CPU, {started}\n\n{about}; {llama_cpp_info()}.\n\nSame GGUF, prompt and "
             f"{threads} threads for both; decode of {args.gen} tokens after the prompt; every engine in a process of "
             f"its own, one run each per round, median of {args.repeats} rounds"
-            f"{f', each after {args.warmup} untimed prefill(s)' if args.warmup else ''}. Read bandwidth on {threads} threads, "
+            f"{f', each after {args.warmup} untimed prefill(s)' if args.warmup else ''}"
+            f"{', sharpi with --mlock' if args.mlock else ''}. Read bandwidth on {threads} threads, "
             f"measured before each model (its decode floor's): {measured} GB/s.\n\n"
             f"`python benchmarks/cpu_vs_llama_cpp.py {' '.join(argv or sys.argv[1:])}`\n\n{table(rows)}\n")
     print(text)

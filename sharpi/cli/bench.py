@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -201,6 +202,8 @@ def run_bench(args) -> None:
         if gguf is None:
             raise ConfigError("--compare-llama-cpp could not find the GGUF; pass it with --gguf.")
         specs["llama.cpp"] = {"engine": "llama.cpp", "gguf": str(gguf), **common}
+    if hasattr(os, "sync"):      # a GGUF compiled just now: its weights' writeback would slow the timed runs
+        os.sync()
     rows = rounds(specs, args.repeats)
     print(f"{'engine':<10} {'prefill tok/s':>14} {'decode tok/s':>13}")
     for name, r in rows.items():
