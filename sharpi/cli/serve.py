@@ -180,7 +180,8 @@ def _serve_on_ray(args, manifest: Manifest, name: str, api_key: str | None, para
     deployment = replace(deployment, cpus_per_replica=threads)
     options = on_ray.ReplicaOptions(
         str(Path(args.artifact).resolve()), threads=threads, pool_tokens=pool_tokens, adapter=args.adapter,
-        expect_sha256=args.expect_sha256, lock_weights=args.mlock, snapkv_knobs=snapkv_knobs(args), speculative=_speculative(args),
+        expect_sha256=args.expect_sha256, lock_weights=args.mlock, snapkv_knobs=snapkv_knobs(args),
+        speculative=_speculative(args),
         serve=ServeSettings(parallel=parallel, max_queue=args.max_queue, prefill_budget=args.prefill_budget,
                             prefix_cache=not args.no_prefix_cache, prefill_share=_prefill_share(args)))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
