@@ -132,9 +132,6 @@ def rows_for(name: str, prompts: list[int], gen: int, repeats: int, budget: int,
             artifacts[variant, kv] = sharpi.compile(
                 name, target="llvm", matmuls=m, mcpu=mcpu or None, **types,
                 output=f"/tmp/sharpi-cpu-bench-{label_of}-{m}{'-' + mcpu if mcpu else ''}{suffix}")
-    # a compile just written is written back to disk for minutes after (18 GB for a 30B mixture), and both
-    # engines are slower meanwhile
-    os.sync()
     first = next(iter(artifacts.values()))
     tokenizer = artifact_info(first)
     manifest = tokenizer.manifest

@@ -149,7 +149,11 @@ def _child() -> int:
 
 
 def rounds(specs: dict[str, dict], repeats: int) -> dict[str, dict]:
-    """Each engine of `specs` once per round, `repeats` rounds, each run in its own process; medians per engine."""
+    """Each engine of `specs` once per round, `repeats` rounds, each run in its own process; medians per engine.
+    Pending writes are flushed first: an artifact compiled just now is written back to disk for minutes after
+    (18 GB for a 30B mixture), and both engines run slower meanwhile."""
+    if hasattr(os, "sync"):
+        os.sync()
     samples = {label: [] for label in specs}
     for _ in range(repeats):
         for label, spec in specs.items():
@@ -202,8 +206,6 @@ def run_bench(args) -> None:
         if gguf is None:
             raise ConfigError("--compare-llama-cpp could not find the GGUF; pass it with --gguf.")
         specs["llama.cpp"] = {"engine": "llama.cpp", "gguf": str(gguf), **common}
-    if hasattr(os, "sync"):      # a GGUF compiled just now: its weights' writeback would slow the timed runs
-        os.sync()
     rows = rounds(specs, args.repeats)
     print(f"{'engine':<10} {'prefill tok/s':>14} {'decode tok/s':>13}")
     for name, r in rows.items():

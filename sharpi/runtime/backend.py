@@ -51,5 +51,4 @@ class Backend(Protocol):
 class BackendFactory(Protocol):
     CODE_FILE: str
 
-    def __call__(self, directory: Path, manifest, *, threads: int, verify: bool, adapter: str | None,
-                 lock_weights: bool = False) -> Backend: ...
+    def __call__(self, directory: Path, manifest, *, threads: int, verify: bool, adapter: str | None) -> Backend: ...

@@ -95,8 +95,8 @@ def mapped_cpu_tensors(directory: Path, manifest: Manifest, lock: bool = False) 
     import tvm
 
     arrays = list(weight_arrays(directory, manifest, mode="c"))
-    mapping = next((file_mapping(array) for _, array in arrays if array.nbytes), None)
-    if lock and mapping is not None:
+    mapping = next((file_mapping(array) for _, array in arrays if array.nbytes), None) if lock else None
+    if mapping is not None:
         refused = lock_in_memory(mapping)
         if refused:
             warnings.warn(f"The weights of {directory} could not be locked in memory ({refused}); they stay "

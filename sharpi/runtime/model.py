@@ -312,8 +312,12 @@ def open_backend(path: Path, manifest: Manifest, *, threads: int, verify: bool, 
                  lock_weights: bool = False) -> Backend:
     """The backend of the artifact's target's runtime (sharpi.common.targets): TVM's Relax VM, or the wgpu plan."""
     spec = target_spec(manifest.target["kind"])
+    if lock_weights and spec.is_gpu:
+        raise ConfigError(f"lock_weights (--mlock) applies to CPU artifacts; {path}'s weights live in the GPU's "
+                          f"memory.")
     backend = RUNTIMES[spec.runtime]
-    return backend(path, manifest, threads=threads, verify=verify, adapter=adapter, lock_weights=lock_weights)
+    locked = {"lock_weights": True} if lock_weights else {}     # a CPU artifact's option: TVMBackend's alone
+    return backend(path, manifest, threads=threads, verify=verify, adapter=adapter, **locked)
 
 
 RUNTIMES = {"tvm-vm": TVMBackend, "wgpu-plan": VulkanBackend}

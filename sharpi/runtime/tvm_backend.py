@@ -25,6 +25,8 @@ class TVMBackend:
 
     def __init__(self, directory: Path, manifest: Manifest, *, threads: int, verify: bool = True,
                  adapter: str | None = None, lock_weights: bool = False):
+        """lock_weights: a CPU artifact's weights locked in memory (loader.lock_in_memory); open_backend
+        refuses it for GPU artifacts."""
         import tvm
 
         spec = target_spec(manifest.target["kind"])
@@ -32,9 +34,6 @@ class TVMBackend:
             raise ConfigError(f"adapter applies to Vulkan artifacts only; {directory} targets {spec.name}.")
         check_artifact(directory, manifest, self.CODE_FILE, verify_hashes=verify)
         self.on_host = spec.tvm_device == "cpu"      # the pool is host memory: numpy views of it are zero-copy
-        if lock_weights and not self.on_host:
-            raise ConfigError(f"lock_weights (--mlock) applies to CPU artifacts; {directory}'s weights live in "
-                              f"the GPU's memory.")
         if self.on_host:
             configure_threads(threads)
             self.device = tvm.cpu()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..common.errors import ArtifactError, ConfigError
+from ..common.errors import ArtifactError
 from ..common.manifest import PLAN, check_contract
 from ..common.plan import Plan
 from .loader import check_artifact, weight_arrays
@@ -23,10 +23,7 @@ class VulkanBackend:
     CODE_FILE = PLAN
 
     def __init__(self, directory: Path, manifest, *, threads: int = 1, verify: bool = True,
-                 adapter: str | None = None, lock_weights: bool = False):
-        if lock_weights:
-            raise ConfigError(f"lock_weights (--mlock) applies to CPU artifacts; {directory}'s weights live in "
-                              f"the GPU's memory.")
+                 adapter: str | None = None):
         check_artifact(directory, manifest, self.CODE_FILE, verify_hashes=verify)
         plan = Plan.read(directory)
         check_contract(directory, manifest, plan.contract, PLAN)
